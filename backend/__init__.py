@@ -1,0 +1,1 @@
+"""payintent: a self-hostable stablecoin payment-intent service (API, worker, relayer)."""

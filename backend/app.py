@@ -1,0 +1,73 @@
+"""The Flask application factory: ``backend.app:create_app``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from flask import Flask
+
+from backend.chains.registry import ChainRegistry
+from backend.config import Settings
+from backend.errors import register_error_handlers
+from backend.extensions import api, db
+from backend.jsonio import ExactJSONProvider, dumps, strict_loads
+from backend.schemas import FlatMetadata, HttpUrl, UsdcAmount
+
+MAX_REQUEST_BYTES = 64 * 1024
+
+
+def _engine_options(url: str) -> dict[str, Any]:
+    options: dict[str, Any] = {"json_serializer": dumps, "json_deserializer": strict_loads}
+    if url.startswith("postgresql"):
+        options.update(pool_pre_ping=True, pool_size=5, max_overflow=10, pool_recycle=1800)
+    elif url.startswith("sqlite"):
+        options["connect_args"] = {"timeout": 30, "check_same_thread": False}
+    return options
+
+
+def create_app(settings: Settings | None = None, chains: ChainRegistry | None = None) -> Flask:
+    settings = settings or Settings.from_env()
+    app = Flask(__name__)
+    app.json = ExactJSONProvider(app)
+    app.config.update(
+        PAYINTENT_SETTINGS=settings,
+        SECRET_KEY=settings.secret_key,
+        MAX_CONTENT_LENGTH=MAX_REQUEST_BYTES,
+        SQLALCHEMY_DATABASE_URI=settings.database_url,
+        SQLALCHEMY_ENGINE_OPTIONS=_engine_options(settings.database_url),
+        API_TITLE="payintent",
+        API_VERSION="v1",
+        OPENAPI_VERSION="3.1.0",
+        OPENAPI_URL_PREFIX="/api/v1",
+        OPENAPI_JSON_PATH="openapi.json",
+        OPENAPI_SWAGGER_UI_PATH="docs",
+        OPENAPI_SWAGGER_UI_URL="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/",
+        API_SPEC_OPTIONS={
+            "info": {
+                "description": "Stablecoin payment intents settled on chain (x402 / EIP-3009). Every call needs "
+                "'Authorization: Bearer sk_test_...'. Errors are {success:false,error:{code,message}}.",
+            },
+            "security": [{"bearerAuth": []}],
+        },
+    )
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    app.extensions["payintent.chains"] = chains or ChainRegistry.load(settings.chains_file)
+
+    db.init_app(app)
+    api.init_app(app)
+    api.spec.components.security_scheme("bearerAuth", {"type": "http", "scheme": "bearer"})
+    api.register_field(UsdcAmount, "number", None)
+    api.register_field(HttpUrl, "string", "uri")
+    api.register_field(FlatMetadata, "object", None)
+
+    from backend.intents.views import blp as intents_blp
+
+    api.register_blueprint(intents_blp)
+    register_error_handlers(app)
+
+    @app.get("/healthz")
+    def healthz() -> Any:
+        return {"status": "ok"}
+
+    return app

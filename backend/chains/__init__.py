@@ -1,0 +1,1 @@
+"""The chain registry: which networks this deployment settles on, and their USDC."""

@@ -1,0 +1,132 @@
+"""Load and query the configured networks.
+
+A chains file is JSON: ``{"networks": [{network, name, kind, rpc_url, usdc_address, ...}]}``.
+``CHAINS_FILE`` names it; unset, the public testnets in ``testnets.json`` are used, so intents
+can be created without reaching any RPC.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from backend.merchants.addresses import AddressError, normalize_evm_address, normalize_solana_address
+
+DEFAULT_CHAINS_FILE = Path(__file__).with_name("testnets.json")
+KINDS = ("evm", "solana")
+
+
+class ChainConfigError(ValueError):
+    """The chains file is missing, unreadable or inconsistent."""
+
+
+@dataclass(frozen=True)
+class Network:
+    network: str  # CAIP-2 id, e.g. "eip155:84532"
+    name: str
+    kind: str  # "evm" | "solana"
+    rpc_url: str | None
+    usdc_address: str
+    usdc_domain_name: str | None = None
+    usdc_domain_version: str = "2"
+    decimals: int = 6
+    confirmations: int = 1
+    explorer_tx_url: str | None = None
+    fee_payer: str | None = None  # Solana: the relay account that pays fees
+
+    @property
+    def chain_id(self) -> int | None:
+        if self.kind != "evm":
+            return None
+        return int(self.network.split(":", 1)[1])
+
+    def public(self) -> dict[str, Any]:
+        """What clients may see (no RPC URL: it may embed a provider key)."""
+        return {
+            "network": self.network,
+            "name": self.name,
+            "kind": self.kind,
+            "chain_id": self.chain_id,
+            "asset": self.usdc_address,
+            "usdcDomainName": self.usdc_domain_name,
+            "decimals": self.decimals,
+        }
+
+
+def _parse_network(raw: dict[str, Any], source: str) -> Network:
+    try:
+        network_id = str(raw["network"])
+        kind = str(raw.get("kind") or ("evm" if network_id.startswith("eip155:") else "solana"))
+        if kind not in KINDS:
+            raise ChainConfigError(f"{source}: {network_id}: kind must be one of {KINDS}")
+        if kind == "evm":
+            namespace, _, reference = network_id.partition(":")
+            if namespace != "eip155" or not reference.isdigit():
+                raise ChainConfigError(f"{source}: EVM network ids look like eip155:<chain id>, not {network_id}")
+            address = normalize_evm_address(str(raw["usdc_address"]))
+            if not raw.get("usdc_domain_name"):
+                raise ChainConfigError(f"{source}: {network_id}: usdc_domain_name is required for EVM networks")
+        else:
+            if not network_id.startswith("solana:"):
+                raise ChainConfigError(f"{source}: Solana network ids look like solana:<genesis>, not {network_id}")
+            address = normalize_solana_address(str(raw["usdc_address"]))
+        rpc_url = raw.get("rpc_url")
+        env_name = raw.get("rpc_url_env")
+        if env_name and os.environ.get(env_name):
+            rpc_url = os.environ[env_name]
+        decimals = int(raw.get("decimals", 6))
+        if decimals != 6:
+            raise ChainConfigError(f"{source}: {network_id}: USDC must have 6 decimals")
+        return Network(
+            network=network_id,
+            name=str(raw.get("name") or network_id),
+            kind=kind,
+            rpc_url=rpc_url,
+            usdc_address=address,
+            usdc_domain_name=raw.get("usdc_domain_name"),
+            usdc_domain_version=str(raw.get("usdc_domain_version", "2")),
+            decimals=decimals,
+            confirmations=int(raw.get("confirmations", 1)),
+            explorer_tx_url=raw.get("explorer_tx_url"),
+            fee_payer=raw.get("fee_payer"),
+        )
+    except KeyError as exc:
+        raise ChainConfigError(f"{source}: a network lacks {exc.args[0]!r}") from None
+    except AddressError as exc:
+        raise ChainConfigError(f"{source}: {raw.get('network')}: usdc_address {exc}") from None
+
+
+class ChainRegistry:
+    def __init__(self, networks: list[Network]) -> None:
+        self._by_id = {n.network: n for n in networks}
+        if len(self._by_id) != len(networks):
+            raise ChainConfigError("a network is listed twice")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None) -> ChainRegistry:
+        source = Path(path) if path else DEFAULT_CHAINS_FILE
+        try:
+            document = json.loads(source.read_text())
+        except OSError as exc:
+            raise ChainConfigError(f"cannot read chains file {source}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ChainConfigError(f"chains file {source} is not valid JSON: {exc}") from None
+        raw_networks = document.get("networks") if isinstance(document, dict) else None
+        if not isinstance(raw_networks, list):
+            raise ChainConfigError(f"chains file {source} has no 'networks' list")
+        return cls([_parse_network(raw, str(source)) for raw in raw_networks])
+
+    def get(self, network_id: str) -> Network | None:
+        return self._by_id.get(network_id)
+
+    def __contains__(self, network_id: object) -> bool:
+        return network_id in self._by_id
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._by_id.values())
+
+    def ids(self) -> list[str]:
+        return list(self._by_id)

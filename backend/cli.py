@@ -1,0 +1,282 @@
+"""``payintent``: the admin CLI for operators, tests and QA.
+
+Every command prints one JSON object on stdout. Bad input exits non-zero with
+``{"success": false, "error": {"code", "message"}}`` on stdout and the message on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, NoReturn
+
+import click
+
+from backend.config import Settings, default_database_url
+from backend.jsonio import dumps
+
+
+class CLIError(click.ClickException):
+    def __init__(self, code: str, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+        self.exit_code = exit_code
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    click.echo(dumps(obj))
+
+
+def _app():  # type: ignore[no-untyped-def]
+    """The Flask app, with the schema checked (the default local SQLite is upgraded for you)."""
+    from backend.app import create_app
+    from backend.chains.registry import ChainConfigError
+    from backend.migrate import SchemaOutOfDate, ensure_schema
+
+    settings = Settings.from_env()
+    try:
+        ensure_schema(settings.database_url, auto_upgrade=settings.database_url == default_database_url())
+        return create_app(settings)
+    except SchemaOutOfDate as exc:
+        raise CLIError("SCHEMA_OUT_OF_DATE", str(exc), exit_code=1) from None
+    except ChainConfigError as exc:
+        raise CLIError("INVALID_CHAINS_FILE", str(exc), exit_code=1) from None
+
+
+def _merchant_call(fn, *args: Any) -> Any:  # type: ignore[no-untyped-def]
+    from backend.merchants.services import MerchantError
+
+    try:
+        return fn(*args)
+    except MerchantError as exc:
+        raise CLIError(exc.code, exc.message) from None
+
+
+@click.group(help=__doc__)
+def cli() -> None:
+    pass
+
+
+# --- merchants -------------------------------------------------------------------------------
+
+
+@cli.group(help="Merchant accounts.")
+def merchant() -> None:
+    pass
+
+
+@merchant.command("create", help="Create a merchant and its first API key (shown once).")
+@click.option("--email", required=True)
+@click.option("--password", required=True)
+@click.option("--name", default=None)
+def merchant_create(email: str, password: str, name: str | None) -> None:
+    from backend.merchants import services
+
+    with _app().app_context():
+        created, issued = _merchant_call(services.create_merchant, email, password, name)
+        _emit(
+            {
+                "merchant_id": created.id,
+                "email": created.email,
+                "name": created.name,
+                "key_id": issued.key.id,
+                "api_key": issued.secret,
+            }
+        )
+
+
+@cli.group(help="API keys.")
+def key() -> None:
+    pass
+
+
+@key.command("create", help="Issue a new API key (shown once).")
+@click.option("--merchant", "merchant_id", required=True)
+def key_create(merchant_id: str) -> None:
+    from backend.merchants import services
+
+    with _app().app_context():
+        issued = _merchant_call(services.create_api_key, merchant_id)
+        _emit({"key_id": issued.key.id, "api_key": issued.secret, "merchant_id": merchant_id})
+
+
+@key.command("revoke", help="Revoke an API key; it stops working at once.")
+@click.option("--merchant", "merchant_id", required=True)
+@click.option("--key", "key_id", required=True)
+def key_revoke(merchant_id: str, key_id: str) -> None:
+    from backend.clock import isoformat
+    from backend.merchants import services
+
+    with _app().app_context():
+        revoked = _merchant_call(services.revoke_api_key, merchant_id, key_id)
+        _emit({"key_id": revoked.id, "merchant_id": merchant_id, "revoked_at": isoformat(revoked.revoked_at)})
+
+
+@key.command("list", help="List a merchant's keys (prefix and last use; never the secret).")
+@click.option("--merchant", "merchant_id", required=True)
+def key_list(merchant_id: str) -> None:
+    from backend.clock import isoformat
+    from backend.merchants import services
+
+    with _app().app_context():
+        _merchant_call(services.get_merchant, merchant_id)
+        keys = services.list_api_keys(merchant_id)
+        _emit(
+            {
+                "merchant_id": merchant_id,
+                "keys": [
+                    {
+                        "key_id": k.id,
+                        "prefix": k.display_prefix,
+                        "created_at": isoformat(k.created_at),
+                        "last_used_at": isoformat(k.last_used_at),
+                        "revoked_at": isoformat(k.revoked_at),
+                    }
+                    for k in keys
+                ],
+            }
+        )
+
+
+@cli.group(help="Payout wallets (one per merchant per network).")
+def wallet() -> None:
+    pass
+
+
+@wallet.command("set", help="Register or replace the merchant's wallet on a network.")
+@click.option("--merchant", "merchant_id", required=True)
+@click.option("--network", required=True, help="CAIP-2 id, e.g. eip155:84532")
+@click.option("--address", required=True)
+def wallet_set(merchant_id: str, network: str, address: str) -> None:
+    from backend.merchants import services
+
+    app = _app()
+    with app.app_context():
+        saved = _merchant_call(services.set_wallet, merchant_id, network, address, app.extensions["payintent.chains"])
+        _emit({"wallet_id": saved.id, "merchant_id": merchant_id, "network": saved.network, "address": saved.address})
+
+
+@wallet.command("list", help="List the merchant's wallets.")
+@click.option("--merchant", "merchant_id", required=True)
+def wallet_list(merchant_id: str) -> None:
+    from backend.merchants import services
+
+    with _app().app_context():
+        _merchant_call(services.get_merchant, merchant_id)
+        _emit(
+            {
+                "merchant_id": merchant_id,
+                "wallets": [{"network": w.network, "address": w.address} for w in services.list_wallets(merchant_id)],
+            }
+        )
+
+
+# --- operations ------------------------------------------------------------------------------
+
+
+@cli.group(help="Database schema.")
+def db() -> None:
+    pass
+
+
+@db.command("upgrade", help="Apply all migrations (SQLite or PostgreSQL, per DATABASE_URL).")
+def db_upgrade() -> None:
+    from backend.migrate import current_revision, upgrade
+
+    url = Settings.from_env().database_url
+    upgrade(url)
+    _emit({"database": _redact(url), "revision": current_revision(url)})
+
+
+def _redact(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+@cli.command(help="Run the API under gunicorn.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--workers", default=None, type=click.IntRange(1, 64), help="Default: WEB_CONCURRENCY or 2 x cores")
+def serve(host: str, port: int, workers: int | None) -> NoReturn:
+    _app()  # fail fast, with a clear message, on a bad configuration or schema
+    count = workers or int(os.environ.get("WEB_CONCURRENCY") or 2 * (os.cpu_count() or 1))
+    argv = [
+        sys.executable, "-m", "gunicorn",
+        "--bind", f"{host}:{port}",
+        "--workers", str(count),
+        "--worker-class", "sync",
+        "--access-logfile", "-",
+        "--timeout", "60",
+        "backend.app:create_app()",
+    ]  # fmt: skip
+    os.execvp(argv[0], argv)
+
+
+@cli.command(help="Run a background worker (periodic sweeps, and later webhooks and reconciliation).")
+@click.option("--burst", is_flag=True, help="Drain the queue and exit (tests, cron).")
+def worker(burst: bool) -> None:
+    from backend.queueing import RedisNotConfigured, redis_from_url, set_job_app
+    from backend.worker import run_worker
+
+    app = _app()
+    set_job_app(app)
+    try:
+        connection = redis_from_url(Settings.from_env().redis_url)
+    except RedisNotConfigured as exc:
+        raise CLIError("REDIS_NOT_CONFIGURED", str(exc), exit_code=1) from None
+    run_worker(connection, burst=burst)
+    _emit({"worker": "stopped"})
+
+
+@cli.command(help="Run the relayer (arrives with EVM settlement).")
+def relayer() -> None:
+    raise CLIError("NOT_AVAILABLE", "the relayer arrives with on-chain settlement (issue 2/7)", exit_code=1)
+
+
+@cli.group(help="Local chains for development and tests (arrive with settlement).")
+def devnet() -> None:
+    pass
+
+
+@devnet.command("up")
+def devnet_up() -> None:
+    raise CLIError("NOT_AVAILABLE", "the local devnet arrives with on-chain settlement (issue 2/7)", exit_code=1)
+
+
+@devnet.command("down")
+def devnet_down() -> None:
+    raise CLIError("NOT_AVAILABLE", "the local devnet arrives with on-chain settlement (issue 2/7)", exit_code=1)
+
+
+@devnet.command("status")
+def devnet_status() -> None:
+    raise CLIError("NOT_AVAILABLE", "the local devnet arrives with on-chain settlement (issue 2/7)", exit_code=1)
+
+
+@cli.command(help="Run the whole local stack (what `make run` does).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+def dev(port: int) -> None:
+    from backend.devstack import run_dev_stack
+
+    run_dev_stack(port=port)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    try:
+        cli.main(args=argv, prog_name="payintent", standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except CLIError as exc:
+        _emit({"success": False, "error": {"code": exc.code, "message": exc.message}})
+        click.echo(f"payintent: {exc.message}", err=True)
+        sys.exit(exc.exit_code)
+    except click.UsageError as exc:
+        _emit({"success": False, "error": {"code": "USAGE", "message": exc.format_message()}})
+        click.echo(f"payintent: {exc.format_message()}", err=True)
+        sys.exit(2)
+    except click.ClickException as exc:
+        _emit({"success": False, "error": {"code": "ERROR", "message": exc.format_message()}})
+        click.echo(f"payintent: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code)
+    sys.exit(0)

@@ -1,0 +1,61 @@
+"""Settings read once from the environment.
+
+Every setting has a default that makes the local stack work on a fresh clone; production
+deployments set them explicitly (see README "Configuration").
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+
+
+def _env(name: str, default: str) -> str:
+    value = os.environ.get(name, "").strip()
+    return value or default
+
+
+def _env_bool(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value in {"1", "true", "yes", "on"}
+
+
+def var_dir() -> Path:
+    """Where the local stack keeps its SQLite file, Redis socket and devnet state."""
+    path = Path(_env("PAYINTENT_VAR_DIR", "var")).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def default_database_url() -> str:
+    return f"sqlite:///{var_dir() / 'payintent.db'}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str
+    redis_url: str | None
+    chains_file: str | None
+    checkout_host: str
+    secret_key: str
+    max_amount_usdc: Decimal
+    log_level: str
+    webhook_allow_private_targets: bool
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        return cls(
+            database_url=_env("DATABASE_URL", "") or default_database_url(),
+            redis_url=_env("REDIS_URL", "") or None,
+            chains_file=_env("CHAINS_FILE", "") or None,
+            checkout_host=_env("CHECKOUT_HOST", "http://127.0.0.1:8000").rstrip("/"),
+            secret_key=_env("SECRET_KEY", "dev-only-insecure-secret-key"),
+            max_amount_usdc=Decimal(_env("MAX_AMOUNT_USDC", "1000000")),
+            log_level=_env("LOG_LEVEL", "INFO").upper(),
+            webhook_allow_private_targets=_env_bool("WEBHOOK_ALLOW_PRIVATE_TARGETS"),
+        )

@@ -1,0 +1,1 @@
+"""Payment intents: creation, reads, listing, cancellation and expiry."""

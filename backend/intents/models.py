@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import BigInteger, ForeignKey, Index, String
+from sqlalchemy.orm import Mapped, mapped_column
+
+from backend.extensions import JSONType, UTCDateTime, db
+
+PENDING = "pending"
+PAID = "paid"
+EXPIRED = "expired"
+CANCELLED = "cancelled"
+STATUSES = (PENDING, PAID, EXPIRED, CANCELLED)
+
+
+class Intent(db.Model):
+    __tablename__ = "intents"
+    __table_args__ = (
+        Index("ix_intents_merchant_created", "merchant_id", "created_at"),
+        Index("ix_intents_merchant_order", "merchant_id", "order_id"),
+        Index("ix_intents_status_expires", "status", "expires_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    merchant_id: Mapped[str] = mapped_column(ForeignKey("merchants.id", ondelete="CASCADE"))
+    status: Mapped[str] = mapped_column(String(16), default=PENDING)
+    amount_atomic: Mapped[int] = mapped_column(BigInteger)
+    order_id: Mapped[str | None] = mapped_column(String(128))
+    description: Mapped[str | None] = mapped_column(String(500))
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSONType, default=dict)
+    redirect_url: Mapped[str | None] = mapped_column(String(2048))
+    cancel_url: Mapped[str | None] = mapped_column(String(2048))
+    # Snapshot taken at creation: a buyer pays exactly what was offered, even if the
+    # merchant changes a wallet afterwards.
+    payment_requirements: Mapped[list[dict[str, Any]]] = mapped_column(JSONType)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    tx_hash: Mapped[str | None] = mapped_column(String(128))
+    buyer_address: Mapped[str | None] = mapped_column(String(64))
+    chain: Mapped[str | None] = mapped_column(String(64))
+    paid_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

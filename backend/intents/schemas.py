@@ -1,0 +1,101 @@
+"""Request and response schemas of the intents API (responses are documented, built by services)."""
+
+from __future__ import annotations
+
+from marshmallow import fields, validate
+
+from backend.intents.models import STATUSES
+from backend.schemas import FlatMetadata, HttpUrl, StrictSchema, UsdcAmount, envelope
+
+
+class CreateIntentSchema(StrictSchema):
+    amount_usdc = UsdcAmount(
+        required=True,
+        metadata={
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "multipleOf": 0.000001,
+            "description": "Amount in USDC: a JSON number > 0 with at most 6 decimals (default maximum 1000000)",
+            "example": 10.5,
+        },
+    )
+    redirect_url = HttpUrl(
+        allow_none=True,
+        metadata={"description": "Where hosted checkout sends the buyer after payment (needed for hosted checkout)"},
+    )
+    cancel_url = HttpUrl(allow_none=True, metadata={"description": "Where hosted checkout's cancel link goes"})
+    description = fields.String(
+        allow_none=True, validate=validate.Length(max=500), metadata={"description": "Label on the checkout page"}
+    )
+    order_id = fields.String(
+        allow_none=True, validate=validate.Length(min=1, max=128), metadata={"description": "Your order reference"}
+    )
+    metadata = FlatMetadata(
+        allow_none=True,
+        metadata={
+            "description": "Flat key-value pairs (at most 50 keys of up to 40 characters; string values up to "
+            "500 characters; values may be strings, numbers, booleans or null)"
+        },
+    )
+
+
+class ListIntentsQuerySchema(StrictSchema):
+    status = fields.String(validate=validate.OneOf(STATUSES), metadata={"description": "Filter by status"})
+    order_id = fields.String(validate=validate.Length(min=1, max=128), metadata={"description": "Filter by order"})
+    limit = fields.Integer(
+        load_default=20, validate=validate.Range(min=1, max=100), metadata={"description": "Page size (1-100)"}
+    )
+    offset = fields.Integer(load_default=0, validate=validate.Range(min=0, max=10_000_000))
+
+
+class PaymentRequirementSchema(StrictSchema):
+    scheme = fields.String(required=True, metadata={"enum": ["exact"]})
+    network = fields.String(required=True, metadata={"description": "CAIP-2 network id, e.g. eip155:84532"})
+    maxAmountRequired = fields.String(required=True, metadata={"description": "Atomic units (6 decimals)"})
+    resource = fields.String(required=True)
+    description = fields.String(required=True)
+    mimeType = fields.String(required=True)
+    payTo = fields.String(required=True, metadata={"description": "Merchant wallet to be paid"})
+    maxTimeoutSeconds = fields.Integer(required=True)
+    asset = fields.String(required=True, metadata={"description": "USDC contract (EVM) or mint (Solana)"})
+    usdcDomainName = fields.String(metadata={"description": "EIP-712 domain name of the token (EVM only)"})
+    extra = fields.Dict(
+        required=True,
+        metadata={"description": "EVM: {name, version} of the EIP-712 domain; Solana: {decimals, feePayer}"},
+    )
+
+
+class IntentSchema(StrictSchema):
+    intent_id = fields.UUID(required=True)
+    status = fields.String(required=True, metadata={"enum": list(STATUSES)})
+    amount_usdc = fields.Decimal(required=True, metadata={"type": "number"})
+    order_id = fields.String(required=True, allow_none=True)
+    description = fields.String(required=True, allow_none=True)
+    metadata = fields.Dict(required=True)
+    redirect_url = fields.String(required=True, allow_none=True)
+    cancel_url = fields.String(required=True, allow_none=True)
+    checkout_url = fields.String(required=True)
+    created_at = fields.String(required=True, metadata={"format": "date-time"})
+    expires_at = fields.String(required=True, metadata={"format": "date-time"})
+    payment_requirements = fields.List(fields.Nested(PaymentRequirementSchema), required=True)
+    tx_hash = fields.String(required=True, allow_none=True, metadata={"description": "Set once paid"})
+    buyer_address = fields.String(required=True, allow_none=True, metadata={"description": "Set once paid"})
+    chain = fields.String(required=True, allow_none=True, metadata={"description": "CAIP-2 id; set once paid"})
+    paid_at = fields.String(required=True, allow_none=True, metadata={"format": "date-time"})
+
+
+class IntentPageSchema(StrictSchema):
+    intents = fields.List(fields.Nested(IntentSchema), required=True)
+    total = fields.Integer(required=True)
+    limit = fields.Integer(required=True)
+    offset = fields.Integer(required=True)
+
+
+class CancelledIntentSchema(StrictSchema):
+    intent_id = fields.UUID(required=True)
+    status = fields.String(required=True, metadata={"enum": ["cancelled"]})
+
+
+IntentEnvelope = envelope(IntentSchema, "IntentResponse")
+IntentPageEnvelope = envelope(IntentPageSchema, "IntentPageResponse")
+CancelledEnvelope = envelope(CancelledIntentSchema, "CancelledIntentResponse")

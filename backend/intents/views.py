@@ -1,0 +1,129 @@
+"""HTTP views of the intents API: thin wrappers over backend.intents.services."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import current_app, request
+from flask.views import MethodView
+from sqlalchemy.exc import IntegrityError
+
+from backend.extensions import db
+from backend.http import ApiBlueprint, ok, raw_json_response
+from backend.idempotency import services as idempotency
+from backend.intents import services
+from backend.intents.schemas import (
+    CancelledEnvelope,
+    CreateIntentSchema,
+    IntentEnvelope,
+    IntentPageEnvelope,
+    ListIntentsQuerySchema,
+)
+from backend.jsonio import dumps
+from backend.merchants.auth import api_key_required, current_merchant_id
+
+blp = ApiBlueprint(
+    "intents", __name__, url_prefix="/api/v1/x402/intents", description="Create, read, list and cancel intents"
+)
+_IDEMPOTENCY_HEADER = {
+    "Idempotency-Key": {
+        "description": "Optional. A retry with the same key and body returns the first response "
+        "(with header Idempotent-Replayed: true); the same key with another body is 422. Kept 24 hours.",
+        "schema": {"type": "string", "maxLength": 255},
+    }
+}
+
+
+def _settings() -> Any:
+    return current_app.config["PAYINTENT_SETTINGS"]
+
+
+def _replay(stored: tuple[int, str]) -> Any:
+    status, body = stored
+    return raw_json_response(body, status, {"Idempotent-Replayed": "true"})
+
+
+@blp.route("")
+class IntentCollection(MethodView):
+    decorators = [api_key_required]
+
+    @blp.arguments(CreateIntentSchema)
+    @blp.alt_response(201, schema=IntentEnvelope, success=True, description="The new pending intent")
+    @blp.errors(400, 401, 409, 415, 422)
+    @blp.doc(parameters=[{"in": "header", "name": k, **v} for k, v in _IDEMPOTENCY_HEADER.items()])
+    def post(self, args: dict[str, Any]) -> Any:
+        """Create a payment intent
+
+        Returns one payment requirement per network on which the merchant has a wallet.
+        """
+        merchant_id = current_merchant_id()
+        key = idempotency.validate_key(request.headers.get(idempotency.HEADER))
+        request_hash = ""
+        if key is not None:
+            request_hash = idempotency.fingerprint("intents.create", args)
+            stored = idempotency.find_response(merchant_id, "intents.create", key, request_hash)
+            if stored is not None:
+                return _replay(stored)
+        params = services.NewIntent(**{k: v for k, v in args.items() if v is not None})
+        intent = services.create_intent(
+            merchant_id, params, current_app.extensions["payintent.chains"], _settings().checkout_host, commit=False
+        )
+        body = dumps({"success": True, "data": services.intent_to_dict(intent, _settings().checkout_host)})
+        if key is None:
+            db.session.commit()
+            return raw_json_response(body, 201)
+        idempotency.remember_response(merchant_id, "intents.create", key, request_hash, 201, body)
+        try:
+            db.session.commit()
+        except IntegrityError:
+            # A concurrent request with the same key committed first: answer with its response.
+            db.session.rollback()
+            stored = idempotency.find_response(merchant_id, "intents.create", key, request_hash)
+            if stored is None:
+                raise
+            return _replay(stored)
+        return raw_json_response(body, 201)
+
+    @blp.arguments(ListIntentsQuerySchema, location="query")
+    @blp.alt_response(200, schema=IntentPageEnvelope, success=True, description="A page of intents, newest first")
+    @blp.errors(400, 401)
+    def get(self, args: dict[str, Any]) -> Any:
+        """List this merchant's intents"""
+        intents, total = services.list_intents(
+            current_merchant_id(),
+            status=args.get("status"),
+            order_id=args.get("order_id"),
+            limit=args["limit"],
+            offset=args["offset"],
+        )
+        host = _settings().checkout_host
+        return ok(
+            {
+                "intents": [services.intent_to_dict(i, host) for i in intents],
+                "total": total,
+                "limit": args["limit"],
+                "offset": args["offset"],
+            }
+        )
+
+
+@blp.route("/<string:intent_id>")
+class IntentItem(MethodView):
+    decorators = [api_key_required]
+
+    @blp.alt_response(200, schema=IntentEnvelope, success=True, description="The intent")
+    @blp.errors(401, 404)
+    def get(self, intent_id: str) -> Any:
+        """Read an intent"""
+        intent = services.get_intent(current_merchant_id(), intent_id)
+        return ok(services.intent_to_dict(intent, _settings().checkout_host))
+
+    @blp.alt_response(200, schema=CancelledEnvelope, success=True, description="The intent is cancelled")
+    @blp.errors(401, 404)
+    def delete(self, intent_id: str) -> Any:
+        """Cancel a pending intent
+
+        Paid, expired and already cancelled intents answer 404 (INTENT_NOT_CANCELLABLE).
+        """
+        intent = services.cancel_intent(current_merchant_id(), intent_id)
+        return ok({"intent_id": intent.id, "status": intent.status})

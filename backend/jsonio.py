@@ -1,0 +1,66 @@
+"""JSON in and out, with money kept exact.
+
+Requests are parsed with numbers as ``Decimal`` (never ``float``) and the non-standard
+constants ``NaN``/``Infinity`` refused. Responses are written with ``Decimal`` values as JSON
+numbers, digit for digit, so ``amount_usdc`` round-trips exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+import simplejson
+from flask.json.provider import JSONProvider
+
+from backend.clock import isoformat
+
+
+class JSONParseError(ValueError):
+    """The body is not the strict JSON we accept."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise JSONParseError(f"{name} is not valid JSON")
+
+
+def strict_loads(data: str | bytes) -> Any:
+    """Parse JSON; numbers with a fraction or exponent become ``Decimal``."""
+    try:
+        if isinstance(data, bytes):
+            data = data.decode("utf-8")
+        return json.loads(data, parse_float=Decimal, parse_constant=_reject_constant)
+    except JSONParseError:
+        raise
+    except (ValueError, RecursionError) as exc:  # includes JSONDecodeError, UnicodeDecodeError
+        raise JSONParseError(str(exc).split(":")[0] or "invalid JSON") from None
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return isoformat(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def dumps(value: Any, **kwargs: Any) -> str:
+    kwargs.setdefault("separators", (",", ":"))
+    return simplejson.dumps(value, use_decimal=True, default=_default, **kwargs)
+
+
+class ExactJSONProvider(JSONProvider):
+    """Flask JSON provider built on :func:`dumps` and :func:`strict_loads`."""
+
+    mimetype = "application/json"
+
+    def dumps(self, obj: Any, **kwargs: Any) -> str:
+        kwargs.pop("sort_keys", None)
+        return dumps(obj, **kwargs)
+
+    def loads(self, s: str | bytes, **kwargs: Any) -> Any:
+        return strict_loads(s)
+
+    def response(self, *args: Any, **kwargs: Any):  # type: ignore[no-untyped-def]
+        obj = self._prepare_response_obj(args, kwargs)
+        return self._app.response_class(self.dumps(obj), mimetype=self.mimetype)

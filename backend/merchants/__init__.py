@@ -1,0 +1,1 @@
+"""Merchants, their API keys and their payout wallets."""

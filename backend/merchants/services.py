@@ -1,0 +1,187 @@
+"""Merchant accounts, API keys and wallets: plain functions used by the CLI, API and dashboard."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+
+from argon2 import PasswordHasher
+from argon2.exceptions import InvalidHashError, VerificationError
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+
+from backend import clock
+from backend.chains.registry import ChainRegistry
+from backend.extensions import db
+from backend.ids import base62_secret
+from backend.merchants.addresses import AddressError, normalize_address
+from backend.merchants.models import ApiKey, Merchant, Wallet
+
+KEY_PREFIX = "sk_test_"
+KEY_DISPLAY_CHARS = 6  # characters after the prefix shown in listings
+# last_used_at is written at most once per this interval per key, so reads stay read-only.
+LAST_USED_PRECISION = timedelta(seconds=60)
+_EMAIL_RE = re.compile(r"^[^@\s]{1,64}@[^@\s]+\.[^@\s]+$")
+MIN_PASSWORD_LENGTH = 8
+_hasher = PasswordHasher()
+
+
+class MerchantError(ValueError):
+    """Bad input for a merchant operation; the message is safe to show."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class IssuedKey:
+    key: ApiKey
+    secret: str  # shown once, never stored
+
+
+def hash_api_key(secret: str) -> str:
+    # The key carries 256 random bits, so a fast hash is safe: nobody can brute-force it.
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def hash_password(password: str) -> str:
+    return _hasher.hash(password)
+
+
+def verify_password(password_hash: str, password: str) -> bool:
+    try:
+        return _hasher.verify(password_hash, password)
+    except (VerificationError, InvalidHashError):
+        return False
+
+
+def create_merchant(email: str, password: str, name: str | None = None) -> tuple[Merchant, IssuedKey]:
+    """Create a merchant with a first API key. Commits."""
+    email = (email or "").strip().lower()
+    if not _EMAIL_RE.match(email) or len(email) > 254:
+        raise MerchantError("INVALID_EMAIL", "email must be a valid address like shop@example.com")
+    if not isinstance(password, str) or len(password) < MIN_PASSWORD_LENGTH:
+        raise MerchantError("WEAK_PASSWORD", f"password must be at least {MIN_PASSWORD_LENGTH} characters")
+    if len(password) > 1024:
+        raise MerchantError("INVALID_PASSWORD", "password must be at most 1024 characters")
+    name = (name or "").strip() or email.split("@", 1)[0]
+    if len(name) > 200:
+        raise MerchantError("INVALID_NAME", "name must be at most 200 characters")
+    if db.session.scalar(select(Merchant.id).where(Merchant.email == email)):
+        raise MerchantError("EMAIL_TAKEN", f"a merchant with email {email} already exists")
+    merchant = Merchant(email=email, name=name, password_hash=hash_password(password))
+    db.session.add(merchant)
+    try:
+        db.session.flush()
+    except IntegrityError:
+        db.session.rollback()
+        raise MerchantError("EMAIL_TAKEN", f"a merchant with email {email} already exists") from None
+    issued = _new_key(merchant.id)
+    db.session.commit()
+    return merchant, issued
+
+
+def get_merchant(merchant_id: str) -> Merchant:
+    merchant = db.session.get(Merchant, merchant_id) if isinstance(merchant_id, str) else None
+    if merchant is None:
+        raise MerchantError("MERCHANT_NOT_FOUND", f"no merchant with id {merchant_id}")
+    return merchant
+
+
+def _new_key(merchant_id: str) -> IssuedKey:
+    secret = KEY_PREFIX + base62_secret(32)
+    key = ApiKey(
+        merchant_id=merchant_id,
+        key_hash=hash_api_key(secret),
+        display_prefix=secret[: len(KEY_PREFIX) + KEY_DISPLAY_CHARS],
+    )
+    db.session.add(key)
+    db.session.flush()
+    return IssuedKey(key=key, secret=secret)
+
+
+def create_api_key(merchant_id: str) -> IssuedKey:
+    """Issue a new key for the merchant. Commits; the secret is only in the return value."""
+    get_merchant(merchant_id)
+    issued = _new_key(merchant_id)
+    db.session.commit()
+    return issued
+
+
+def revoke_api_key(merchant_id: str, key_id: str) -> ApiKey:
+    """Revoke a key at once. Revoking twice is harmless. Commits."""
+    get_merchant(merchant_id)
+    key = db.session.get(ApiKey, key_id) if isinstance(key_id, str) else None
+    if key is None or key.merchant_id != merchant_id:
+        raise MerchantError("KEY_NOT_FOUND", f"merchant {merchant_id} has no key {key_id}")
+    if key.revoked_at is None:
+        key.revoked_at = clock.now()
+        db.session.commit()
+    return key
+
+
+def list_api_keys(merchant_id: str) -> list[ApiKey]:
+    return list(
+        db.session.scalars(select(ApiKey).where(ApiKey.merchant_id == merchant_id).order_by(ApiKey.created_at.desc()))
+    )
+
+
+def authenticate(secret: str) -> str | None:
+    """Return the merchant id owning an active key, or ``None``. Touches ``last_used_at``."""
+    if not secret.startswith(KEY_PREFIX) or len(secret) > 128:
+        return None
+    digest = hash_api_key(secret)
+    row = db.session.execute(
+        select(ApiKey.id, ApiKey.merchant_id, ApiKey.key_hash, ApiKey.last_used_at).where(
+            ApiKey.key_hash == digest, ApiKey.revoked_at.is_(None)
+        )
+    ).first()
+    if row is None or not hmac.compare_digest(row.key_hash, digest):
+        return None
+    now = clock.now()
+    if row.last_used_at is None or now - row.last_used_at >= LAST_USED_PRECISION:
+        db.session.execute(update(ApiKey).where(ApiKey.id == row.id).values(last_used_at=now))
+        db.session.commit()
+    return row.merchant_id
+
+
+def set_wallet(merchant_id: str, network_id: str, address: str, registry: ChainRegistry) -> Wallet:
+    """Register or replace the merchant's wallet on a network. Commits.
+
+    Intents created afterwards pay the new address; existing intents keep the requirements
+    they were created with.
+    """
+    get_merchant(merchant_id)
+    network = registry.get(network_id)
+    if network is None:
+        known = ", ".join(registry.ids())
+        raise MerchantError("UNKNOWN_NETWORK", f"network {network_id!r} is not configured; known: {known}")
+    try:
+        normalized = normalize_address(network.kind, address)
+    except AddressError as exc:
+        raise MerchantError("INVALID_ADDRESS", f"address {exc}") from None
+    wallet = db.session.scalar(select(Wallet).where(Wallet.merchant_id == merchant_id, Wallet.network == network_id))
+    if wallet is None:
+        wallet = Wallet(merchant_id=merchant_id, network=network_id, address=normalized)
+        db.session.add(wallet)
+    else:
+        wallet.address = normalized
+    db.session.commit()
+    return wallet
+
+
+def remove_wallet(merchant_id: str, network_id: str) -> None:
+    wallet = db.session.scalar(select(Wallet).where(Wallet.merchant_id == merchant_id, Wallet.network == network_id))
+    if wallet is None:
+        raise MerchantError("WALLET_NOT_FOUND", f"no wallet on {network_id}")
+    db.session.delete(wallet)
+    db.session.commit()
+
+
+def list_wallets(merchant_id: str) -> list[Wallet]:
+    return list(db.session.scalars(select(Wallet).where(Wallet.merchant_id == merchant_id).order_by(Wallet.network)))

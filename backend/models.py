@@ -1,0 +1,8 @@
+"""Imports every domain's models so ``db.metadata`` knows all tables (Alembic, tests)."""
+
+from backend.events.models import Event
+from backend.idempotency.models import IdempotencyRecord
+from backend.intents.models import Intent
+from backend.merchants.models import ApiKey, Merchant, Wallet
+
+__all__ = ["ApiKey", "Event", "IdempotencyRecord", "Intent", "Merchant", "Wallet"]

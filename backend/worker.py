@@ -1,0 +1,71 @@
+"""``payintent worker``: an RQ worker plus the ticker that enqueues periodic sweeps.
+
+Several workers may run at once: each periodic job is enqueued at most once per interval
+across all of them (a Redis ``SET NX EX`` claim), and every sweep is safe to run twice anyway
+because its state changes are conditional updates.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis
+from rq import SimpleWorker
+
+from backend.idempotency.tasks import purge_idempotency_keys
+from backend.intents.tasks import expire_intents
+from backend.queueing import DEFAULT_QUEUE, queue
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Periodic:
+    func: Callable[[], Any]
+    every_seconds: int
+
+
+PERIODIC: tuple[Periodic, ...] = (
+    Periodic(expire_intents, 10),
+    Periodic(purge_idempotency_keys, 3600),
+)
+
+
+def enqueue_due(connection: Redis, periodic: tuple[Periodic, ...] = PERIODIC) -> list[str]:
+    """Enqueue each periodic job whose interval has passed; returns the names enqueued."""
+    enqueued = []
+    q = queue(DEFAULT_QUEUE, connection)
+    for job in periodic:
+        name = f"{job.func.__module__}.{job.func.__name__}"
+        if connection.set(f"payintent:periodic:{name}", "1", nx=True, ex=job.every_seconds):
+            q.enqueue(job.func, job_timeout=600, result_ttl=60, failure_ttl=24 * 3600)
+            enqueued.append(name)
+    return enqueued
+
+
+def _ticker(connection: Redis, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            enqueue_due(connection)
+        except Exception:  # Redis down: log and keep ticking; the worker reconnects too.
+            log.exception("could not enqueue periodic jobs")
+        stop.wait(1.0)
+
+
+def run_worker(connection: Redis, *, burst: bool = False, queues: tuple[str, ...] = (DEFAULT_QUEUE,)) -> None:
+    stop = threading.Event()
+    ticker = None
+    if not burst:
+        ticker = threading.Thread(target=_ticker, args=(connection, stop), name="periodic", daemon=True)
+        ticker.start()
+    try:
+        worker = SimpleWorker([queue(name, connection) for name in queues], connection=connection)
+        worker.work(burst=burst, with_scheduler=False, logging_level="INFO")
+    finally:
+        stop.set()
+        if ticker is not None:
+            ticker.join(timeout=2)

