@@ -20,10 +20,10 @@ class APIError(Exception):
     """A failure to report to the API caller."""
 
     def __init__(
-        self, status: int, code: str, message: str, *, headers: dict[str, str] | None = None, **extra: Any
+        self, http_status: int, code: str, message: str, *, headers: dict[str, str] | None = None, **extra: Any
     ) -> None:
         super().__init__(message)
-        self.status = status
+        self.http_status = http_status
         self.code = code
         self.message = message
         self.headers = headers or {}
@@ -66,7 +66,7 @@ _HTTP_CODES = {
 
 def error_response(err: APIError) -> Response:
     response = current_app.json.response(err.body())
-    response.status_code = err.status
+    response.status_code = err.http_status
     response.headers.update(err.headers)
     return response
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import flask_smorest
 from flask import Response, current_app
+from marshmallow import EXCLUDE
 from webargs.flaskparser import FlaskParser, is_json_request
 
 from backend.errors import APIError
@@ -26,6 +27,8 @@ class StrictJSONParser(FlaskParser):
     """webargs parser that reads bodies with the service's exact JSON rules."""
 
     DEFAULT_VALIDATION_STATUS = 400  # the error handler turns it into VALIDATION_ERROR
+    # Unknown body fields and query parameters are refused alike (schemas say RAISE).
+    DEFAULT_UNKNOWN_BY_LOCATION = {"headers": EXCLUDE, "cookies": EXCLUDE}
 
     def _raw_load_json(self, req: Any) -> Any:
         body = req.get_data(cache=True)

@@ -131,8 +131,9 @@ BAD_BODIES = [
     pytest.param('{"amount_usdc": 1, "redirect_url": "javascript:alert(1)"}', "redirect_url", id="js-url"),
     pytest.param('{"amount_usdc": 1, "redirect_url": "ftp://x.example/a"}', "redirect_url", id="ftp-url"),
     pytest.param('{"amount_usdc": 1, "cancel_url": "not a url"}', "cancel_url", id="bad-cancel-url"),
-    pytest.param('{"amount_usdc": 1, "redirect_url": "https://a.example/' + "x" * 2100 + '"}', "redirect_url",
-                 id="long-url"),
+    pytest.param(
+        '{"amount_usdc": 1, "redirect_url": "https://a.example/' + "x" * 2100 + '"}', "redirect_url", id="long-url"
+    ),
     pytest.param('{"amount_usdc": 1, "order_id": ""}', "order_id", id="empty-order"),
     pytest.param('{"amount_usdc": 1, "order_id": "' + "o" * 129 + '"}', "order_id", id="long-order"),
     pytest.param('{"amount_usdc": 1, "order_id": 12}', "order_id", id="numeric-order"),
@@ -185,21 +186,24 @@ def test_malformed_json_is_invalid_json(client, merchant, raw):
 
 
 def test_body_must_be_json(client, merchant):
-    response = client.post(URL, data="amount_usdc=1", content_type="application/x-www-form-urlencoded",
-                           headers=merchant.headers)
+    response = client.post(
+        URL, data="amount_usdc=1", content_type="application/x-www-form-urlencoded", headers=merchant.headers
+    )
     assert response.status_code == 415
     assert response.get_json()["error"]["code"] == "UNSUPPORTED_MEDIA_TYPE"
 
 
 def test_invalid_utf8_is_invalid_json(client, merchant):
-    response = client.post(URL, data=b'{"amount_usdc": 1, "order_id": "\xff"}', content_type="application/json",
-                           headers=merchant.headers)
+    response = client.post(
+        URL, data=b'{"amount_usdc": 1, "order_id": "\xff"}', content_type="application/json", headers=merchant.headers
+    )
     assert response.status_code == 400
     assert response.get_json()["error"]["code"] == "INVALID_JSON"
 
 
 def test_amount_keeps_every_decimal(client, merchant):
-    response = client.post(URL, data='{"amount_usdc": 123456.789012}', content_type="application/json",
-                           headers=merchant.headers)
+    response = client.post(
+        URL, data='{"amount_usdc": 123456.789012}', content_type="application/json", headers=merchant.headers
+    )
     assert b'"amount_usdc":123456.789012' in response.data
     assert response.get_json()["data"]["payment_requirements"][0]["maxAmountRequired"] == "123456789012"

@@ -1,0 +1,108 @@
+"""GET one intent and list intents: the merchant sees only its own."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.intents.helpers import URL, create, mark_paid
+
+
+def test_read_returns_the_full_intent(client, merchant):
+    created = create(client, merchant, order_id="o-1", metadata={"a": "b"})
+    response = client.get(f"{URL}/{created['intent_id']}", headers=merchant.headers)
+    assert response.status_code == 200
+    data = response.get_json()["data"]
+    assert data == created
+    assert data["tx_hash"] is None and data["paid_at"] is None
+
+
+def test_read_of_a_paid_intent_holds_the_paid_fields(client, merchant, clock):
+    created = create(client, merchant, order_id="o-2")
+    mark_paid(created["intent_id"])
+    data = client.get(f"{URL}/{created['intent_id']}", headers=merchant.headers).get_json()["data"]
+    assert data["status"] == "paid"
+    assert data["tx_hash"] == "0x" + "ab" * 32
+    assert data["buyer_address"] and data["chain"] == "eip155:84532"
+    assert data["paid_at"].endswith("Z")
+    for field in ("intent_id", "amount_usdc", "order_id", "expires_at"):
+        assert field in data
+
+
+@pytest.mark.parametrize(
+    "intent_id", ["nope", "1", str(uuid.uuid4()), "00000000-0000-0000-0000-00000000000g", "../../etc/passwd", "x" * 300]
+)
+def test_unknown_or_malformed_id_is_404(client, merchant, intent_id):
+    response = client.get(f"{URL}/{intent_id}", headers=merchant.headers)
+    assert response.status_code == 404
+    assert response.get_json()["error"]["code"] == "NOT_FOUND"
+
+
+def test_another_merchants_intent_is_404_everywhere(client, merchant, other_merchant):
+    theirs = create(client, other_merchant, order_id="secret")
+    assert client.get(f"{URL}/{theirs['intent_id']}", headers=merchant.headers).status_code == 404
+    assert client.delete(f"{URL}/{theirs['intent_id']}", headers=merchant.headers).status_code == 404
+    listing = client.get(f"{URL}?order_id=secret", headers=merchant.headers).get_json()["data"]
+    assert listing["total"] == 0 and listing["intents"] == []
+    still = client.get(f"{URL}/{theirs['intent_id']}", headers=other_merchant.headers).get_json()["data"]
+    assert still["status"] == "pending"
+
+
+def test_list_is_newest_first_with_total_limit_offset(client, merchant, clock):
+    ids = []
+    for i in range(25):
+        ids.append(create(client, merchant, order_id=f"o-{i % 3}")["intent_id"])
+        clock.advance(seconds=1)
+    page = client.get(URL, headers=merchant.headers).get_json()["data"]
+    assert page["total"] == 25 and page["limit"] == 20 and page["offset"] == 0
+    assert [i["intent_id"] for i in page["intents"]] == ids[::-1][:20]
+    page2 = client.get(f"{URL}?limit=10&offset=20", headers=merchant.headers).get_json()["data"]
+    assert [i["intent_id"] for i in page2["intents"]] == ids[::-1][20:]
+    assert page2["total"] == 25
+    beyond = client.get(f"{URL}?offset=100", headers=merchant.headers).get_json()["data"]
+    assert beyond["intents"] == [] and beyond["total"] == 25
+    by_order = client.get(f"{URL}?order_id=o-1&limit=100", headers=merchant.headers).get_json()["data"]
+    assert by_order["total"] == 8
+    assert {i["order_id"] for i in by_order["intents"]} == {"o-1"}
+
+
+def test_list_filters_by_status(client, merchant):
+    a = create(client, merchant)["intent_id"]
+    b = create(client, merchant)["intent_id"]
+    create(client, merchant)
+    mark_paid(a)
+    client.delete(f"{URL}/{b}", headers=merchant.headers)
+    for status, expected in (("paid", [a]), ("cancelled", [b])):
+        page = client.get(f"{URL}?status={status}", headers=merchant.headers).get_json()["data"]
+        assert [i["intent_id"] for i in page["intents"]] == expected
+    assert client.get(f"{URL}?status=pending", headers=merchant.headers).get_json()["data"]["total"] == 1
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "limit=0",
+        "limit=101",
+        "limit=abc",
+        "limit=1.5",
+        "offset=-1",
+        "offset=x",
+        "status=done",
+        "status=",
+        "order_id=",
+        "colour=red",
+    ],
+)
+def test_bad_list_parameters_are_400(client, merchant, query):
+    response = client.get(f"{URL}?{query}", headers=merchant.headers)
+    assert response.status_code == 400, response.data
+    body = response.get_json()
+    assert body["error"]["code"] == "VALIDATION_ERROR"
+    assert body["error"]["fields"]
+
+
+def test_limit_100_is_allowed(client, merchant):
+    response = client.get(f"{URL}?limit=100", headers=merchant.headers)
+    assert response.status_code == 200
+    assert response.get_json()["data"]["limit"] == 100

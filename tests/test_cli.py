@@ -1,0 +1,184 @@
+"""The `payintent` admin CLI contract, run as a real subprocess against each engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.conftest import truncate_all
+
+PAYINTENT = str(Path(sys.executable).with_name("payintent"))
+
+
+def run(db_url: str, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict, str]:
+    proc = subprocess.run(
+        [PAYINTENT, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "DATABASE_URL": db_url, "LOG_LEVEL": "WARNING", **(env or {})},
+    )
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout + proc.stderr  # exactly one JSON object
+    return proc.returncode, json.loads(lines[0]), proc.stderr
+
+
+@pytest.fixture
+def fresh_db(db_url: str) -> str:
+    truncate_all(db_url)
+    return db_url
+
+
+def test_merchant_key_wallet_lifecycle(fresh_db):
+    code, out, _ = run(
+        fresh_db,
+        "merchant",
+        "create",
+        "--email",
+        "cli@example.com",
+        "--password",
+        "hunter2hunter2",
+        "--name",
+        "CLI Shop",
+    )
+    assert code == 0
+    assert out["merchant_id"].startswith("mer_")
+    assert re.fullmatch(r"sk_test_[0-9A-Za-z]{43,}", out["api_key"])
+    merchant_id = out["merchant_id"]
+
+    code, key, _ = run(fresh_db, "key", "create", "--merchant", merchant_id)
+    assert code == 0 and key["key_id"].startswith("key_") and key["api_key"].startswith("sk_test_")
+    assert key["api_key"] != out["api_key"]
+
+    code, wallet, _ = run(
+        fresh_db,
+        "wallet",
+        "set",
+        "--merchant",
+        merchant_id,
+        "--network",
+        "eip155:84532",
+        "--address",
+        "0x70997970c51812dc3a010c7d01b50e0d17dc79c8",
+    )
+    assert code == 0
+    assert wallet["address"] == "0x70997970C51812dc3A010C7d01b50e0d17dc79C8"
+
+    code, revoked, _ = run(fresh_db, "key", "revoke", "--merchant", merchant_id, "--key", key["key_id"])
+    assert code == 0 and revoked["revoked_at"].endswith("Z")
+
+    code, listing, _ = run(fresh_db, "key", "list", "--merchant", merchant_id)
+    assert code == 0
+    assert len(listing["keys"]) == 2
+    assert all("api_key" not in k and k["prefix"].startswith("sk_test_") for k in listing["keys"])
+    assert sum(k["revoked_at"] is not None for k in listing["keys"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["merchant", "create", "--email", "bad", "--password", "hunter2hunter2"], "INVALID_EMAIL"),
+        (["merchant", "create", "--email", "a@example.com", "--password", "short"], "WEAK_PASSWORD"),
+        (["merchant", "create", "--email", "a@example.com"], "USAGE"),
+        (["key", "create", "--merchant", "mer_nope"], "MERCHANT_NOT_FOUND"),
+        (["key", "revoke", "--merchant", "mer_nope", "--key", "key_nope"], "MERCHANT_NOT_FOUND"),
+        (
+            ["wallet", "set", "--merchant", "mer_nope", "--network", "eip155:84532", "--address", "0x1"],
+            "MERCHANT_NOT_FOUND",
+        ),
+        (["nonsense"], "USAGE"),
+    ],
+)
+def test_bad_input_exits_nonzero_with_a_clear_message(fresh_db, args, code):
+    status, out, stderr = run(fresh_db, *args)
+    assert status != 0
+    assert out["success"] is False
+    assert out["error"]["code"] == code
+    assert out["error"]["message"] in stderr
+
+
+def test_bad_wallet_and_key_for_an_existing_merchant(fresh_db):
+    _, out, _ = run(fresh_db, "merchant", "create", "--email", "w@example.com", "--password", "hunter2hunter2")
+    merchant_id = out["merchant_id"]
+    status, err, _ = run(
+        fresh_db, "wallet", "set", "--merchant", merchant_id, "--network", "eip155:84532", "--address", "0x123"
+    )
+    assert status != 0 and err["error"]["code"] == "INVALID_ADDRESS"
+    status, err, _ = run(
+        fresh_db,
+        "wallet",
+        "set",
+        "--merchant",
+        merchant_id,
+        "--network",
+        "eip155:1",
+        "--address",
+        "0x70997970C51812dc3A010C7d01b50e0d17dc79C8",
+    )
+    assert status != 0 and err["error"]["code"] == "UNKNOWN_NETWORK"
+    status, err, _ = run(fresh_db, "key", "revoke", "--merchant", merchant_id, "--key", "key_nope")
+    assert status != 0 and err["error"]["code"] == "KEY_NOT_FOUND"
+
+
+def test_db_upgrade_is_idempotent(fresh_db):
+    code, out, _ = run(fresh_db, "db", "upgrade")
+    assert code == 0 and out["revision"]
+    assert "password" not in out["database"] or "***" in out["database"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_runs_the_api_under_gunicorn(fresh_db):
+    _, out, _ = run(fresh_db, "merchant", "create", "--email", "s@example.com", "--password", "hunter2hunter2")
+    run(
+        fresh_db,
+        "wallet",
+        "set",
+        "--merchant",
+        out["merchant_id"],
+        "--network",
+        "eip155:84532",
+        "--address",
+        "0x70997970C51812dc3A010C7d01b50e0d17dc79C8",
+    )
+    port = _free_port()
+    proc = subprocess.Popen(
+        [PAYINTENT, "serve", "--port", str(port), "--workers", "2"],
+        env={**os.environ, "DATABASE_URL": fresh_db, "CHECKOUT_HOST": f"http://127.0.0.1:{port}"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if requests.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "gunicorn did not start"
+            time.sleep(0.1)
+        headers = {"Authorization": f"Bearer {out['api_key']}"}
+        created = requests.post(f"{base}/api/v1/x402/intents", json={"amount_usdc": 2.5}, headers=headers, timeout=5)
+        assert created.status_code == 201
+        data = created.json()["data"]
+        assert data["checkout_url"] == f"{base}/pay/{data['intent_id']}"
+        read = requests.get(f"{base}/api/v1/x402/intents/{data['intent_id']}", headers=headers, timeout=5)
+        assert read.json()["data"]["amount_usdc"] == 2.5
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

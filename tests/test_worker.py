@@ -1,0 +1,39 @@
+"""The worker: periodic sweeps are enqueued once per interval and run by a real RQ worker on real Redis."""
+
+from __future__ import annotations
+
+from redis import Redis
+from rq import Queue
+
+from backend.queueing import DEFAULT_QUEUE, set_job_app
+from backend.worker import PERIODIC, enqueue_due, run_worker
+from tests.intents.helpers import URL, create
+
+
+def test_periodic_jobs_are_enqueued_once_per_interval_across_workers(redis_url):
+    connection = Redis.from_url(redis_url)
+    names = enqueue_due(connection)
+    assert len(names) == len(PERIODIC)
+    assert enqueue_due(connection) == []  # a second worker's ticker in the same interval
+    assert Queue(DEFAULT_QUEUE, connection=connection).count == len(PERIODIC)
+
+
+def test_worker_expires_overdue_intents(app, client, merchant, clock, redis_url):
+    intent = create(client, merchant)
+    clock.advance(minutes=31)
+    connection = Redis.from_url(redis_url)
+    set_job_app(app)
+    try:
+        enqueue_due(connection)
+        run_worker(connection, burst=True)
+    finally:
+        set_job_app(None)
+    assert Queue(DEFAULT_QUEUE, connection=connection).count == 0
+    from backend.extensions import db
+    from backend.intents.models import Intent
+
+    db.session.expire_all()
+    assert db.session.get(Intent, intent["intent_id"]).status == "expired"
+    assert (
+        client.get(f"{URL}/{intent['intent_id']}", headers=merchant.headers).get_json()["data"]["status"] == "expired"
+    )
