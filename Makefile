@@ -5,10 +5,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+NODE_STAMP := node_modules/.installed
 
-.PHONY: install run test test-db lint fmt bench clean
+.PHONY: install run test test-db lint fmt bench contracts clean
 
-install: $(STAMP)
+install: $(STAMP) $(NODE_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
@@ -17,15 +18,25 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
+# Node tools for the local devnet (Anvil binary, solc, OpenZeppelin); nothing is fetched at run time.
+$(NODE_STAMP): package.json package-lock.json
+	@command -v npm >/dev/null || { echo "Node 20+ with npm is required (https://nodejs.org)"; exit 1; }
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $(NODE_STAMP)
+
+# Rebuild devnet/artifacts/TestUSDC.json from devnet/contracts/ (the artifact is committed).
+contracts: $(NODE_STAMP)
+	node devnet/build_contract.mjs
+
 run: install
 	$(BIN)/payintent dev
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Only the tests that touch the database (used by .ci/run against the machine's servers).
+# Only the tests that touch a database or Redis (.ci/run points them at the machine's servers).
 test-db: install
-	$(BIN)/python -m pytest -m db $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "db or redis" $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
@@ -39,4 +50,4 @@ bench: install
 	$(BIN)/python bench/api.py
 
 clean:
-	rm -rf $(VENV) var .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) node_modules var .pytest_cache .ruff_cache *.egg-info

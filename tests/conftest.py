@@ -29,7 +29,7 @@ from backend.chains.registry import ChainRegistry
 from backend.config import Settings
 from backend.migrate import upgrade
 
-ENGINES = ("sqlite", "postgresql")
+ENGINES = tuple(os.environ.get("PAYINTENT_TEST_ENGINES", "sqlite,postgresql").split(","))
 CHECKOUT_HOST = "http://checkout.test"
 
 # Payout addresses used by the `merchant` fixture, one per default network.

@@ -42,6 +42,15 @@ class Anvil:
         stop(self.process)
 
 
+@dataclass
+class Accounts:
+    owner: LocalAccount  # deploys the token, may mint
+    buyer: LocalAccount  # holds USDC, signs authorizations
+    payee: LocalAccount  # the merchant
+    relayer: LocalAccount  # submits the buyer's authorization and pays the gas
+    outsider: LocalAccount  # anyone else
+
+
 def anvil_command(port: int, cache_dir: Path) -> list[str]:
     return [
         str(ANVIL),

@@ -5,16 +5,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from eth_account import Account
-from eth_account.signers.local import LocalAccount
 from web3 import Web3
 from web3.contract import Contract
 
-from tests.devnet.chain import ANVIL, ARTIFACT, ROOT, USDC, Anvil, send, start_anvil
+from tests.devnet.chain import ANVIL, ARTIFACT, ROOT, USDC, Accounts, Anvil, send, start_anvil
 
 
 @pytest.fixture(scope="session")
@@ -36,15 +34,6 @@ def w3(anvil: Anvil) -> Web3:
 @pytest.fixture(scope="session")
 def artifact() -> dict[str, Any]:
     return json.loads(ARTIFACT.read_text())
-
-
-@dataclass
-class Accounts:
-    owner: LocalAccount  # deploys the token, may mint
-    buyer: LocalAccount  # holds USDC, signs authorizations
-    payee: LocalAccount  # the merchant
-    relayer: LocalAccount  # submits the buyer's authorization and pays the gas
-    outsider: LocalAccount  # anyone else
 
 
 @pytest.fixture(scope="session")

