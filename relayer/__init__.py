@@ -1,0 +1,1 @@
+"""The relayer: the only process that holds relay keys (arrives with issue 2/7)."""
