@@ -193,6 +193,15 @@ def other_merchant(app: Any) -> MerchantHandle:
     return create_merchant(app, "other@example.com")
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 # --- Redis --------------------------------------------------------------------------------------
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import truncate_all
+from tests.conftest import free_port, truncate_all
 
 PAYINTENT = str(Path(sys.executable).with_name("payintent"))
 
@@ -135,12 +134,6 @@ def test_db_upgrade_is_idempotent(fresh_db):
     assert "password" not in out["database"] or "***" in out["database"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_runs_the_api_under_gunicorn(fresh_db):
     _, out, _ = run(fresh_db, "merchant", "create", "--email", "s@example.com", "--password", "hunter2hunter2")
     run(
@@ -154,7 +147,7 @@ def test_serve_runs_the_api_under_gunicorn(fresh_db):
         "--address",
         "0x70997970C51812dc3A010C7d01b50e0d17dc79C8",
     )
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [PAYINTENT, "serve", "--port", str(port), "--workers", "2"],
         env={**os.environ, "DATABASE_URL": fresh_db, "CHECKOUT_HOST": f"http://127.0.0.1:{port}"},

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,17 +13,18 @@ from pathlib import Path
 import psutil
 import requests
 
+from tests.conftest import free_port
+
 PAYINTENT = str(Path(sys.executable).with_name("payintent"))
 
 
 def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "CHECKOUT_HOST")}
     env["PAYINTENT_VAR_DIR"] = str(tmp_path / "var")
-    proc = subprocess.Popen([PAYINTENT, "dev", "--port", str(port)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [PAYINTENT, "dev", "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         banner = ""
         deadline = time.monotonic() + 90

@@ -1,0 +1,239 @@
+"""Where the time of one API request goes: an in-process profile with Flask's test client.
+
+Usage::
+
+    .venv/bin/python bench/profile_api.py                  # PostgreSQL (throwaway embedded server)
+    .venv/bin/python bench/profile_api.py --engine sqlite
+    .venv/bin/python bench/profile_api.py --pg-url postgresql://postgres@127.0.0.1:5432/test --top 30
+
+For the bare app and for get, list and create it prints the mean wall time per request, the SQL
+statements per request and the time spent in them (the cursor's execute, so round trips included),
+then, from cProfile run on CPU time, the CPU per request of the main steps (authentication, pool
+checkout, the service call, commit, teardown, ...) and the top functions by own time. No gunicorn,
+no sockets: this is the application's own CPU per request, the "app" column of bench/api.py split up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import pstats
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import api as bench_api
+import bare_app
+
+warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
+
+
+class SqlCounter:
+    """Counts statements and the time spent executing them (per request, via reset/snapshot)."""
+
+    def __init__(self) -> None:
+        self.statements: Counter[str] = Counter()
+        self.seconds = 0.0
+        self._started: list[float] = []
+
+    def install(self, engine: Any) -> None:
+        from sqlalchemy import event
+
+        @event.listens_for(engine, "before_cursor_execute")
+        def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            self._started.append(time.perf_counter())
+
+        @event.listens_for(engine, "after_cursor_execute")
+        def after(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            self.seconds += time.perf_counter() - self._started.pop()
+            self.statements[" ".join(statement.split())[:90]] += 1
+
+    def reset(self) -> None:
+        self.statements.clear()
+        self.seconds = 0.0
+
+
+@contextlib.contextmanager
+def database(engine: str, pg_url: str | None, workdir: Path) -> Iterator[bench_api.Database]:
+    if engine == "sqlite":
+        with bench_api.sqlite(workdir) as db:
+            yield db
+    else:
+        with bench_api.postgresql(pg_url, workdir) as db:
+            yield db
+
+
+def build_app(url: str, workdir: Path) -> tuple[Any, str, SqlCounter]:
+    import os
+
+    os.environ.update(LOG_LEVEL="WARNING", PAYINTENT_VAR_DIR=str(workdir / "var"))
+    from backend.app import create_app
+    from backend.config import Settings
+    from backend.extensions import db
+    from backend.merchants import services
+    from backend.migrate import upgrade
+
+    upgrade(url)
+    settings = Settings.from_env()
+    settings = type(settings)(**{**settings.__dict__, "database_url": url})
+    app = create_app(settings)
+    counter = SqlCounter()
+    with app.app_context():
+        counter.install(db.engine)
+        _, issued = services.create_merchant("profile@example.com", "profile-password")
+        merchant_id = issued.key.merchant_id
+        services.set_wallet(
+            merchant_id, bench_api.WALLET_NETWORK, bench_api.WALLET_ADDRESS, app.extensions["payintent.chains"]
+        )
+    return app, issued.secret, counter
+
+
+def timed(label: str, n: int, call: Callable[[], Any], counter: SqlCounter | None) -> float:
+    """Mean wall and CPU ms per request (best of 3 rounds, the machine may be shared); returns CPU ms."""
+    for _ in range(min(50, n)):  # warm caches, pools and lazy imports
+        call()
+    rounds = []
+    for _ in range(3):
+        if counter:
+            counter.reset()
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            call()
+        rounds.append(((time.perf_counter() - wall) / n * 1000, (time.process_time() - cpu) / n * 1000))
+    wall_ms, cpu_ms = min(rounds, key=lambda r: r[1])
+    line = f"{label:<8} {wall_ms:7.3f} ms wall  {cpu_ms:7.3f} ms CPU per request"
+    if counter:
+        statements = sum(counter.statements.values()) / n
+        line += f"   SQL: {statements:.1f} statements, {counter.seconds / n * 1000:.3f} ms wall in execute"
+    print(line)
+    if counter:
+        for statement, count in counter.statements.most_common():
+            print(f"           {count / n:4.1f} x {statement}")
+    return cpu_ms
+
+
+# Functions whose cumulative CPU is reported per request: (label, path suffix, function name).
+WATCHED = [
+    ("whole request (Flask wsgi_app)", "flask/app.py", "wsgi_app"),
+    ("  api_key_required -> authenticate()", "backend/merchants/services.py", "authenticate"),
+    ("  pool checkout (incl. pre-ping)", "sqlalchemy/pool/base.py", "_checkout"),
+    ("    pool_pre_ping SELECT 1", "sqlalchemy/engine/default.py", "_do_ping_w_event"),
+    ("  webargs/marshmallow body parsing", "webargs/core.py", "parse"),
+    ("  services.get_intent()", "backend/intents/services.py", "get_intent"),
+    ("  services.create_intent()", "backend/intents/services.py", "create_intent"),
+    ("    payable_networks() (wallet query)", "backend/intents/services.py", "payable_networks"),
+    ("  session.commit() (flush + INSERT + COMMIT)", "sqlalchemy/orm/scoping.py", "commit"),
+    ("  intent_to_dict()", "backend/intents/services.py", "intent_to_dict"),
+    ("  jsonio.dumps()", "backend/jsonio.py", "dumps"),
+    ("  teardown: session.remove() (ROLLBACK, pool return)", "sqlalchemy/orm/scoping.py", "remove"),
+    ("  SQL statement building (coercions.expect)", "sqlalchemy/sql/coercions.py", "expect"),
+    ("  SQL cache key generation", "sqlalchemy/sql/cache_key.py", "_generate_cache_key"),
+    ("  ORM row loading (loading.instances)", "sqlalchemy/orm/loading.py", "instances"),
+    ("  psycopg2 cursor.execute (client side)", "~", "<method 'execute' of 'psycopg2.extensions.cursor' objects>"),
+    ("  psycopg2 commit", "~", "<method 'commit' of 'psycopg2.extensions.connection' objects>"),
+    ("  psycopg2 rollback", "~", "<method 'rollback' of 'psycopg2.extensions.connection' objects>"),
+]
+
+
+def profile(label: str, n: int, call: Callable[[], Any], top: int, cpu_ms: float) -> None:
+    """cProfile on CPU time; cumulative CPU of WATCHED functions scaled to the unprofiled CPU per request."""
+    for _ in range(min(50, n)):
+        call()
+    profiler = cProfile.Profile(time.process_time)
+    profiler.enable()
+    for _ in range(n):
+        call()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows: dict[tuple[str, int, str], Any] = stats.stats  # type: ignore[attr-defined]
+    total = sum(tt for (_, _, tt, _, _) in rows.values())
+    print(f"\n--- {label}: CPU per request by function (cumulative; profile scaled to {cpu_ms:.3f} ms) ---")
+    for name, path, func in WATCHED:
+        cum = sum(ct for (file, _, fn), (_, _, _, ct, _) in rows.items() if fn == func and file.endswith(path))
+        calls = sum(nc for (file, _, fn), (_, nc, _, _, _) in rows.items() if fn == func and file.endswith(path))
+        if calls:
+            share = cum / total if total else 0.0
+            print(f"  {name:<54} {share * cpu_ms:6.3f} ms  {100 * share:3.0f}%  ({calls / n:.1f} calls)")
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).strip_dirs().sort_stats("tottime").print_stats(top)
+    body = out.getvalue()
+    print(f"\n--- {label}: top {top} by own CPU time ({n} requests, profiled; times are totals) ---")
+    print(body[body.find("   ncalls") :].rstrip())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=bench_api.ENGINES, default="postgresql")
+    parser.add_argument("--pg-url", default=None)
+    parser.add_argument("-n", type=int, default=1000, help="requests per endpoint")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="payintent-profile-"))
+    try:
+        return run(args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, workdir: Path) -> int:
+    with database(args.engine, args.pg_url, workdir) as db:
+        print(f"{db.engine} {db.version} ({db.where})")
+        app, token, counter = build_app(db.url, workdir)
+        client = app.test_client()
+        auth = {"Authorization": f"Bearer {token}"}
+        ids = [
+            client.post(bench_api.INTENTS, json={"amount_usdc": 10.5, "order_id": f"seed-{i}"}, headers=auth).json[
+                "data"
+            ]["intent_id"]
+            for i in range(200)
+        ]
+        bare = bare_app.create_app().test_client()
+        state = {"i": 0}
+
+        def get() -> None:
+            state["i"] += 1
+            response = client.get(f"{bench_api.INTENTS}/{ids[state['i'] % len(ids)]}", headers=auth)
+            assert response.status_code == 200, response.data
+
+        def list_() -> None:
+            response = client.get(f"{bench_api.INTENTS}?limit=20", headers=auth)
+            assert response.status_code == 200, response.data
+
+        def create() -> None:
+            state["i"] += 1
+            body = {"amount_usdc": 10.5, "order_id": f"profile-{state['i']}"}
+            response = client.post(bench_api.INTENTS, json=body, headers=auth)
+            assert response.status_code == 201, response.data
+
+        def healthz() -> None:
+            assert client.get("/healthz").status_code == 200
+
+        timed("bare", args.n, lambda: bare.get("/bare"), None)
+        timed("healthz", args.n, healthz, counter)
+        get_ms = timed("get", args.n, get, counter)
+        list_ms = timed("list", args.n // 4, list_, counter)
+        create_ms = timed("create", args.n, create, counter)
+        profile("GET /intents/<id>", args.n, get, args.top, get_ms)
+        profile("GET /intents?limit=20", args.n // 4, list_, args.top, list_ms)
+        profile("POST /intents", args.n, create, args.top, create_ms)
+        from backend.extensions import db as sqla
+
+        with app.app_context():
+            sqla.engine.dispose()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
