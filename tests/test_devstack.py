@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import requests
 
+from devnet import free_port_base
 from tests.conftest import free_port
 
 PAYINTENT = str(Path(sys.executable).with_name("payintent"))
@@ -20,8 +21,10 @@ PAYINTENT = str(Path(sys.executable).with_name("payintent"))
 
 def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "CHECKOUT_HOST")}
+    unset = ("DATABASE_URL", "REDIS_URL", "CHECKOUT_HOST", "CHAINS_FILE")  # CHAINS_FILE unset: the devnet starts
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     env["PAYINTENT_VAR_DIR"] = str(tmp_path / "var")
+    env["PAYINTENT_DEVNET_PORT_BASE"] = str(free_port_base())
     proc = subprocess.Popen(
         [PAYINTENT, "dev", "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
@@ -36,6 +39,9 @@ def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
         assert (tmp_path / "var" / "payintent.db").exists()  # SQLite under var/ by default
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("redis-server" in " ".join(c.cmdline()) for c in children)  # a private, real Redis
+        assert sum("anvil" in " ".join(c.cmdline()) for c in children) == 3  # the local devnet
+        chains = json.loads(Path(demo["chains_file"]).read_text())["networks"]
+        assert [b["address"] in banner and b["private_key"] in banner for b in demo["buyers"]] == [True] * 3
         response = requests.post(
             f"http://127.0.0.1:{port}/api/v1/x402/intents",
             json={"amount_usdc": 10.5},
@@ -43,7 +49,9 @@ def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
             timeout=10,
         )
         assert response.status_code == 201
-        assert len(response.json()["data"]["payment_requirements"]) == 4
+        requirements = response.json()["data"]["payment_requirements"]
+        assert len(requirements) == len(chains) == 3
+        assert {r["asset"] for r in requirements} == {c["usdc_address"] for c in chains}
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)

@@ -1,6 +1,9 @@
 """Load and query the configured networks.
 
 A chains file is JSON: ``{"networks": [{network, name, kind, rpc_url, usdc_address, ...}]}``.
+A network may list its ``relay_addresses`` (the accounts that pay gas for settlements); the
+document may name a ``relay_keys_file`` (resolved against the chains file's folder). Only the
+relayer reads that file: the API never opens it.
 ``CHAINS_FILE`` names it; unset, the public testnets in ``testnets.json`` are used, so intents
 can be created without reaching any RPC.
 """
@@ -36,6 +39,7 @@ class Network:
     confirmations: int = 1
     explorer_tx_url: str | None = None
     fee_payer: str | None = None  # Solana: the relay account that pays fees
+    relay_addresses: tuple[str, ...] = ()  # EVM: the accounts that submit settlements and pay gas
 
     @property
     def chain_id(self) -> int | None:
@@ -77,6 +81,7 @@ def _parse_network(raw: dict[str, Any], source: str) -> Network:
         env_name = raw.get("rpc_url_env")
         if env_name and os.environ.get(env_name):
             rpc_url = os.environ[env_name]
+        relay_addresses = _parse_relay_addresses(raw.get("relay_addresses", []), kind, network_id, source)
         decimals = int(raw.get("decimals", 6))
         if decimals != 6:
             raise ChainConfigError(f"{source}: {network_id}: USDC must have 6 decimals")
@@ -92,6 +97,7 @@ def _parse_network(raw: dict[str, Any], source: str) -> Network:
             confirmations=int(raw.get("confirmations", 1)),
             explorer_tx_url=raw.get("explorer_tx_url"),
             fee_payer=raw.get("fee_payer"),
+            relay_addresses=relay_addresses,
         )
     except KeyError as exc:
         raise ChainConfigError(f"{source}: a network lacks {exc.args[0]!r}") from None
@@ -99,9 +105,21 @@ def _parse_network(raw: dict[str, Any], source: str) -> Network:
         raise ChainConfigError(f"{source}: {raw.get('network')}: usdc_address {exc}") from None
 
 
+def _parse_relay_addresses(raw: Any, kind: str, network_id: str, source: str) -> tuple[str, ...]:
+    if not isinstance(raw, list):
+        raise ChainConfigError(f"{source}: {network_id}: relay_addresses must be a list")
+    normalize = normalize_evm_address if kind == "evm" else normalize_solana_address
+    try:
+        return tuple(normalize(str(address)) for address in raw)
+    except AddressError as exc:
+        raise ChainConfigError(f"{source}: {network_id}: relay_addresses {exc}") from None
+
+
 class ChainRegistry:
-    def __init__(self, networks: list[Network]) -> None:
+    def __init__(self, networks: list[Network], relay_keys_file: str | None = None) -> None:
         self._by_id = {n.network: n for n in networks}
+        # Where the relayer finds its private keys; only the relayer reads it.
+        self.relay_keys_file = relay_keys_file
         if len(self._by_id) != len(networks):
             raise ChainConfigError("a network is listed twice")
 
@@ -117,7 +135,12 @@ class ChainRegistry:
         raw_networks = document.get("networks") if isinstance(document, dict) else None
         if not isinstance(raw_networks, list):
             raise ChainConfigError(f"chains file {source} has no 'networks' list")
-        return cls([_parse_network(raw, str(source)) for raw in raw_networks])
+        relay_keys_file = document.get("relay_keys_file")
+        if relay_keys_file is not None:
+            if not isinstance(relay_keys_file, str) or not relay_keys_file:
+                raise ChainConfigError(f"chains file {source}: relay_keys_file must be a path")
+            relay_keys_file = str((source.resolve().parent / relay_keys_file).resolve())
+        return cls([_parse_network(raw, str(source)) for raw in raw_networks], relay_keys_file=relay_keys_file)
 
     def get(self, network_id: str) -> Network | None:
         return self._by_id.get(network_id)

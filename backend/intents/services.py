@@ -6,12 +6,13 @@ actors (a cancel and the expiry sweep, later a settlement) can never both win.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import bindparam, func, insert, select, update
 
 from backend import clock
 from backend.chains.registry import ChainRegistry, Network
@@ -27,6 +28,20 @@ INTENT_TTL = timedelta(minutes=30)
 # How long the buyer's signed authorization may take to settle (x402 maxTimeoutSeconds).
 MAX_TIMEOUT_SECONDS = 120
 SWEEP_BATCH = 500
+
+# Statements on the hot paths are built once, on the tables (Core), not per request.
+_intents = Intent.__table__
+_wallets = Wallet.__table__
+_COLUMNS = (
+    _intents.c.id, _intents.c.status, _intents.c.amount_atomic, _intents.c.order_id, _intents.c.description,
+    _intents.c.metadata, _intents.c.redirect_url, _intents.c.cancel_url, _intents.c.payment_requirements,
+    _intents.c.created_at, _intents.c.expires_at, _intents.c.tx_hash, _intents.c.buyer_address, _intents.c.chain,
+    _intents.c.paid_at,
+)  # fmt: skip
+_GET = select(*_COLUMNS).where(
+    _intents.c.id == bindparam("intent_id"), _intents.c.merchant_id == bindparam("merchant_id")
+)
+_WALLETS_OF = select(_wallets.c.network, _wallets.c.address).where(_wallets.c.merchant_id == bindparam("merchant_id"))
 
 
 @dataclass(frozen=True)
@@ -71,17 +86,14 @@ def build_requirement(
 
 def payable_networks(merchant_id: str, registry: ChainRegistry) -> list[tuple[Network, str]]:
     """(network, payout address) for each configured network the merchant has a wallet on."""
-    wallets = {
-        w.network: w.address
-        for w in db.session.execute(select(Wallet.network, Wallet.address).where(Wallet.merchant_id == merchant_id))
-    }
+    wallets = dict(db.session.execute(_WALLETS_OF, {"merchant_id": merchant_id}).all())
     return [(n, wallets[n.network]) for n in registry if n.network in wallets]
 
 
 def create_intent(
     merchant_id: str, params: NewIntent, registry: ChainRegistry, checkout_host: str, *, commit: bool = True
-) -> Intent:
-    """Create a pending intent with one requirement per payable network."""
+) -> dict[str, Any]:
+    """Create a pending intent with one requirement per payable network; returns its row values."""
     networks = payable_networks(merchant_id, registry)
     if not networks:
         raise APIError(
@@ -95,50 +107,68 @@ def create_intent(
     url = checkout_url(checkout_host, intent_id)
     label = params.description or f"Payment {intent_id}"
     now = clock.now()
-    intent = Intent(
-        id=intent_id,
-        merchant_id=merchant_id,
-        status=PENDING,
-        amount_atomic=amount_atomic,
-        order_id=params.order_id,
-        description=params.description,
-        meta=params.metadata,
-        redirect_url=params.redirect_url,
-        cancel_url=params.cancel_url,
-        payment_requirements=[
+    row: dict[str, Any] = {
+        "id": intent_id,
+        "merchant_id": merchant_id,
+        "status": PENDING,
+        "amount_atomic": amount_atomic,
+        "order_id": params.order_id,
+        "description": params.description,
+        "metadata": params.metadata,
+        "redirect_url": params.redirect_url,
+        "cancel_url": params.cancel_url,
+        "payment_requirements": [
             build_requirement(network, address, amount_atomic, url, label) for network, address in networks
         ],
-        created_at=now,
-        updated_at=now,
-        expires_at=now + INTENT_TTL,
-    )
-    db.session.add(intent)
+        "created_at": now,
+        "updated_at": now,
+        "expires_at": now + INTENT_TTL,
+        "tx_hash": None,
+        "buyer_address": None,
+        "chain": None,
+        "paid_at": None,
+    }
+    db.session.execute(insert(_intents), row)
     if commit:
         db.session.commit()
-    return intent
+    return row
 
 
-def _is_overdue(intent: Intent, now: datetime) -> bool:
-    return intent.status == PENDING and intent.expires_at <= now
+def effective_status(status: str, expires_at: datetime, now: datetime) -> str:
+    """What an intent's status is now: a pending intent past its expiry is expired, even before
+    the sweep has written that (and its payment.expired event) to the database."""
+    if status == PENDING and expires_at <= now:
+        return EXPIRED
+    return status
 
 
-def expire_intents(candidates: list[tuple[str, str, str | None]], now: datetime) -> int:
-    """Expire the given (intent_id, merchant_id, order_id) rows that are still pending and due.
+def _status_condition(status: str, now: datetime) -> Any:
+    """SQL condition matching intents whose effective status is ``status``."""
+    if status == PENDING:
+        return (_intents.c.status == PENDING) & (_intents.c.expires_at > now)
+    if status == EXPIRED:
+        return (_intents.c.status == EXPIRED) | ((_intents.c.status == PENDING) & (_intents.c.expires_at <= now))
+    return _intents.c.status == status
 
+
+def expire_intents(candidates: list[tuple[str, str, str | None, datetime]], now: datetime) -> int:
+    """Expire the given (intent_id, merchant_id, order_id, expires_at) rows still pending and due.
+
+    An intent expired at its ``expires_at`` (that is its ``expired_at``, whenever the sweep runs).
     Each change and its ``payment.expired`` event commit together. Returns how many expired.
     """
     expired = 0
-    for intent_id, merchant_id, order_id in candidates:
+    for intent_id, merchant_id, order_id, expires_at in candidates:
         result = db.session.execute(
             update(Intent)
             .where(Intent.id == intent_id, Intent.status == PENDING, Intent.expires_at <= now)
-            .values(status=EXPIRED, expired_at=now, updated_at=now)
+            .values(status=EXPIRED, expired_at=expires_at, updated_at=now)
         )
         if result.rowcount == 1:
             record_event(
                 merchant_id,
                 "payment.expired",
-                {"intent_id": intent_id, "status": EXPIRED, "order_id": order_id, "expired_at": now},
+                {"intent_id": intent_id, "status": EXPIRED, "order_id": order_id, "expired_at": expires_at},
                 intent_id=intent_id,
             )
             expired += 1
@@ -146,117 +176,106 @@ def expire_intents(candidates: list[tuple[str, str, str | None]], now: datetime)
     return expired
 
 
-def _overdue_query(now: datetime, merchant_id: str | None = None):  # type: ignore[no-untyped-def]
-    query = select(Intent.id, Intent.merchant_id, Intent.order_id).where(
-        Intent.status == PENDING, Intent.expires_at <= now
-    )
-    if merchant_id is not None:
-        query = query.where(Intent.merchant_id == merchant_id)
-    return query
-
-
-def expire_overdue(merchant_id: str | None = None) -> int:
-    """The expiry sweep: expire every overdue pending intent (optionally of one merchant)."""
+def expire_overdue() -> int:
+    """The expiry sweep (a periodic worker job): expire every overdue pending intent."""
     now = clock.now()
+    overdue = (
+        select(_intents.c.id, _intents.c.merchant_id, _intents.c.order_id, _intents.c.expires_at)
+        .where(_intents.c.status == PENDING, _intents.c.expires_at <= now)
+        .order_by(_intents.c.expires_at)
+        .limit(SWEEP_BATCH)
+    )
     total = 0
     while True:
-        rows = [tuple(r) for r in db.session.execute(_overdue_query(now, merchant_id).limit(SWEEP_BATCH))]
-        if not rows:
-            return total
+        rows = [tuple(r) for r in db.session.execute(overdue)]
         total += expire_intents(rows, now)  # type: ignore[arg-type]
         if len(rows) < SWEEP_BATCH:
             return total
 
 
-def _load(merchant_id: str, intent_id: str) -> Intent:
-    intent = db.session.get(Intent, intent_id) if _looks_like_uuid(intent_id) else None
-    if intent is None or intent.merchant_id != merchant_id:
-        raise not_found("Intent")
-    return intent
-
-
 def _looks_like_uuid(value: str) -> bool:
-    if len(value) != 36:
+    if len(value) != 36 or value.count("-") != 4:
         return False
     try:
         int(value.replace("-", ""), 16)
     except ValueError:
         return False
-    return value.count("-") == 4
+    return True
 
 
-def get_intent(merchant_id: str, intent_id: str) -> Intent:
-    """The merchant's intent; an overdue pending intent is expired first, never shown pending."""
-    intent = _load(merchant_id, intent_id)
-    now = clock.now()
-    if _is_overdue(intent, now):
-        expire_intents([(intent.id, intent.merchant_id, intent.order_id)], now)
-        db.session.refresh(intent)
-    return intent
+def get_intent(merchant_id: str, intent_id: str) -> Mapping[str, Any]:
+    """The merchant's intent as a row mapping; another merchant's or an unknown id is 404."""
+    row = (
+        db.session.execute(_GET, {"intent_id": intent_id, "merchant_id": merchant_id}).first()
+        if _looks_like_uuid(intent_id)
+        else None
+    )
+    if row is None:
+        raise not_found("Intent")
+    return row._mapping
 
 
 def list_intents(
     merchant_id: str, *, status: str | None, order_id: str | None, limit: int, offset: int
-) -> tuple[list[Intent], int]:
+) -> tuple[list[Mapping[str, Any]], int]:
     """A page of the merchant's intents, newest first, and the total matching the filters."""
-    expire_overdue(merchant_id)
-    conditions = [Intent.merchant_id == merchant_id]
+    conditions = [_intents.c.merchant_id == merchant_id]
     if status is not None:
-        conditions.append(Intent.status == status)
+        conditions.append(_status_condition(status, clock.now()))
     if order_id is not None:
-        conditions.append(Intent.order_id == order_id)
-    total = db.session.scalar(select(func.count()).select_from(Intent).where(*conditions)) or 0
-    page = list(
-        db.session.scalars(
-            select(Intent)
-            .where(*conditions)
-            .order_by(Intent.created_at.desc(), Intent.id.desc())
-            .limit(limit)
-            .offset(offset)
-        )
+        conditions.append(_intents.c.order_id == order_id)
+    query = (
+        select(*_COLUMNS, func.count().over().label("total"))
+        .where(*conditions)
+        .order_by(_intents.c.created_at.desc(), _intents.c.id.desc())
+        .limit(limit)
+        .offset(offset)
     )
-    return page, total
+    rows = [r._mapping for r in db.session.execute(query)]
+    if rows:
+        return rows, rows[0]["total"]
+    # An offset past the end returns no row to carry the total: count separately.
+    total = db.session.scalar(select(func.count()).select_from(_intents).where(*conditions)) or 0
+    return [], total
 
 
-def cancel_intent(merchant_id: str, intent_id: str) -> Intent:
+def cancel_intent(merchant_id: str, intent_id: str) -> str:
     """pending -> cancelled. Paid, expired or already cancelled intents are 404, as the spec says."""
-    intent = get_intent(merchant_id, intent_id)
+    row = get_intent(merchant_id, intent_id)
     now = clock.now()
     result = db.session.execute(
         update(Intent)
-        .where(Intent.id == intent.id, Intent.status == PENDING, Intent.expires_at > now)
+        .where(Intent.id == row["id"], Intent.status == PENDING, Intent.expires_at > now)
         .values(status=CANCELLED, cancelled_at=now, updated_at=now)
     )
     db.session.commit()
     if result.rowcount != 1:
-        db.session.refresh(intent)
+        current = get_intent(merchant_id, intent_id)
+        status = effective_status(current["status"], current["expires_at"], now)
         raise APIError(
-            404,
-            "INTENT_NOT_CANCELLABLE",
-            f"Intent is {intent.status}; only pending intents can be cancelled",
-            status=intent.status,
+            404, "INTENT_NOT_CANCELLABLE", f"Intent is {status}; only pending intents can be cancelled", status=status
         )
-    db.session.refresh(intent)
-    return intent
+    return row["id"]
 
 
-def intent_to_dict(intent: Intent, checkout_host: str) -> dict[str, Any]:
+def intent_to_dict(row: Mapping[str, Any], checkout_host: str, now: datetime | None = None) -> dict[str, Any]:
     """The intent object as the API shows it (``amount_usdc`` is an exact JSON number)."""
+    isoformat = clock.isoformat
     return {
-        "intent_id": intent.id,
-        "status": intent.status,
-        "amount_usdc": from_atomic(intent.amount_atomic),
-        "order_id": intent.order_id,
-        "description": intent.description,
-        "metadata": intent.meta or {},
-        "redirect_url": intent.redirect_url,
-        "cancel_url": intent.cancel_url,
-        "checkout_url": checkout_url(checkout_host, intent.id),
-        "created_at": clock.isoformat(intent.created_at),
-        "expires_at": clock.isoformat(intent.expires_at),
-        "payment_requirements": intent.payment_requirements,
-        "tx_hash": intent.tx_hash,
-        "buyer_address": intent.buyer_address,
-        "chain": intent.chain,
-        "paid_at": clock.isoformat(intent.paid_at),
+        "intent_id": row["id"],
+        "status": effective_status(row["status"], row["expires_at"], now or clock.now()),
+        "amount_usdc": from_atomic(row["amount_atomic"]),
+        "order_id": row["order_id"],
+        "description": row["description"],
+        "metadata": row["metadata"] or {},
+        "redirect_url": row["redirect_url"],
+        "cancel_url": row["cancel_url"],
+        "checkout_url": checkout_url(checkout_host, row["id"]),
+        "created_at": isoformat(row["created_at"]),
+        "expires_at": isoformat(row["expires_at"]),
+        "payment_requirements": row["payment_requirements"],
+        "tx_hash": row["tx_hash"],
+        "buyer_address": row["buyer_address"],
+        "chain": row["chain"],
+        "paid_at": isoformat(row["paid_at"]),
     }

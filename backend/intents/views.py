@@ -8,6 +8,7 @@ from flask import current_app, request
 from flask.views import MethodView
 from sqlalchemy.exc import IntegrityError
 
+from backend import clock
 from backend.extensions import db
 from backend.http import ApiBlueprint, ok, raw_json_response
 from backend.idempotency import services as idempotency
@@ -47,7 +48,7 @@ def _replay(stored: tuple[int, str]) -> Any:
 class IntentCollection(MethodView):
     decorators = [api_key_required]
 
-    @blp.arguments(CreateIntentSchema)
+    @blp.arguments(CreateIntentSchema())
     @blp.alt_response(201, schema=IntentEnvelope, success=True, description="The new pending intent")
     @blp.errors(400, 401, 409, 415, 422)
     @blp.doc(parameters=[{"in": "header", "name": k, **v} for k, v in _IDEMPOTENCY_HEADER.items()])
@@ -65,10 +66,11 @@ class IntentCollection(MethodView):
             if stored is not None:
                 return _replay(stored)
         params = services.NewIntent(**{k: v for k, v in args.items() if v is not None})
-        intent = services.create_intent(
-            merchant_id, params, current_app.extensions["payintent.chains"], _settings().checkout_host, commit=False
+        host = _settings().checkout_host
+        row = services.create_intent(
+            merchant_id, params, current_app.extensions["payintent.chains"], host, commit=False
         )
-        body = dumps({"success": True, "data": services.intent_to_dict(intent, _settings().checkout_host)})
+        body = dumps({"success": True, "data": services.intent_to_dict(row, host, row["created_at"])})
         if key is None:
             db.session.commit()
             return raw_json_response(body, 201)
@@ -84,7 +86,7 @@ class IntentCollection(MethodView):
             return _replay(stored)
         return raw_json_response(body, 201)
 
-    @blp.arguments(ListIntentsQuerySchema, location="query")
+    @blp.arguments(ListIntentsQuerySchema(), location="query")
     @blp.alt_response(200, schema=IntentPageEnvelope, success=True, description="A page of intents, newest first")
     @blp.errors(400, 401)
     def get(self, args: dict[str, Any]) -> Any:
@@ -97,9 +99,10 @@ class IntentCollection(MethodView):
             offset=args["offset"],
         )
         host = _settings().checkout_host
+        now = clock.now()
         return ok(
             {
-                "intents": [services.intent_to_dict(i, host) for i in intents],
+                "intents": [services.intent_to_dict(i, host, now) for i in intents],
                 "total": total,
                 "limit": args["limit"],
                 "offset": args["offset"],
@@ -125,5 +128,5 @@ class IntentItem(MethodView):
 
         Paid, expired and already cancelled intents answer 404 (INTENT_NOT_CANCELLABLE).
         """
-        intent = services.cancel_intent(current_merchant_id(), intent_id)
-        return ok({"intent_id": intent.id, "status": intent.status})
+        cancelled_id = services.cancel_intent(current_merchant_id(), intent_id)
+        return ok({"intent_id": cancelled_id, "status": "cancelled"})

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import IntegrityError
 
 from backend import clock
@@ -131,21 +131,25 @@ def list_api_keys(merchant_id: str) -> list[ApiKey]:
     )
 
 
+_keys = ApiKey.__table__
+# Built once: this runs on every API request.
+_ACTIVE_KEY = select(_keys.c.id, _keys.c.merchant_id, _keys.c.key_hash, _keys.c.last_used_at).where(
+    _keys.c.key_hash == bindparam("key_hash"), _keys.c.revoked_at.is_(None)
+)
+_TOUCH_KEY = update(_keys).where(_keys.c.id == bindparam("key_id")).values(last_used_at=bindparam("now"))
+
+
 def authenticate(secret: str) -> str | None:
     """Return the merchant id owning an active key, or ``None``. Touches ``last_used_at``."""
     if not secret.startswith(KEY_PREFIX) or len(secret) > 128:
         return None
     digest = hash_api_key(secret)
-    row = db.session.execute(
-        select(ApiKey.id, ApiKey.merchant_id, ApiKey.key_hash, ApiKey.last_used_at).where(
-            ApiKey.key_hash == digest, ApiKey.revoked_at.is_(None)
-        )
-    ).first()
+    row = db.session.execute(_ACTIVE_KEY, {"key_hash": digest}).first()
     if row is None or not hmac.compare_digest(row.key_hash, digest):
         return None
     now = clock.now()
     if row.last_used_at is None or now - row.last_used_at >= LAST_USED_PRECISION:
-        db.session.execute(update(ApiKey).where(ApiKey.id == row.id).values(last_used_at=now))
+        db.session.execute(_TOUCH_KEY, {"key_id": row.id, "now": now})
         db.session.commit()
     return row.merchant_id
 

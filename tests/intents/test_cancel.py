@@ -6,6 +6,7 @@ from sqlalchemy import func, select
 
 from backend.events.models import Event
 from backend.extensions import db
+from backend.intents.services import expire_overdue
 from tests.intents.helpers import URL, create, mark_paid
 
 
@@ -39,6 +40,7 @@ def test_cancel_overdue_intent_is_404_and_it_expires(client, merchant, clock):
     response = client.delete(f"{URL}/{intent['intent_id']}", headers=merchant.headers)
     assert response.status_code == 404
     assert response.get_json()["error"]["status"] == "expired"
+    assert expire_overdue() == 1  # the sweep, not the cancel, records the expiry
     assert db.session.scalar(select(func.count()).select_from(Event).where(Event.type == "payment.expired")) == 1
 
 

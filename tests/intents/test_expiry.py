@@ -32,7 +32,10 @@ def test_read_of_an_overdue_intent_never_shows_pending(client, merchant, clock):
     intent = create(client, merchant, order_id="ord-9")
     clock.advance(minutes=30)
     data = client.get(f"{URL}/{intent['intent_id']}", headers=merchant.headers).get_json()["data"]
-    assert data["status"] == "expired"
+    assert data["status"] == "expired"  # before the sweep has run: reads never write
+    assert expired_events() == []
+    clock.advance(seconds=5)
+    assert services.expire_overdue() == 1
     events = expired_events()
     assert len(events) == 1
     event = events[0]
@@ -41,6 +44,7 @@ def test_read_of_an_overdue_intent_never_shows_pending(client, merchant, clock):
     assert event["data"]["intent_id"] == intent["intent_id"]
     assert event["data"]["order_id"] == "ord-9"
     assert event["data"]["expired_at"] == data["expires_at"]
+    assert client.get(f"{URL}/{intent['intent_id']}", headers=merchant.headers).get_json()["data"] == data
     # Reading again writes no second event.
     client.get(f"{URL}/{intent['intent_id']}", headers=merchant.headers)
     assert len(expired_events()) == 1
@@ -81,7 +85,7 @@ def test_expiry_and_cancel_cannot_both_win(client, merchant, clock):
     intent = create(client, merchant)
     clock.advance(minutes=30)
     now = clock.current
-    row = (intent["intent_id"], merchant.id, None)
+    row = (intent["intent_id"], merchant.id, None, now)
     assert services.expire_intents([row], now) == 1
     assert services.expire_intents([row], now) == 0  # a second sweep finds nothing to do
     assert client.delete(f"{URL}/{intent['intent_id']}", headers=merchant.headers).status_code == 404
