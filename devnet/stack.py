@@ -1,0 +1,374 @@
+"""``devnet up|down|status``: three local chains with a test USDC, funded demo buyers and relay accounts.
+
+Everything lives under ``<PAYINTENT_VAR_DIR or ./var>/devnet/``:
+
+- ``state.json`` (0600): pids, ports, start time, the deployer and buyer keys;
+- ``chains.json``: a chains file for ``CHAINS_FILE`` (RPC URLs, token addresses, relay addresses);
+- ``relay_keys.json`` (0600): ``{network: [private key, ...]}``, read only by the relayer;
+- ``anvil-<chain id>.log`` and ``cache/`` (Anvil's cache path; stays empty).
+
+Keys are fresh random ones on every start (never Anvil's well-known dev keys).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import requests
+
+from backend.config import var_dir
+from devnet import anvil
+
+if TYPE_CHECKING:  # web3 takes a second to import: only `up` needs it, not `down` or `status`
+    from eth_account.signers.local import LocalAccount
+    from web3 import Web3
+
+ARTIFACT = Path(__file__).with_name("artifacts") / "TestUSDC.json"
+DEFAULT_PORT_BASE = 8545
+PORT_BASE_ENV = "PAYINTENT_DEVNET_PORT_BASE"
+BUYERS = 3
+RELAYS = 4
+USDC = 10**6  # one token in atomic units (6 decimals)
+BUYER_USDC = 10_000 * USDC
+ETH = 10**18
+RELAY_ETH = 1_000 * ETH
+DEPLOYER_ETH = 100 * ETH
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LocalChain:
+    network: str
+    chain_id: int
+    name: str
+
+
+LOCAL_CHAINS = (
+    LocalChain("eip155:84532", 84532, "Base Sepolia (local)"),
+    LocalChain("eip155:11155111", 11155111, "Ethereum Sepolia (local)"),
+    LocalChain("eip155:5042002", 5042002, "Arc Testnet (local)"),
+)
+
+
+class DevnetError(RuntimeError):
+    """A devnet command cannot do what was asked; ``code`` is stable, ``message`` says why."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def devnet_dir() -> Path:
+    path = var_dir() / "devnet"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def default_port_base() -> int:
+    raw = os.environ.get(PORT_BASE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_PORT_BASE
+    try:
+        return int(raw)
+    except ValueError:
+        raise DevnetError("INVALID_PORT", f"{PORT_BASE_ENV} must be a port number, not {raw!r}") from None
+
+
+def free_port_base(count: int = len(LOCAL_CHAINS), attempts: int = 200) -> int:
+    """A port such that it and the ``count - 1`` after it were free a moment ago (tests, parallel stacks)."""
+    rng = random.SystemRandom()
+    for _ in range(attempts):
+        base = rng.randrange(20_000, 60_000)
+        if all(anvil.port_is_free(base + i) for i in range(count)):
+            return base
+    raise DevnetError("PORT_IN_USE", f"found no {count} consecutive free ports")
+
+
+# --- the three commands ------------------------------------------------------------------------
+
+
+def up(port_base: int | None = None) -> tuple[dict[str, Any], bool]:
+    """Start the devnet unless it already runs. Returns (what ``devnet up`` prints, whether this call started it)."""
+    port_base = default_port_base() if port_base is None else port_base
+    if not 1 <= port_base <= 65535 - (len(LOCAL_CHAINS) - 1):
+        raise DevnetError("INVALID_PORT", f"--port-base must be between 1 and {65535 - len(LOCAL_CHAINS) + 1}")
+    workdir = devnet_dir()
+    with _locked(workdir):
+        state = _read_state(workdir)
+        if state is not None:
+            if state.get("complete") and all(_chain_alive(c) for c in state["networks"].values()):
+                return _summary(state), False
+            _stop_state(state)  # a half-started or half-dead devnet: clear it and start afresh
+            (workdir / "state.json").unlink(missing_ok=True)
+        return _start(workdir, port_base), True
+
+
+def down() -> dict[str, Any]:
+    """Stop exactly the Anvil processes ``up`` recorded; forget the running state."""
+    workdir = devnet_dir()
+    with _locked(workdir):
+        state = _read_state(workdir)
+        if state is None:
+            return {"state": "stopped", "stopped_pids": []}
+        stopped = _stop_state(state)
+        (workdir / "state.json").unlink(missing_ok=True)
+        return {"state": "stopped", "stopped_pids": stopped}
+
+
+def status() -> dict[str, Any]:
+    workdir = devnet_dir()
+    state = _read_state(workdir)
+    if state is None:
+        return {"state": "stopped", "running": False, "networks": {}}
+    networks: dict[str, Any] = {}
+    for network, chain in state["networks"].items():
+        alive = _chain_alive(chain)
+        block_number = code = None
+        reachable = False
+        if alive:
+            try:
+                if int(anvil.rpc(chain["rpc_url"], "eth_chainId", timeout=1), 16) == chain["chain_id"]:
+                    block_number = int(anvil.rpc(chain["rpc_url"], "eth_blockNumber", timeout=1), 16)
+                    if chain.get("usdc_address"):
+                        code = anvil.rpc(chain["rpc_url"], "eth_getCode", [chain["usdc_address"], "latest"], timeout=1)
+                    reachable = True
+            except (requests.RequestException, RuntimeError, ValueError):
+                pass
+        networks[network] = {
+            "chain_id": chain["chain_id"],
+            "rpc_url": chain["rpc_url"],
+            "pid": chain["pid"],
+            "pid_alive": alive,
+            "rpc_reachable": reachable,
+            "block_number": block_number,
+            "usdc_address": chain.get("usdc_address"),
+            "token_deployed": bool(code and code != "0x"),
+        }
+    healthy = state.get("complete") and all(n["rpc_reachable"] and n["token_deployed"] for n in networks.values())
+    return {
+        "state": "running" if healthy else "degraded",
+        "running": bool(healthy),
+        "started_at": state.get("started_at"),
+        "chains_file": state.get("chains_file"),
+        "networks": networks,
+    }
+
+
+# --- start-up ----------------------------------------------------------------------------------
+
+
+def _start(workdir: Path, port_base: int) -> dict[str, Any]:
+    from eth_account import Account
+
+    binary = _binary()
+    ports = {c.network: port_base + i for i, c in enumerate(LOCAL_CHAINS)}
+    taken = [str(p) for p in ports.values() if not anvil.port_is_free(p)]
+    if taken:
+        ports_text = f"port {taken[0]} is" if len(taken) == 1 else f"ports {', '.join(taken)} are"
+        raise DevnetError(
+            "PORT_IN_USE", f"{ports_text} already in use on {anvil.HOST}; stop what holds them or pass --port-base"
+        )
+    deployer = Account.create()
+    buyers = [Account.create() for _ in range(BUYERS)]
+    relays = [Account.create() for _ in range(RELAYS)]
+    state: dict[str, Any] = {
+        "version": STATE_VERSION,
+        "complete": False,
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "port_base": port_base,
+        "chains_file": str(workdir / "chains.json"),
+        "relay_keys_file": str(workdir / "relay_keys.json"),
+        "deployer": _keypair(deployer),
+        "buyers": [_keypair(b) for b in buyers],
+        "networks": {},
+    }
+    try:
+        for chain in LOCAL_CHAINS:
+            port = ports[chain.network]
+            spawned = anvil.spawn(
+                binary,
+                port=port,
+                chain_id=chain.chain_id,
+                cache_dir=workdir / "cache" / str(chain.chain_id),
+                log_file=workdir / f"anvil-{chain.chain_id}.log",
+                cwd=workdir,
+            )
+            state["networks"][chain.network] = {
+                "name": chain.name,
+                "chain_id": chain.chain_id,
+                "port": port,
+                "rpc_url": f"http://{anvil.HOST}:{port}",
+                "pid": spawned.pid,
+                "create_time": spawned.create_time,
+                "log": str(workdir / f"anvil-{chain.chain_id}.log"),
+                "usdc_address": None,
+            }
+            _write_json(workdir / "state.json", state, 0o600)  # recorded at once, so `down` can always stop it
+        for chain in LOCAL_CHAINS:
+            entry = state["networks"][chain.network]
+            anvil.wait_ready(entry["rpc_url"], entry["pid"], chain.chain_id, Path(entry["log"]))
+        for chain in LOCAL_CHAINS:
+            entry = state["networks"][chain.network]
+            entry["usdc_address"] = _deploy_and_fund(entry["rpc_url"], chain.chain_id, deployer, buyers, relays)
+        relay_keys = {c.network: [_hex_key(r) for r in relays] for c in LOCAL_CHAINS}
+        _write_json(workdir / "relay_keys.json", relay_keys, 0o600)
+        _write_json(workdir / "chains.json", _chains_document(state, relays), 0o644)
+        state["complete"] = True
+        _write_json(workdir / "state.json", state, 0o600)
+    except anvil.AnvilError as exc:
+        _abort(workdir, state)
+        raise DevnetError(exc.code, exc.message) from None
+    except BaseException:
+        _abort(workdir, state)
+        raise
+    return _summary(state)
+
+
+def _abort(workdir: Path, state: dict[str, Any]) -> None:
+    _stop_state(state)
+    (workdir / "state.json").unlink(missing_ok=True)
+
+
+def _binary() -> str:
+    try:
+        return anvil.anvil_binary()
+    except anvil.AnvilError as exc:
+        raise DevnetError(exc.code, exc.message) from None
+
+
+def _deploy_and_fund(
+    rpc_url: str, chain_id: int, deployer: LocalAccount, buyers: list[LocalAccount], relays: list[LocalAccount]
+) -> str:
+    """Give the deployer and relays ETH, deploy TestUSDC (owner: the deployer), mint to every buyer."""
+    from web3 import Web3
+
+    w3 = Web3(Web3.HTTPProvider(rpc_url, request_kwargs={"timeout": 10}, exception_retry_configuration=None))
+    w3.provider.make_request("anvil_setBalance", [deployer.address, hex(DEPLOYER_ETH)])
+    for relay in relays:
+        w3.provider.make_request("anvil_setBalance", [relay.address, hex(RELAY_ETH)])
+    artifact = json.loads(ARTIFACT.read_text())
+    factory = w3.eth.contract(abi=artifact["abi"], bytecode=artifact["bytecode"])
+    receipt = _send(w3, deployer, factory.constructor(deployer.address), chain_id, nonce=0)
+    token = w3.eth.contract(address=receipt["contractAddress"], abi=artifact["abi"])
+    hashes = [
+        _submit(w3, deployer, token.functions.mint(buyer.address, BUYER_USDC), chain_id, nonce=1 + i)
+        for i, buyer in enumerate(buyers)
+    ]
+    for tx_hash in hashes:
+        if w3.eth.wait_for_transaction_receipt(tx_hash, timeout=10)["status"] != 1:
+            raise DevnetError("DEPLOY_FAILED", f"minting test USDC on chain {chain_id} failed")
+    return Web3.to_checksum_address(receipt["contractAddress"])
+
+
+def _submit(w3: Web3, sender: LocalAccount, call: Any, chain_id: int, *, nonce: int) -> Any:
+    tx = call.build_transaction({"from": sender.address, "nonce": nonce, "chainId": chain_id})
+    return w3.eth.send_raw_transaction(sender.sign_transaction(tx).raw_transaction)
+
+
+def _send(w3: Web3, sender: LocalAccount, call: Any, chain_id: int, *, nonce: int) -> Any:
+    receipt = w3.eth.wait_for_transaction_receipt(_submit(w3, sender, call, chain_id, nonce=nonce), timeout=10)
+    if receipt["status"] != 1:
+        raise DevnetError("DEPLOY_FAILED", f"deploying test USDC on chain {chain_id} failed")
+    return receipt
+
+
+def _chains_document(state: dict[str, Any], relays: list[LocalAccount]) -> dict[str, Any]:
+    return {
+        "_comment": "Written by `payintent devnet up`: local Anvil chains. Point CHAINS_FILE here.",
+        "networks": [
+            {
+                "network": network,
+                "name": entry["name"],
+                "kind": "evm",
+                "rpc_url": entry["rpc_url"],
+                "usdc_address": entry["usdc_address"],
+                "usdc_domain_name": "USDC",
+                "usdc_domain_version": "2",
+                "confirmations": 1,
+                "relay_addresses": [r.address for r in relays],
+            }
+            for network, entry in state["networks"].items()
+        ],
+        "relay_keys_file": state["relay_keys_file"],
+    }
+
+
+def _summary(state: dict[str, Any]) -> dict[str, Any]:
+    """What ``devnet up`` prints."""
+    return {
+        "chains_file": state["chains_file"],
+        "relay_keys_file": state["relay_keys_file"],
+        "networks": {
+            network: {"rpc_url": entry["rpc_url"], "chain_id": entry["chain_id"], "usdc_address": entry["usdc_address"]}
+            for network, entry in state["networks"].items()
+        },
+        "buyers": state["buyers"],
+    }
+
+
+# --- state ---------------------------------------------------------------------------------------
+
+
+def _chain_alive(chain: dict[str, Any]) -> bool:
+    return anvil.is_our_anvil(chain["pid"], chain.get("create_time"), chain["port"])
+
+
+def _stop_state(state: dict[str, Any]) -> list[int]:
+    ours = [c["pid"] for c in state.get("networks", {}).values() if _chain_alive(c)]
+    return anvil.stop(ours)
+
+
+def _read_state(workdir: Path) -> dict[str, Any] | None:
+    path = workdir / "state.json"
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DevnetError("INVALID_STATE", f"cannot read {path}: {exc}; stop any anvil by hand and delete it") from None
+    valid = (
+        isinstance(state, dict) and state.get("version") == STATE_VERSION and isinstance(state.get("networks"), dict)
+    )
+    if not valid:
+        raise DevnetError("INVALID_STATE", f"{path} is not a devnet state file; stop any anvil by hand and delete it")
+    return state
+
+
+def _write_json(path: Path, document: Any, mode: int) -> None:
+    """Write atomically, with exactly ``mode`` from the first byte (keys never sit in a readable file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), mode)
+        out.write(json.dumps(document, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _locked(workdir: Path) -> Iterator[None]:
+    """One ``up`` or ``down`` at a time per var dir."""
+    with (workdir / ".lock").open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _keypair(account: LocalAccount) -> dict[str, str]:
+    return {"address": account.address, "private_key": _hex_key(account)}
+
+
+def _hex_key(account: LocalAccount) -> str:
+    return "0x" + bytes(account.key).hex()
