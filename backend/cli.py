@@ -305,4 +305,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
         _emit({"success": False, "error": {"code": "ERROR", "message": exc.format_message()}})
         click.echo(f"payintent: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)
+    except Exception as exc:  # still one JSON object on stdout; the traceback goes to stderr
+        import traceback
+
+        traceback.print_exc()
+        _emit({"success": False, "error": {"code": "INTERNAL_ERROR", "message": f"{type(exc).__name__}: {exc}"}})
+        sys.exit(1)
     sys.exit(0)

@@ -50,6 +50,7 @@ class Devnet:
         if args[0] == "up":
             argv += ["--port-base", str(port_base or self.port_base)]
         done = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=60)
+        assert done.stdout.strip(), f"no JSON on stdout; stderr: {done.stderr}"
         return done.returncode, json.loads(done.stdout)
 
     def ok(self, *args: str) -> dict[str, Any]:
