@@ -75,7 +75,9 @@ def recover_authorizer(domain: Mapping[str, Any], payload: Mapping[str, Any]) ->
         raise ValueError("signature must be 65 bytes (r, s, v)")
     if int.from_bytes(signature[32:64], "big") > SECP256K1_HALF_N:
         raise ValueError("signature has a high s value")
-    signable = encode_typed_data(domain_data=dict(domain), message_types=MESSAGE_TYPES, message_data=message_of(payload))
+    signable = encode_typed_data(
+        domain_data=dict(domain), message_types=MESSAGE_TYPES, message_data=message_of(payload)
+    )
     return Account.recover_message(signable, signature=signature)
 
 

@@ -49,8 +49,12 @@ def test_every_signature_has_a_fresh_nonce():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("value", "10500001"), ("to", "0x3C44CdDdB6a900fa2b585dd299e03d12FA4293BC"), ("validBefore", "1"),
-     ("nonce", "0x" + "00" * 32)],
+    [
+        ("value", "10500001"),
+        ("to", "0x3C44CdDdB6a900fa2b585dd299e03d12FA4293BC"),
+        ("validBefore", "1"),
+        ("nonce", "0x" + "00" * 32),
+    ],
 )
 def test_any_tampering_changes_the_signer(field, value):
     payload = {**sign_authorization(BUYER.key, REQUIREMENT), field: value}
@@ -59,8 +63,12 @@ def test_any_tampering_changes_the_signer(field, value):
 
 @pytest.mark.parametrize(
     "changed",
-    [{"network": "eip155:11155111"}, {"asset": "0x1c7D4B196Cb0C7B01d743Fbc6116a902379C7238"},
-     {"usdcDomainName": "USD Coin"}, {"extra": {"name": "USDC", "version": "1"}}],
+    [
+        {"network": "eip155:11155111"},
+        {"asset": "0x1c7D4B196Cb0C7B01d743Fbc6116a902379C7238"},
+        {"usdcDomainName": "USD Coin"},
+        {"extra": {"name": "USDC", "version": "1"}},
+    ],
 )
 def test_a_signature_is_bound_to_its_domain(changed):
     payload = sign_authorization(BUYER.key, REQUIREMENT)
