@@ -62,8 +62,10 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
     api.register_field(FlatMetadata, "object", None)
 
     from backend.intents.views import blp as intents_blp
+    from backend.settlement.views import blp as payments_blp
 
     api.register_blueprint(intents_blp)
+    api.register_blueprint(payments_blp)
     register_error_handlers(app)
 
     @app.get("/healthz")

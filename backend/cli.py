@@ -229,9 +229,23 @@ def worker(burst: bool) -> None:
     _emit({"worker": "stopped"})
 
 
-@cli.command(help="Run the relayer (arrives with EVM settlement).")
-def relayer() -> None:
-    raise CLIError("NOT_AVAILABLE", "the relayer arrives with on-chain settlement (issue 2/7)", exit_code=1)
+@cli.command(help="Run the relayer: the only process that loads relay keys (RQ worker on the relayer queue).")
+@click.option("--burst", is_flag=True, help="Drain the queue and exit (tests).")
+def relayer(burst: bool) -> None:
+    from backend.queueing import RedisNotConfigured, redis_from_url
+    from relayer.keys import RelayKeyError
+    from relayer.worker import run_relayer
+
+    app = _app()
+    try:
+        connection = redis_from_url(Settings.from_env().redis_url)
+    except RedisNotConfigured as exc:
+        raise CLIError("REDIS_NOT_CONFIGURED", str(exc), exit_code=1) from None
+    try:
+        run_relayer(app, connection, burst=burst)
+    except RelayKeyError as exc:
+        raise CLIError("RELAY_KEYS", str(exc), exit_code=1) from None
+    _emit({"relayer": "stopped"})
 
 
 @cli.group(help="Local Anvil chains (Base Sepolia, Ethereum Sepolia, Arc ids) with a test USDC, for development.")

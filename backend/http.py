@@ -18,7 +18,11 @@ _ERROR_DESCRIPTIONS = {
     401: "Missing, unknown or revoked API key (UNAUTHORIZED)",
     404: "Not found, or not this merchant's (NOT_FOUND)",
     409: "Conflict with the current state",
+    402: "The payment could not be settled (SETTLEMENT_FAILED, with a reason)",
+    410: "The intent expired (INTENT_EXPIRED)",
     415: "Body is not application/json (UNSUPPORTED_MEDIA_TYPE)",
+    503: "A chain or the settlement queue is unavailable (CHAIN_UNAVAILABLE)",
+    504: "Accepted but still settling (SETTLEMENT_PENDING): read the intent",
     422: "Idempotency-Key reused with a different request (IDEMPOTENCY_KEY_REUSED)",
 }
 

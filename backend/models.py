@@ -4,5 +4,6 @@ from backend.events.models import Event
 from backend.idempotency.models import IdempotencyRecord
 from backend.intents.models import Intent
 from backend.merchants.models import ApiKey, Merchant, Wallet
+from backend.settlement.models import Settlement
 
-__all__ = ["ApiKey", "Event", "IdempotencyRecord", "Intent", "Merchant", "Wallet"]
+__all__ = ["ApiKey", "Event", "IdempotencyRecord", "Intent", "Merchant", "Settlement", "Wallet"]

@@ -19,6 +19,7 @@ from rq import SimpleWorker
 from backend.idempotency.tasks import purge_idempotency_keys
 from backend.intents.tasks import expire_intents
 from backend.queueing import DEFAULT_QUEUE, queue
+from backend.settlement.tasks import reconcile_settlements
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class Periodic:
 
 PERIODIC: tuple[Periodic, ...] = (
     Periodic(expire_intents, 10),
+    Periodic(reconcile_settlements, 15),
     Periodic(purge_idempotency_keys, 3600),
 )
 

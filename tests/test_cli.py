@@ -161,7 +161,7 @@ def test_serve_runs_the_api_under_gunicorn(fresh_db):
             try:
                 if requests.get(f"{base}/healthz", timeout=1).status_code == 200:
                     break
-            except requests.ConnectionError:
+            except requests.RequestException:
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, "gunicorn did not start"
             time.sleep(0.1)

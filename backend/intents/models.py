@@ -43,4 +43,7 @@ class Intent(db.Model):
     chain: Mapped[str | None] = mapped_column(String(64))
     paid_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # The settlement holding the intent while its authorization is in flight (see backend.settlement).
+    # While set, cancel and expiry leave the intent alone: a settlement in flight always wins.
+    settlement_id: Mapped[str | None] = mapped_column(String(40))
     expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -36,7 +36,7 @@ _COLUMNS = (
     _intents.c.id, _intents.c.status, _intents.c.amount_atomic, _intents.c.order_id, _intents.c.description,
     _intents.c.metadata, _intents.c.redirect_url, _intents.c.cancel_url, _intents.c.payment_requirements,
     _intents.c.created_at, _intents.c.expires_at, _intents.c.tx_hash, _intents.c.buyer_address, _intents.c.chain,
-    _intents.c.paid_at,
+    _intents.c.paid_at, _intents.c.settlement_id,
 )  # fmt: skip
 _GET = select(*_COLUMNS).where(
     _intents.c.id == bindparam("intent_id"), _intents.c.merchant_id == bindparam("merchant_id")
@@ -127,6 +127,7 @@ def create_intent(
         "buyer_address": None,
         "chain": None,
         "paid_at": None,
+        "settlement_id": None,
     }
     db.session.execute(insert(_intents), row)
     if commit:
@@ -134,20 +135,22 @@ def create_intent(
     return row
 
 
-def effective_status(status: str, expires_at: datetime, now: datetime) -> str:
+def effective_status(status: str, expires_at: datetime, now: datetime, settlement_id: str | None = None) -> str:
     """What an intent's status is now: a pending intent past its expiry is expired, even before
-    the sweep has written that (and its payment.expired event) to the database."""
-    if status == PENDING and expires_at <= now:
+    the sweep has written that (and its payment.expired event) to the database, unless a
+    settlement holds it: a payment in flight always wins over expiry."""
+    if status == PENDING and expires_at <= now and settlement_id is None:
         return EXPIRED
     return status
 
 
 def _status_condition(status: str, now: datetime) -> Any:
     """SQL condition matching intents whose effective status is ``status``."""
+    overdue = (_intents.c.status == PENDING) & (_intents.c.expires_at <= now) & _intents.c.settlement_id.is_(None)
     if status == PENDING:
-        return (_intents.c.status == PENDING) & (_intents.c.expires_at > now)
+        return (_intents.c.status == PENDING) & ~overdue
     if status == EXPIRED:
-        return (_intents.c.status == EXPIRED) | ((_intents.c.status == PENDING) & (_intents.c.expires_at <= now))
+        return (_intents.c.status == EXPIRED) | overdue
     return _intents.c.status == status
 
 
@@ -161,7 +164,12 @@ def expire_intents(candidates: list[tuple[str, str, str | None, datetime]], now:
     for intent_id, merchant_id, order_id, expires_at in candidates:
         result = db.session.execute(
             update(Intent)
-            .where(Intent.id == intent_id, Intent.status == PENDING, Intent.expires_at <= now)
+            .where(
+                Intent.id == intent_id,
+                Intent.status == PENDING,
+                Intent.expires_at <= now,
+                Intent.settlement_id.is_(None),
+            )
             .values(status=EXPIRED, expired_at=expires_at, updated_at=now)
         )
         if result.rowcount == 1:
@@ -181,7 +189,7 @@ def expire_overdue() -> int:
     now = clock.now()
     overdue = (
         select(_intents.c.id, _intents.c.merchant_id, _intents.c.order_id, _intents.c.expires_at)
-        .where(_intents.c.status == PENDING, _intents.c.expires_at <= now)
+        .where(_intents.c.status == PENDING, _intents.c.expires_at <= now, _intents.c.settlement_id.is_(None))
         .order_by(_intents.c.expires_at)
         .limit(SWEEP_BATCH)
     )
@@ -245,12 +253,21 @@ def cancel_intent(merchant_id: str, intent_id: str) -> str:
     now = clock.now()
     result = db.session.execute(
         update(Intent)
-        .where(Intent.id == row["id"], Intent.status == PENDING, Intent.expires_at > now)
+        .where(
+            Intent.id == row["id"],
+            Intent.status == PENDING,
+            Intent.expires_at > now,
+            Intent.settlement_id.is_(None),
+        )
         .values(status=CANCELLED, cancelled_at=now, updated_at=now)
     )
     db.session.commit()
     if result.rowcount != 1:
         current = get_intent(merchant_id, intent_id)
+        if current["status"] == PENDING and current["settlement_id"] is not None:
+            raise APIError(
+                409, "PAYMENT_IN_PROGRESS", "A payment for this intent is being settled; it cannot be cancelled"
+            )
         status = effective_status(current["status"], current["expires_at"], now)
         raise APIError(
             404, "INTENT_NOT_CANCELLABLE", f"Intent is {status}; only pending intents can be cancelled", status=status
@@ -263,7 +280,7 @@ def intent_to_dict(row: Mapping[str, Any], checkout_host: str, now: datetime | N
     isoformat = clock.isoformat
     return {
         "intent_id": row["id"],
-        "status": effective_status(row["status"], row["expires_at"], now or clock.now()),
+        "status": effective_status(row["status"], row["expires_at"], now or clock.now(), row["settlement_id"]),
         "amount_usdc": from_atomic(row["amount_atomic"]),
         "order_id": row["order_id"],
         "description": row["description"],

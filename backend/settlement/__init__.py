@@ -1,0 +1,1 @@
+"""Settlement: a buyer's signed authorization becomes USDC in the merchant's wallet, exactly once."""

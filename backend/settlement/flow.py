@@ -1,0 +1,146 @@
+"""``POST /api/v1/x402/pay`` as one plain function: verify, check, claim, relay, answer.
+
+Order: the signature is verified first (offline), then the intent's state (so a retry of a
+settled payment gets ALREADY_PAID, as the spec's error table asks, even though the buyer's
+balance has since dropped), then the authorization's nonce and the buyer's balance on chain,
+then the intent is claimed and the relayer is asked to submit. The answer waits for the relayer
+up to ``wait_seconds``; after that the reconciler finishes the job in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from redis import Redis
+from redis.exceptions import RedisError
+from rq import Queue
+
+from backend import clock
+from backend.chains.evm import evm_chain
+from backend.chains.registry import ChainRegistry
+from backend.errors import APIError, not_found
+from backend.extensions import db
+from backend.intents.models import Intent
+from backend.money import from_atomic
+from backend.queueing import RELAYER_QUEUE
+from backend.settlement import models as st
+from backend.settlement import services
+from backend.settlement.services import PaymentSubmission
+from backend.settlement.verify import parse_evm_payload, verify_evm_authorization
+
+log = logging.getLogger(__name__)
+
+PAY_WAIT_SECONDS = 30.0
+SETTLED_KEY = "payintent:settled:{}"
+SETTLE_JOB = "relayer.tasks.settle"
+_NO_FAILURE_EVENT = ("ALREADY_PAID", "PAYMENT_IN_PROGRESS")
+
+
+def load_payable_intent(merchant_id: str | None, intent_id: str) -> Intent:
+    """The intent to pay; scoped to the merchant when a key made the call (404 otherwise)."""
+    intent = db.session.get(Intent, intent_id, populate_existing=True) if isinstance(intent_id, str) else None
+    if intent is None or (merchant_id is not None and intent.merchant_id != merchant_id):
+        raise not_found("Intent")
+    return intent
+
+
+def enqueue_settlement(redis: Redis, settlement_id: str) -> None:
+    Queue(RELAYER_QUEUE, connection=redis).enqueue(
+        SETTLE_JOB,
+        settlement_id,
+        job_id=f"settle-{settlement_id}",
+        job_timeout=300,
+        result_ttl=600,
+        failure_ttl=7 * 24 * 3600,
+    )
+
+
+def notify_settled(redis: Redis, settlement_id: str) -> None:
+    """Wake the /pay call waiting for this settlement (if any)."""
+    key = SETTLED_KEY.format(settlement_id)
+    pipe = redis.pipeline()
+    pipe.lpush(key, "1")
+    pipe.expire(key, 300)
+    pipe.execute()
+
+
+def submit_payment(
+    merchant_id: str | None,
+    submission: PaymentSubmission,
+    registry: ChainRegistry,
+    redis: Redis,
+    *,
+    wait_seconds: float = PAY_WAIT_SECONDS,
+) -> dict[str, Any]:
+    intent = load_payable_intent(merchant_id, submission.intent_id)
+    now = clock.now()
+    try:
+        requirement = services.requirement_for(intent, submission)
+        network = services.network_of(registry, submission.network)
+        if network.kind != "evm":
+            raise APIError(400, "UNSUPPORTED_NETWORK", f"Payments on {network.network} are not supported yet")
+        auth = parse_evm_payload(submission.payload)
+        verify_evm_authorization(auth, requirement, int(now.timestamp()))
+        services.check_payable(intent, now)
+        chain = evm_chain(network)
+        try:
+            used = chain.authorization_state(auth.payer, auth.nonce)
+            balance = chain.balance_of(auth.payer)
+            start_block = chain.block_number()
+        except Exception as exc:  # RPC down, timeouts, malformed answers
+            log.warning("chain %s unreachable during /pay: %s", network.network, exc)
+            raise APIError(503, "CHAIN_UNAVAILABLE", f"{network.name} cannot be reached right now; try again") from None
+        if used:
+            raise APIError(409, "NONCE_ALREADY_USED", "This authorization's nonce was already used or cancelled")
+        if balance < auth.value:
+            raise APIError(
+                402,
+                "SETTLEMENT_FAILED",
+                "The buyer's USDC balance is too low for this payment",
+                reason=f"insufficient balance: {from_atomic(balance)} USDC available, "
+                f"{from_atomic(auth.value)} USDC required",
+            )
+        settlement_id = services.claim(intent, network, auth, start_block)
+    except APIError as err:
+        if err.code not in _NO_FAILURE_EVENT:
+            db.session.rollback()
+            services.record_failed_attempt(intent, err.extra.get("reason") or err.message, err.code)
+        raise
+    try:
+        enqueue_settlement(redis, settlement_id)
+        redis.blpop([SETTLED_KEY.format(settlement_id)], timeout=wait_seconds)
+    except RedisError as exc:
+        log.warning("queue unavailable for settlement %s (the reconciler will send it): %s", settlement_id, exc)
+    return settlement_result(settlement_id)
+
+
+def settlement_result(settlement_id: str) -> dict[str, Any]:
+    """The /pay answer for a settlement: its success data, or the error it ended with."""
+    settlement = services.get_settlement(settlement_id)
+    assert settlement is not None
+    if settlement.status == st.CONFIRMED:
+        intent = db.session.get(Intent, settlement.intent_id, populate_existing=True)
+        assert intent is not None
+        return {
+            "tx_hash": settlement.tx_hash,
+            "settled_at": clock.isoformat(intent.paid_at),
+            "amount_usdc": from_atomic(settlement.amount_atomic),
+            "network": settlement.network,
+            "intent_id": intent.id,
+            "buyer_address": settlement.payer,
+        }
+    if settlement.status == st.FAILED:
+        raise APIError(
+            402,
+            "SETTLEMENT_FAILED",
+            "The payment could not be settled on chain; the intent is still payable",
+            reason=settlement.failure_reason,
+        )
+    raise APIError(
+        504,
+        "SETTLEMENT_PENDING",
+        "The payment is accepted and still settling; read the intent for its outcome (it finishes in the background)",
+        intent_id=settlement.intent_id,
+        tx_hash=settlement.tx_hash,
+    )

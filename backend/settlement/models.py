@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import BigInteger, ForeignKey, Index, String, Text, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column
+
+from backend.extensions import UTCDateTime, db
+
+# A settlement's life: pending (the intent is claimed for it) -> submitted (a transaction with
+# tx_hash was signed and sent) -> confirmed (the authorization executed on chain) | failed.
+PENDING = "pending"
+SUBMITTED = "submitted"
+CONFIRMED = "confirmed"
+FAILED = "failed"
+OPEN = (PENDING, SUBMITTED)
+
+
+class Settlement(db.Model):
+    """One buyer authorization that passed verification and claimed its intent."""
+
+    __tablename__ = "settlements"
+    __table_args__ = (
+        UniqueConstraint("network", "payer", "nonce"),
+        Index("ix_settlements_status_updated", "status", "updated_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    intent_id: Mapped[str] = mapped_column(ForeignKey("intents.id", ondelete="CASCADE"), index=True)
+    merchant_id: Mapped[str] = mapped_column(ForeignKey("merchants.id", ondelete="CASCADE"))
+    network: Mapped[str] = mapped_column(String(64))
+    asset: Mapped[str] = mapped_column(String(64))
+    payer: Mapped[str] = mapped_column(String(64))
+    pay_to: Mapped[str] = mapped_column(String(64))
+    amount_atomic: Mapped[int] = mapped_column(BigInteger)
+    valid_after: Mapped[int] = mapped_column(BigInteger)
+    valid_before: Mapped[int] = mapped_column(BigInteger)
+    nonce: Mapped[str] = mapped_column(String(66))
+    signature: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))
+    tx_hash: Mapped[str | None] = mapped_column(String(128))
+    # Chain height when the intent was claimed: the reconciler searches logs from here.
+    start_block: Mapped[int | None] = mapped_column(BigInteger)
+    relay_address: Mapped[str | None] = mapped_column(String(64))
+    failure_code: Mapped[str | None] = mapped_column(String(64))
+    failure_reason: Mapped[str | None] = mapped_column(String(500))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    submitted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

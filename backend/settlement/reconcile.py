@@ -1,0 +1,96 @@
+"""Making the database tell the truth about the chain, whoever crashed.
+
+The token's ``authorizationState(from, nonce)`` and its AuthorizationUsed/Canceled events are
+the truth: an authorization that executed means the intent is paid, whatever our processes
+managed to record before dying.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from enum import Enum
+
+from redis import Redis
+
+from backend import clock
+from backend.chains.evm import AUTHORIZATION_USED_TOPIC, EvmChain, evm_chain
+from backend.chains.registry import ChainRegistry
+from backend.settlement import models as st
+from backend.settlement import services
+from backend.settlement.models import Settlement
+
+log = logging.getLogger(__name__)
+
+# A settlement untouched this long is looked at by the reconciler.
+STALE_AFTER = timedelta(seconds=30)
+# Chain clocks and ours may differ: give up on an unexecuted authorization only this long after validBefore.
+EXPIRY_GRACE_SECONDS = 60
+
+
+class Outcome(Enum):
+    USED = "used"  # executed: the money moved
+    CANCELED = "canceled"  # the buyer cancelled it: it can never execute
+    UNUSED = "unused"  # not (yet) executed
+
+
+def onchain_outcome(chain: EvmChain, settlement: Settlement) -> tuple[Outcome, str | None]:
+    nonce = bytes.fromhex(settlement.nonce[2:])
+    if not chain.authorization_state(settlement.payer, nonce):
+        return Outcome.UNUSED, None
+    found = chain.authorization_log(settlement.payer, nonce, (settlement.start_block or 0) - 5)
+    if found is None:
+        # Used, but the log is out of our search range: our own transaction is the best candidate.
+        return Outcome.USED, settlement.tx_hash
+    topic, tx_hash = found
+    return (Outcome.USED if topic == AUTHORIZATION_USED_TOPIC else Outcome.CANCELED), tx_hash
+
+
+def finish_from_chain(chain: EvmChain, settlement: Settlement) -> bool:
+    """Finish the settlement if the chain has decided it; returns whether it is finished."""
+    outcome, tx_hash = onchain_outcome(chain, settlement)
+    if outcome is Outcome.USED:
+        services.complete_settlement(settlement.id, tx_hash or "")
+        return True
+    if outcome is Outcome.CANCELED:
+        services.fail_settlement(settlement.id, "AUTHORIZATION_CANCELED", "the buyer cancelled the authorization")
+        return True
+    if chain.block_timestamp() > settlement.valid_before + EXPIRY_GRACE_SECONDS:
+        services.fail_settlement(
+            settlement.id, "AUTHORIZATION_EXPIRED", "the authorization expired before it could be executed"
+        )
+        return True
+    return False
+
+
+def reconcile(registry: ChainRegistry, redis: Redis | None) -> dict[str, int]:
+    """Periodic: finish or re-send every settlement left open by a crash, a timeout or a lost job."""
+    from backend.settlement.flow import enqueue_settlement, notify_settled
+
+    counts = {"finished": 0, "resent": 0, "waiting": 0, "errors": 0}
+    for settlement in services.open_settlements(clock.now() - STALE_AFTER):
+        network = registry.get(settlement.network)
+        if network is None:
+            counts["errors"] += 1
+            continue
+        try:
+            if finish_from_chain(evm_chain(network), settlement):
+                counts["finished"] += 1
+                if redis is not None:
+                    notify_settled(redis, settlement.id)
+                continue
+            if redis is not None:
+                # Not executed and still valid: (re)send. Sending the same authorization twice is
+                # harmless: the token executes a nonce once.
+                services.touch(settlement.id)
+                enqueue_settlement(redis, settlement.id)
+                counts["resent"] += 1
+            else:
+                counts["waiting"] += 1
+        except Exception:
+            log.exception("could not reconcile settlement %s", settlement.id)
+            counts["errors"] += 1
+    return counts
+
+
+__all__ = ["Outcome", "finish_from_chain", "onchain_outcome", "reconcile", "st"]

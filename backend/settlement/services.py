@@ -1,0 +1,277 @@
+"""Settlement rules as plain functions: verify, claim, finish. The relayer and the reconciler
+call the same finishing functions, so an authorization ends the same way whoever sees it land.
+
+Exactly once: an intent is *claimed* by one settlement (``intents.settlement_id``) with a
+conditional update before anything is sent to a chain. While claimed, no other payment, no
+cancel and no expiry can touch it. The claim is released only when the authorization can no
+longer execute (it reverted, was cancelled by the buyer, or its ``validBefore`` has passed unused).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+
+from backend import clock
+from backend.chains.registry import ChainRegistry, Network
+from backend.errors import APIError
+from backend.events.services import record_event
+from backend.extensions import db
+from backend.ids import prefixed_id
+from backend.intents.models import PAID, PENDING, Intent
+from backend.intents.services import effective_status
+from backend.money import from_atomic
+from backend.settlement import models as st
+from backend.settlement.models import Settlement
+from backend.settlement.verify import EvmAuthorization, parse_evm_payload, verify_evm_authorization
+
+log = logging.getLogger(__name__)
+
+X402_VERSIONS = (1,)
+
+
+@dataclass(frozen=True)
+class PaymentSubmission:
+    intent_id: str
+    scheme: str
+    network: str
+    x402_version: int
+    payload: dict[str, Any]
+
+
+def requirement_for(intent: Intent, submission: PaymentSubmission) -> dict[str, Any]:
+    """The intent's requirement the submission answers; refuses other schemes and networks."""
+    if submission.x402_version not in X402_VERSIONS:
+        raise APIError(400, "UNSUPPORTED_X402_VERSION", f"x402Version must be one of {list(X402_VERSIONS)}")
+    if submission.scheme != "exact":
+        raise APIError(400, "UNSUPPORTED_SCHEME", "Only the 'exact' scheme is supported")
+    for requirement in intent.payment_requirements:
+        if requirement["network"] == submission.network:
+            return requirement
+    offered = [r["network"] for r in intent.payment_requirements]
+    raise APIError(
+        400,
+        "UNSUPPORTED_NETWORK",
+        f"This intent cannot be paid on {submission.network!r}; it offers {', '.join(offered)}",
+        networks=offered,
+    )
+
+
+def check_payable(intent: Intent, now: datetime) -> None:
+    """Refuse a payment for an intent that is not pending (or is held by a settlement in flight)."""
+    if intent.status == PAID:
+        raise APIError(409, "ALREADY_PAID", "This intent is already paid", tx_hash=intent.tx_hash)
+    if intent.status == PENDING and intent.settlement_id is not None:
+        raise APIError(409, "PAYMENT_IN_PROGRESS", "A payment for this intent is being settled; read the intent")
+    status = effective_status(intent.status, intent.expires_at, now, intent.settlement_id)
+    if status == "cancelled":
+        raise APIError(409, "INTENT_CANCELLED", "This intent was cancelled and accepts no payment")
+    if status == "expired":
+        raise APIError(410, "INTENT_EXPIRED", "This intent expired and accepts no payment")
+
+
+def record_failed_attempt(intent: Intent, reason: str, code: str) -> None:
+    """payment.failed for an attempt refused before any claim; the intent stays as it was."""
+    record_event(
+        intent.merchant_id,
+        "payment.failed",
+        {"intent_id": intent.id, "order_id": intent.order_id, "reason": reason, "code": code,
+         "amount_usdc": from_atomic(intent.amount_atomic)},
+        intent_id=intent.id,
+    )  # fmt: skip
+    db.session.commit()
+
+
+def claim(intent: Intent, network: Network, auth: EvmAuthorization, start_block: int | None) -> str:
+    """Atomically make a new settlement the holder of the intent; returns its id.
+
+    Works the same on SQLite and PostgreSQL: the conditional UPDATE succeeds for one caller only.
+    """
+    now = clock.now()
+    settlement_id = prefixed_id("stl")
+    db.session.add(
+        Settlement(
+            id=settlement_id,
+            intent_id=intent.id,
+            merchant_id=intent.merchant_id,
+            network=network.network,
+            asset=network.usdc_address,
+            payer=auth.payer,
+            pay_to=auth.pay_to,
+            amount_atomic=auth.value,
+            valid_after=auth.valid_after,
+            valid_before=auth.valid_before,
+            nonce=auth.nonce_hex,
+            signature=auth.signature_hex,
+            status=st.PENDING,
+            start_block=start_block,
+            created_at=now,
+            updated_at=now,
+        )
+    )
+    try:
+        db.session.flush()
+    except IntegrityError:
+        db.session.rollback()
+        raise APIError(
+            409, "NONCE_ALREADY_USED", "This authorization (payer and nonce) was already submitted"
+        ) from None
+    claimed = db.session.execute(
+        update(Intent)
+        .where(
+            Intent.id == intent.id,
+            Intent.status == PENDING,
+            Intent.settlement_id.is_(None),
+            Intent.expires_at > now,
+        )
+        .values(settlement_id=settlement_id, updated_at=now)
+    )
+    if claimed.rowcount != 1:
+        db.session.rollback()
+        db.session.refresh(intent)
+        check_payable(intent, now)
+        raise APIError(409, "PAYMENT_IN_PROGRESS", "A payment for this intent is being settled; read the intent")
+    db.session.commit()
+    return settlement_id
+
+
+def get_settlement(settlement_id: str) -> Settlement | None:
+    return db.session.get(Settlement, settlement_id, populate_existing=True)
+
+
+def mark_submitted(settlement_id: str, tx_hash: str, relay_address: str) -> None:
+    """Record the transaction hash before it is broadcast, so a crash after sending is recoverable."""
+    now = clock.now()
+    db.session.execute(
+        update(Settlement)
+        .where(Settlement.id == settlement_id, Settlement.status.in_(st.OPEN))
+        .values(status=st.SUBMITTED, tx_hash=tx_hash, relay_address=relay_address, submitted_at=now, updated_at=now)
+    )
+    db.session.commit()
+
+
+def complete_settlement(settlement_id: str, tx_hash: str) -> bool:
+    """The authorization executed on chain in ``tx_hash``: the intent is paid, with its event.
+
+    Idempotent (a second call changes nothing). The database follows the chain: the intent is
+    marked paid whatever state it is in, unless it is already paid.
+    """
+    settlement = get_settlement(settlement_id)
+    if settlement is None:
+        return False
+    if settlement.status == st.CONFIRMED:
+        return True
+    now = clock.now()
+    db.session.execute(
+        update(Settlement)
+        .where(Settlement.id == settlement_id, Settlement.status != st.CONFIRMED)
+        .values(status=st.CONFIRMED, tx_hash=tx_hash, finished_at=now, updated_at=now,
+                failure_code=None, failure_reason=None)
+    )  # fmt: skip
+    paid = db.session.execute(
+        update(Intent)
+        .where(Intent.id == settlement.intent_id, Intent.status != PAID)
+        .values(status=PAID, settlement_id=settlement_id, tx_hash=tx_hash, buyer_address=settlement.payer,
+                chain=settlement.network, paid_at=now, updated_at=now)
+    )  # fmt: skip
+    if paid.rowcount == 1:
+        intent = db.session.get(Intent, settlement.intent_id, populate_existing=True)
+        assert intent is not None
+        record_event(
+            intent.merchant_id,
+            "payment.completed",
+            {
+                "intent_id": intent.id,
+                "status": PAID,
+                "amount_usdc": from_atomic(intent.amount_atomic),
+                "order_id": intent.order_id,
+                "tx_hash": tx_hash,
+                "buyer_address": settlement.payer,
+                "chain": settlement.network,
+                "paid_at": now,
+            },
+            intent_id=intent.id,
+        )
+    else:
+        log.error("settlement %s executed on chain but intent %s was already paid", settlement_id, settlement.intent_id)
+    db.session.commit()
+    return True
+
+
+def fail_settlement(settlement_id: str, code: str, reason: str) -> bool:
+    """The authorization can no longer execute: release the intent and write payment.failed.
+
+    Only for certain failures (a revert, a cancelled or expired authorization, a refusal before
+    broadcast). Returns False if the settlement was already finished.
+    """
+    settlement = get_settlement(settlement_id)
+    if settlement is None or settlement.status not in st.OPEN:
+        return False
+    now = clock.now()
+    done = db.session.execute(
+        update(Settlement)
+        .where(Settlement.id == settlement_id, Settlement.status.in_(st.OPEN))
+        .values(status=st.FAILED, failure_code=code, failure_reason=reason[:500], finished_at=now, updated_at=now)
+    )
+    if done.rowcount != 1:
+        db.session.rollback()
+        return False
+    db.session.execute(
+        update(Intent)
+        .where(Intent.id == settlement.intent_id, Intent.settlement_id == settlement_id, Intent.status == PENDING)
+        .values(settlement_id=None, updated_at=now)
+    )
+    intent = db.session.get(Intent, settlement.intent_id, populate_existing=True)
+    assert intent is not None
+    record_event(
+        intent.merchant_id,
+        "payment.failed",
+        {"intent_id": intent.id, "order_id": intent.order_id, "reason": reason, "code": code,
+         "amount_usdc": from_atomic(intent.amount_atomic), "settlement_id": settlement_id},
+        intent_id=intent.id,
+    )  # fmt: skip
+    db.session.commit()
+    return True
+
+
+def touch(settlement_id: str) -> None:
+    """Mark a settlement as just handled, so the reconciler waits before looking again."""
+    db.session.execute(update(Settlement).where(Settlement.id == settlement_id).values(updated_at=clock.now()))
+    db.session.commit()
+
+
+def open_settlements(older_than: datetime, limit: int = 200) -> list[Settlement]:
+    return list(
+        db.session.scalars(
+            select(Settlement)
+            .where(Settlement.status.in_(st.OPEN), Settlement.updated_at <= older_than)
+            .order_by(Settlement.updated_at)
+            .limit(limit)
+        )
+    )
+
+
+def network_of(registry: ChainRegistry, network_id: str) -> Network:
+    network = registry.get(network_id)
+    if network is None:
+        raise APIError(400, "UNSUPPORTED_NETWORK", f"Network {network_id!r} is not configured on this service")
+    return network
+
+
+__all__ = [
+    "PaymentSubmission",
+    "check_payable",
+    "claim",
+    "complete_settlement",
+    "fail_settlement",
+    "mark_submitted",
+    "parse_evm_payload",
+    "record_failed_attempt",
+    "requirement_for",
+    "verify_evm_authorization",
+]

@@ -1,0 +1,58 @@
+"""``POST /api/v1/x402/pay``: a thin view over backend.settlement.flow.submit_payment."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import current_app
+from flask.views import MethodView
+
+from backend.errors import APIError
+from backend.http import ApiBlueprint, ok
+from backend.merchants.auth import api_key_required, current_merchant_id
+from backend.queueing import redis_from_url
+from backend.settlement.flow import submit_payment
+from backend.settlement.schemas import PayEnvelope, PaySchema
+from backend.settlement.services import PaymentSubmission
+
+blp = ApiBlueprint("payments", __name__, url_prefix="/api/v1/x402", description="Settle a signed authorization")
+
+
+def api_redis() -> Any:
+    redis = current_app.extensions.get("payintent.redis")
+    if redis is None:
+        url = current_app.config["PAYINTENT_SETTINGS"].redis_url
+        if not url:
+            raise APIError(503, "SETTLEMENT_UNAVAILABLE", "Settlement is not configured on this server (REDIS_URL)")
+        redis = current_app.extensions["payintent.redis"] = redis_from_url(url)
+    return redis
+
+
+@blp.route("/pay")
+class Pay(MethodView):
+    decorators = [api_key_required]
+
+    @blp.arguments(PaySchema())
+    @blp.alt_response(200, schema=PayEnvelope, success=True, description="Settled on chain")
+    @blp.errors(400, 401, 402, 404, 409, 410, 415, 503, 504)
+    def post(self, args: dict[str, Any]) -> Any:
+        """Settle a buyer's signed EIP-3009 authorization for an intent
+
+        Errors: ALREADY_PAID (409), PAYMENT_IN_PROGRESS (409), INTENT_CANCELLED (409), INTENT_EXPIRED (410),
+        NONCE_ALREADY_USED (409), UNSUPPORTED_NETWORK / UNSUPPORTED_SCHEME / UNSUPPORTED_X402_VERSION /
+        INVALID_PAYLOAD / RECIPIENT_MISMATCH / AMOUNT_MISMATCH / AUTHORIZATION_NOT_YET_VALID /
+        AUTHORIZATION_EXPIRED / INVALID_SIGNATURE (400), SETTLEMENT_FAILED (402, with `reason`),
+        CHAIN_UNAVAILABLE (503), SETTLEMENT_PENDING (504: still settling; read the intent).
+        """
+        signature = args["payment_signature"]
+        submission = PaymentSubmission(
+            intent_id=args["intent_id"],
+            scheme=signature["scheme"],
+            network=signature["network"],
+            x402_version=signature["x402Version"],
+            payload=signature["payload"],
+        )
+        result = submit_payment(
+            current_merchant_id(), submission, current_app.extensions["payintent.chains"], api_redis()
+        )
+        return ok(result)

@@ -1,0 +1,150 @@
+"""Submitting ``transferWithAuthorization`` from relay accounts: leases, nonces, fees.
+
+Several relay accounts per chain are used in parallel: a job leases a free account (a Redis lock),
+takes its next nonce, signs and broadcasts, then releases the lease before waiting for the
+receipt. The next nonce lives in Redis and is reconciled with the chain's pending count on every
+lease, so it survives restarts and transactions sent by anyone else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from eth_account.signers.local import LocalAccount
+from redis import Redis
+from web3.exceptions import ContractLogicError
+
+from backend.chains.evm import EvmChain
+from backend.settlement.models import Settlement
+
+LEASE_SECONDS = 30
+NONCE_KEY = "payintent:relayer:nonce:{}:{}"
+LEASE_KEY = "payintent:relayer:lease:{}:{}"
+PRIORITY_FEE_WEI = 1_000_000_000  # 1 gwei tip when the node does not suggest one
+GAS_HEADROOM = 1.25
+MAX_SEND_ATTEMPTS = 4
+
+
+class RelayUnavailable(RuntimeError):
+    pass
+
+
+class Reverted(RuntimeError):
+    """The call would revert (or did): the authorization was not executed."""
+
+
+@contextlib.contextmanager
+def lease(redis: Redis, network: str, accounts: list[LocalAccount], wait_seconds: float = 20) -> Iterator[LocalAccount]:
+    """Hold one free relay account of the network for the duration of a send."""
+    token = secrets.token_hex(8)
+    deadline = time.monotonic() + wait_seconds
+    start = secrets.randbelow(len(accounts))
+    while True:
+        for i in range(len(accounts)):
+            account = accounts[(start + i) % len(accounts)]
+            key = LEASE_KEY.format(network, account.address)
+            if redis.set(key, token, nx=True, ex=LEASE_SECONDS):
+                try:
+                    yield account
+                finally:
+                    if redis.get(key) == token.encode():
+                        redis.delete(key)
+                return
+        if time.monotonic() > deadline:
+            raise RelayUnavailable(f"no relay account of {network} became free within {wait_seconds:.0f}s")
+        time.sleep(0.02)
+
+
+def _next_nonce(redis: Redis, chain: EvmChain, account: LocalAccount) -> int:
+    stored = redis.get(NONCE_KEY.format(chain.network.network, account.address))
+    pending = chain.w3.eth.get_transaction_count(account.address, "pending")
+    return max(pending, int(stored) if stored else 0)
+
+
+def _fees(chain: EvmChain) -> dict[str, int]:
+    """EIP-1559: tip as the node suggests, cap at twice the base fee plus the tip."""
+    base_fee = int(chain.w3.eth.get_block("latest").get("baseFeePerGas") or 0)
+    try:
+        tip = int(chain.w3.eth.max_priority_fee)
+    except Exception:
+        tip = PRIORITY_FEE_WEI
+    return {"maxPriorityFeePerGas": tip, "maxFeePerGas": 2 * base_fee + tip}
+
+
+def transfer_call(chain: EvmChain, settlement: Settlement) -> Any:
+    signature = bytes.fromhex(settlement.signature[2:])
+    r, s, v = signature[:32], signature[32:64], signature[64]
+    return chain.token.functions.transferWithAuthorization(
+        settlement.payer,
+        settlement.pay_to,
+        settlement.amount_atomic,
+        settlement.valid_after,
+        settlement.valid_before,
+        bytes.fromhex(settlement.nonce[2:]),
+        v if v >= 27 else v + 27,
+        r,
+        s,
+    )
+
+
+def estimate(chain: EvmChain, call: Any, sender: str) -> int:
+    try:
+        return int(call.estimate_gas({"from": sender}))
+    except ContractLogicError as exc:
+        raise Reverted(str(exc.message or exc)) from None
+
+
+def send(
+    redis: Redis,
+    chain: EvmChain,
+    accounts: list[LocalAccount],
+    call: Any,
+    gas: int,
+    before_broadcast: Any,
+) -> str:
+    """Sign and broadcast from a leased account; ``before_broadcast(tx_hash, address)`` runs first."""
+    network = chain.network.network
+    for attempt in range(MAX_SEND_ATTEMPTS):
+        with lease(redis, network, accounts) as account:
+            nonce = _next_nonce(redis, chain, account)
+            tx = call.build_transaction(
+                {
+                    "from": account.address,
+                    "nonce": nonce,
+                    "gas": int(gas * GAS_HEADROOM),
+                    "chainId": chain.network.chain_id,
+                    **_fees(chain),
+                }
+            )
+            signed = account.sign_transaction(tx)
+            tx_hash = "0x" + bytes(signed.hash).hex()
+            before_broadcast(tx_hash, account.address)
+            try:
+                chain.w3.eth.send_raw_transaction(signed.raw_transaction)
+            except Exception as exc:
+                message = str(exc).lower()
+                if "already known" in message:
+                    pass  # the very same transaction is in the pool: it was sent
+                elif "nonce too low" in message or "underpriced" in message or "nonce" in message:
+                    redis.delete(NONCE_KEY.format(network, account.address))
+                    if attempt + 1 < MAX_SEND_ATTEMPTS:
+                        continue
+                    raise
+                else:
+                    raise
+            redis.set(NONCE_KEY.format(network, account.address), nonce + 1)
+            return tx_hash
+    raise RelayUnavailable("could not send the transaction")
+
+
+def wait_receipt(chain: EvmChain, tx_hash: str, timeout: float) -> dict[str, Any] | None:
+    from web3.exceptions import TimeExhausted
+
+    try:
+        return dict(chain.w3.eth.wait_for_transaction_receipt(tx_hash, timeout=timeout, poll_latency=0.05))
+    except TimeExhausted:
+        return None
