@@ -45,6 +45,8 @@ class Settings:
     max_amount_usdc: Decimal
     log_level: str
     webhook_allow_private_targets: bool
+    pay_wait_seconds: float = 30.0
+    relayer_queue: str = "relayer"
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -58,4 +60,6 @@ class Settings:
             max_amount_usdc=Decimal(_env("MAX_AMOUNT_USDC", "1000000")),
             log_level=_env("LOG_LEVEL", "INFO").upper(),
             webhook_allow_private_targets=_env_bool("WEBHOOK_ALLOW_PRIVATE_TARGETS"),
+            pay_wait_seconds=float(_env("PAY_WAIT_SECONDS", "30")),
+            relayer_queue=_env("RELAYER_QUEUE", "relayer"),
         )

@@ -12,7 +12,6 @@ from redis import Redis
 from rq import Queue
 
 DEFAULT_QUEUE = "payintent"
-RELAYER_QUEUE = "relayer"
 
 F = TypeVar("F", bound=Callable[..., Any])
 _job_app: Flask | None = None

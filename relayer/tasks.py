@@ -15,6 +15,7 @@ from backend.settlement import services
 from backend.settlement.flow import notify_settled
 from backend.settlement.reconcile import finish_from_chain
 from relayer import evm
+from relayer.faults import crash_point
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +66,19 @@ def _settle(settlement_id: str, redis: Redis) -> str:
         accounts,
         call,
         gas,
-        before_broadcast=lambda h, address: services.mark_submitted(settlement_id, h, address),
+        before_broadcast=lambda h, address: _submitted(settlement_id, h, address),
     )
+    crash_point("after-broadcast")
     receipt = evm.wait_receipt(chain, tx_hash, RECEIPT_TIMEOUT_SECONDS)
+    crash_point("before-finish")
     if receipt is None:
         return "waiting-for-receipt"  # the reconciler finishes it
     return _finish(chain, services.get_settlement(settlement_id) or settlement, tx_hash, receipt)
+
+
+def _submitted(settlement_id: str, tx_hash: str, relay_address: str) -> None:
+    services.mark_submitted(settlement_id, tx_hash, relay_address)
+    crash_point("after-mark-submitted")
 
 
 def _finish(chain: EvmChain, settlement: st.Settlement, tx_hash: str, receipt: dict) -> str:

@@ -8,7 +8,7 @@ from flask import Flask
 from redis import Redis
 from rq import SimpleWorker
 
-from backend.queueing import RELAYER_QUEUE, queue, set_job_app
+from backend.queueing import queue, set_job_app
 from relayer import tasks
 from relayer.keys import load_relay_accounts
 
@@ -22,5 +22,6 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False) -> None:
     for network, loaded in accounts.items():
         log.info("relayer: %d relay account(s) on %s: %s", len(loaded), network, ", ".join(a.address for a in loaded))
     set_job_app(app)
-    worker = SimpleWorker([queue(RELAYER_QUEUE, connection)], connection=connection)
+    queue_name = app.config["PAYINTENT_SETTINGS"].relayer_queue
+    worker = SimpleWorker([queue(queue_name, connection)], connection=connection)
     worker.work(burst=burst, with_scheduler=False, logging_level="INFO")

@@ -23,7 +23,6 @@ from backend.errors import APIError, not_found
 from backend.extensions import db
 from backend.intents.models import Intent
 from backend.money import from_atomic
-from backend.queueing import RELAYER_QUEUE
 from backend.settlement import models as st
 from backend.settlement import services
 from backend.settlement.services import PaymentSubmission
@@ -45,8 +44,9 @@ def load_payable_intent(merchant_id: str | None, intent_id: str) -> Intent:
     return intent
 
 
-def enqueue_settlement(redis: Redis, settlement_id: str) -> None:
-    Queue(RELAYER_QUEUE, connection=redis).enqueue(
+def enqueue_settlement(redis: Redis, settlement_id: str, queue_name: str) -> None:
+    """Wake a relayer listening on ``queue_name`` (RELAYER_QUEUE) for this settlement."""
+    Queue(queue_name, connection=redis).enqueue(
         SETTLE_JOB,
         settlement_id,
         job_id=f"settle-{settlement_id}",
@@ -72,6 +72,7 @@ def submit_payment(
     redis: Redis,
     *,
     wait_seconds: float = PAY_WAIT_SECONDS,
+    queue_name: str = "relayer",
 ) -> dict[str, Any]:
     intent = load_payable_intent(merchant_id, submission.intent_id)
     now = clock.now()
@@ -108,7 +109,7 @@ def submit_payment(
             services.record_failed_attempt(intent, err.extra.get("reason") or err.message, err.code)
         raise
     try:
-        enqueue_settlement(redis, settlement_id)
+        enqueue_settlement(redis, settlement_id, queue_name)
         redis.blpop([SETTLED_KEY.format(settlement_id)], timeout=wait_seconds)
     except RedisError as exc:
         log.warning("queue unavailable for settlement %s (the reconciler will send it): %s", settlement_id, exc)

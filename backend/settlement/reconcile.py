@@ -63,7 +63,7 @@ def finish_from_chain(chain: EvmChain, settlement: Settlement) -> bool:
     return False
 
 
-def reconcile(registry: ChainRegistry, redis: Redis | None) -> dict[str, int]:
+def reconcile(registry: ChainRegistry, redis: Redis | None, queue_name: str = "relayer") -> dict[str, int]:
     """Periodic: finish or re-send every settlement left open by a crash, a timeout or a lost job."""
     from backend.settlement.flow import enqueue_settlement, notify_settled
 
@@ -83,7 +83,7 @@ def reconcile(registry: ChainRegistry, redis: Redis | None) -> dict[str, int]:
                 # Not executed and still valid: (re)send. Sending the same authorization twice is
                 # harmless: the token executes a nonce once.
                 services.touch(settlement.id)
-                enqueue_settlement(redis, settlement.id)
+                enqueue_settlement(redis, settlement.id, queue_name)
                 counts["resent"] += 1
             else:
                 counts["waiting"] += 1

@@ -13,4 +13,4 @@ def reconcile_settlements() -> dict[str, int]:
     """Periodic: finish settlements left open by crashes, timeouts or lost jobs."""
     settings = current_app.config["PAYINTENT_SETTINGS"]
     redis = redis_from_url(settings.redis_url) if settings.redis_url else None
-    return reconcile(current_app.extensions["payintent.chains"], redis)
+    return reconcile(current_app.extensions["payintent.chains"], redis, settings.relayer_queue)

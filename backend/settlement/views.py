@@ -52,7 +52,13 @@ class Pay(MethodView):
             x402_version=signature["x402Version"],
             payload=signature["payload"],
         )
+        settings = current_app.config["PAYINTENT_SETTINGS"]
         result = submit_payment(
-            current_merchant_id(), submission, current_app.extensions["payintent.chains"], api_redis()
+            current_merchant_id(),
+            submission,
+            current_app.extensions["payintent.chains"],
+            api_redis(),
+            wait_seconds=settings.pay_wait_seconds,
+            queue_name=settings.relayer_queue,
         )
         return ok(result)

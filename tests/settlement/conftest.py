@@ -60,9 +60,9 @@ def devnet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Devnet]:
             os.environ["PAYINTENT_VAR_DIR"] = previous
 
 
-def start_relayer(db_url: str, redis_url: str, chains_file: str) -> subprocess.Popen[bytes]:
+def start_relayer(db_url: str, redis_url: str, chains_file: str, **extra_env: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "DATABASE_URL": db_url, "REDIS_URL": redis_url, "CHAINS_FILE": chains_file,
-           "LOG_LEVEL": "WARNING"}  # fmt: skip
+           "LOG_LEVEL": "WARNING", **extra_env}  # fmt: skip
     log = open(os.environ.get("PAYINTENT_TEST_RELAYER_LOG", os.devnull), "ab")  # noqa: SIM115
     return subprocess.Popen([PAYINTENT, "relayer"], env=env, stdout=log, stderr=log)
 
@@ -87,16 +87,21 @@ def relayer(db_url: str, redis_server_url: str, devnet: Devnet) -> Iterator[subp
     stop_process(proc)
 
 
-@pytest.fixture
-def pay_app(db_url: str, redis_server_url: str, devnet: Devnet, relayer: Any) -> Iterator[Any]:
+def make_pay_app(db_url: str, redis_url: str, devnet: Devnet, **settings: Any) -> Any:
     from backend.app import create_app
-    from backend.extensions import db
 
     truncate_all(db_url)
-    application = create_app(
-        make_settings(db_url, redis_url=redis_server_url, chains_file=devnet.info["chains_file"]),
+    return create_app(
+        make_settings(db_url, redis_url=redis_url, chains_file=devnet.info["chains_file"], **settings),
         chains=devnet.chains,
     )
+
+
+@pytest.fixture
+def pay_app(db_url: str, redis_server_url: str, devnet: Devnet, relayer: Any) -> Iterator[Any]:
+    from backend.extensions import db
+
+    application = make_pay_app(db_url, redis_server_url, devnet)
     with application.app_context():
         yield application
         db.session.remove()

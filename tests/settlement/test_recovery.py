@@ -1,0 +1,221 @@
+"""Exactly once through crashes: the relayer or the API dies mid-way and the intent still ends paid once.
+
+These tests use their own relayer queue, so the session's relayer never picks up their jobs; each
+starts (and kills) relayer processes of its own, with fault injection (PAYINTENT_FAULT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+import requests
+from redis import Redis
+from sqlalchemy import select, update
+
+from backend import clock as clock_module
+from backend.events.models import Event
+from backend.extensions import db
+from backend.intents.models import Intent
+from backend.intents.services import expire_overdue
+from backend.settlement.models import Settlement
+from backend.settlement.reconcile import reconcile
+from payintent.eip3009 import sign_authorization
+from relayer.faults import CRASH_EXIT_CODE
+from tests.conftest import create_merchant, free_port
+from tests.settlement.conftest import PAYINTENT, make_pay_app, start_relayer, stop_process
+from tests.settlement.test_pay import INTENTS, create_intent, pay, requirement
+
+NETWORK = "eip155:84532"
+
+
+class Isolated:
+    def __init__(self, app: Any, queue: str, db_url: str, redis_url: str, devnet: Any) -> None:
+        self.app, self.queue, self.db_url, self.redis_url, self.devnet = app, queue, db_url, redis_url, devnet
+        self.client = app.test_client()
+        self.payout = __import__("eth_account").Account.create().address
+        self.shop = create_merchant(app, f"iso-{uuid.uuid4().hex[:8]}@example.com",
+                                    {n: self.payout for n in devnet.networks})  # fmt: skip
+
+    def relayer(self, fault: str | None = None) -> subprocess.Popen[bytes]:
+        extra = {"RELAYER_QUEUE": self.queue, **({"PAYINTENT_FAULT": fault} if fault else {})}
+        return start_relayer(self.db_url, self.redis_url, self.devnet.info["chains_file"], **extra)
+
+    def intent_row(self, intent_id: str) -> Intent:
+        db.session.expire_all()
+        row = db.session.get(Intent, intent_id)
+        assert row is not None
+        return row
+
+    def settlement(self, intent_id: str) -> Settlement:
+        db.session.expire_all()
+        return db.session.scalars(select(Settlement).where(Settlement.intent_id == intent_id)).one()
+
+    def completed_events(self, intent_id: str) -> list[dict[str, Any]]:
+        rows = db.session.scalars(
+            select(Event).where(Event.type == "payment.completed", Event.intent_id == intent_id)
+        ).all()
+        return [json.loads(r.payload) for r in rows]
+
+    def reconcile_later(self, seconds: int = 60) -> dict[str, int]:
+        """Run the reconciler as if ``seconds`` had passed (it only looks at settlements left alone)."""
+        later = datetime.now(UTC) + timedelta(seconds=seconds)
+        clock_module.set_clock(lambda: later)
+        try:
+            return reconcile(self.devnet.chains, Redis.from_url(self.redis_url), self.queue)
+        finally:
+            clock_module.set_clock(None)
+
+    def wait_paid(self, intent_id: str, timeout: float = 30) -> Intent:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            row = self.intent_row(intent_id)
+            if row.status == "paid":
+                return row
+            time.sleep(0.1)
+        raise AssertionError(f"intent {intent_id} did not become paid")
+
+
+@pytest.fixture
+def iso(db_url: str, redis_server_url: str, devnet: Any) -> Iterator[Isolated]:
+    queue = f"relayer-test-{uuid.uuid4().hex[:8]}"
+    app = make_pay_app(db_url, redis_server_url, devnet, relayer_queue=queue, pay_wait_seconds=3)
+    with app.app_context():
+        yield Isolated(app, queue, db_url, redis_server_url, devnet)
+        db.session.remove()
+        db.engine.dispose()
+
+
+def test_relayer_killed_after_broadcast_ends_paid_once(iso):
+    intent = create_intent(iso.client, iso.shop, 4)
+    payload = sign_authorization(iso.devnet.buyer(0).key, requirement(intent, NETWORK))
+    crashing = iso.relayer(fault="after-broadcast")
+    try:
+        response = pay(iso.client, iso.shop, intent, NETWORK, payload)
+        assert crashing.wait(timeout=30) == CRASH_EXIT_CODE
+    finally:
+        stop_process(crashing)
+    assert response.status_code == 504
+    assert response.get_json()["error"]["code"] == "SETTLEMENT_PENDING"
+    assert iso.devnet.balance(NETWORK, iso.payout) == 4_000_000  # the chain moved the money
+    assert iso.intent_row(intent["intent_id"]).status == "pending"  # ... but nobody recorded it yet
+    assert iso.reconcile_later()["finished"] == 1
+    row = iso.intent_row(intent["intent_id"])
+    assert row.status == "paid" and row.tx_hash == iso.settlement(intent["intent_id"]).tx_hash
+    assert len(iso.completed_events(intent["intent_id"])) == 1
+    assert iso.reconcile_later()["finished"] == 0  # nothing left to do
+    assert len(iso.completed_events(intent["intent_id"])) == 1
+    assert iso.devnet.balance(NETWORK, iso.payout) == 4_000_000
+
+
+def test_relayer_killed_before_broadcast_is_sent_again(iso):
+    intent = create_intent(iso.client, iso.shop, 2)
+    payload = sign_authorization(iso.devnet.buyer(1).key, requirement(intent, NETWORK))
+    crashing = iso.relayer(fault="after-mark-submitted")
+    try:
+        assert pay(iso.client, iso.shop, intent, NETWORK, payload).status_code == 504
+        assert crashing.wait(timeout=30) == CRASH_EXIT_CODE
+    finally:
+        stop_process(crashing)
+    assert iso.devnet.balance(NETWORK, iso.payout) == 0  # recorded as submitted, never sent
+    healthy = iso.relayer()
+    try:
+        counts = iso.reconcile_later()
+        assert counts["resent"] == 1
+        row = iso.wait_paid(intent["intent_id"])
+    finally:
+        stop_process(healthy)
+    assert iso.devnet.balance(NETWORK, iso.payout) == 2_000_000
+    assert row.tx_hash == iso.settlement(intent["intent_id"]).tx_hash
+    assert len(iso.completed_events(intent["intent_id"])) == 1
+
+
+def test_api_killed_while_waiting_ends_paid_once(iso, db_url, redis_server_url, devnet):
+    intent = create_intent(iso.client, iso.shop, 3)
+    payload = sign_authorization(devnet.buyer(2).key, requirement(intent, NETWORK))
+    port = free_port()
+    env = {**os.environ, "DATABASE_URL": db_url, "REDIS_URL": redis_server_url, "LOG_LEVEL": "WARNING",
+           "CHAINS_FILE": devnet.info["chains_file"], "RELAYER_QUEUE": iso.queue, "PAY_WAIT_SECONDS": "60"}  # fmt: skip
+    api = subprocess.Popen([PAYINTENT, "serve", "--port", str(port), "--workers", "1"], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if requests.get(f"{base}/healthz", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        outcome: dict[str, Any] = {}
+
+        def call() -> None:
+            body = {"intent_id": intent["intent_id"], "payment_signature": {
+                "scheme": "exact", "network": NETWORK, "x402Version": 1, "payload": payload}}  # fmt: skip
+            try:
+                outcome["response"] = requests.post(f"{base}/api/v1/x402/pay", json=body, headers=iso.shop.headers,
+                                                    timeout=90)  # fmt: skip
+            except requests.RequestException as exc:
+                outcome["error"] = exc
+
+        waiter = threading.Thread(target=call)
+        waiter.start()
+        deadline = time.monotonic() + 20
+        while iso.intent_row(intent["intent_id"]).settlement_id is None:  # the API claimed the intent
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.killpg(api.pid, signal.SIGKILL)  # the API dies while /pay waits for the relayer
+        waiter.join(timeout=30)
+        assert "error" in outcome  # the caller saw the connection drop
+    finally:
+        if api.poll() is None:
+            os.killpg(api.pid, signal.SIGKILL)
+        api.wait()
+    relayer = iso.relayer()
+    try:
+        row = iso.wait_paid(intent["intent_id"])
+    finally:
+        stop_process(relayer)
+    assert iso.devnet.balance(NETWORK, iso.payout) == 3_000_000
+    assert row.buyer_address == devnet.buyer(2).address
+    assert len(iso.completed_events(intent["intent_id"])) == 1
+    response = iso.client.get(f"{INTENTS}/{intent['intent_id']}", headers=iso.shop.headers)
+    assert response.get_json()["data"]["status"] == "paid"
+
+
+def test_cancel_and_expiry_never_win_over_a_settlement_in_flight(iso):
+    intent = create_intent(iso.client, iso.shop, 1)
+    payload = sign_authorization(iso.devnet.buyer(0).key, requirement(intent, NETWORK))
+    response = pay(iso.client, iso.shop, intent, NETWORK, payload)  # no relayer yet: it waits, then 504
+    assert response.get_json()["error"]["code"] == "SETTLEMENT_PENDING"
+    cancel = iso.client.delete(f"{INTENTS}/{intent['intent_id']}", headers=iso.shop.headers)
+    assert cancel.status_code == 409 and cancel.get_json()["error"]["code"] == "PAYMENT_IN_PROGRESS"
+    db.session.execute(
+        update(Intent)
+        .where(Intent.id == intent["intent_id"])
+        .values(expires_at=datetime.now(UTC) - timedelta(minutes=1))
+    )
+    db.session.commit()
+    assert expire_overdue() == 0
+    read = iso.client.get(f"{INTENTS}/{intent['intent_id']}", headers=iso.shop.headers).get_json()["data"]
+    assert read["status"] == "pending"
+    second = sign_authorization(iso.devnet.buyer(1).key, requirement(intent, NETWORK))
+    other = pay(iso.client, iso.shop, intent, NETWORK, second)
+    assert other.status_code == 409 and other.get_json()["error"]["code"] == "PAYMENT_IN_PROGRESS"
+    relayer = iso.relayer()
+    try:
+        iso.wait_paid(intent["intent_id"])
+    finally:
+        stop_process(relayer)
+    assert iso.devnet.balance(NETWORK, iso.payout) == 1_000_000
+    assert len(iso.completed_events(intent["intent_id"])) == 1
