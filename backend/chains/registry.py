@@ -71,8 +71,6 @@ def _parse_network(raw: dict[str, Any], source: str) -> Network:
             if namespace != "eip155" or not reference.isdigit():
                 raise ChainConfigError(f"{source}: EVM network ids look like eip155:<chain id>, not {network_id}")
             address = normalize_evm_address(str(raw["usdc_address"]))
-            if not raw.get("usdc_domain_name"):
-                raise ChainConfigError(f"{source}: {network_id}: usdc_domain_name is required for EVM networks")
         else:
             if not network_id.startswith("solana:"):
                 raise ChainConfigError(f"{source}: Solana network ids look like solana:<genesis>, not {network_id}")
@@ -118,6 +116,9 @@ def _parse_relay_addresses(raw: Any, kind: str, network_id: str, source: str) ->
 class ChainRegistry:
     def __init__(self, networks: list[Network], relay_keys_file: str | None = None) -> None:
         self._by_id = {n.network: n for n in networks}
+        self._domain_names: dict[str, str] = {
+            n.network: n.usdc_domain_name for n in networks if n.kind == "evm" and n.usdc_domain_name
+        }
         # Where the relayer finds its private keys; only the relayer reads it.
         self.relay_keys_file = relay_keys_file
         if len(self._by_id) != len(networks):
@@ -153,3 +154,12 @@ class ChainRegistry:
 
     def ids(self) -> list[str]:
         return list(self._by_id)
+
+    def domain_name(self, network: Network) -> str:
+        """The token's EIP-712 domain name: from the chains file, else read once from the chain's name()."""
+        name = self._domain_names.get(network.network)
+        if name is None:
+            from backend.chains.evm import evm_chain
+
+            name = self._domain_names[network.network] = evm_chain(network).token_name()
+        return name

@@ -59,7 +59,7 @@ def checkout_url(checkout_host: str, intent_id: str) -> str:
 
 
 def build_requirement(
-    network: Network, pay_to: str, amount_atomic: int, resource: str, description: str
+    network: Network, pay_to: str, amount_atomic: int, resource: str, description: str, domain_name: str | None
 ) -> dict[str, Any]:
     """One x402 ``exact`` payment requirement for a network."""
     requirement: dict[str, Any] = {
@@ -74,8 +74,8 @@ def build_requirement(
         "asset": network.usdc_address,
     }
     if network.kind == "evm":
-        requirement["usdcDomainName"] = network.usdc_domain_name
-        requirement["extra"] = {"name": network.usdc_domain_name, "version": network.usdc_domain_version}
+        requirement["usdcDomainName"] = domain_name
+        requirement["extra"] = {"name": domain_name, "version": network.usdc_domain_version}
     else:
         extra: dict[str, Any] = {"decimals": network.decimals}
         if network.fee_payer:
@@ -88,6 +88,17 @@ def payable_networks(merchant_id: str, registry: ChainRegistry) -> list[tuple[Ne
     """(network, payout address) for each configured network the merchant has a wallet on."""
     wallets = dict(db.session.execute(_WALLETS_OF, {"merchant_id": merchant_id}).all())
     return [(n, wallets[n.network]) for n in registry if n.network in wallets]
+
+
+def _domain_name(registry: ChainRegistry, network: Network) -> str | None:
+    if network.kind != "evm":
+        return None
+    try:
+        return registry.domain_name(network)
+    except Exception:  # the chains file names no domain and the chain cannot be asked right now
+        raise APIError(
+            503, "CHAIN_UNAVAILABLE", f"{network.name} cannot be reached to read its USDC domain name; try again"
+        ) from None
 
 
 def create_intent(
@@ -118,7 +129,8 @@ def create_intent(
         "redirect_url": params.redirect_url,
         "cancel_url": params.cancel_url,
         "payment_requirements": [
-            build_requirement(network, address, amount_atomic, url, label) for network, address in networks
+            build_requirement(network, address, amount_atomic, url, label, _domain_name(registry, network))
+            for network, address in networks
         ],
         "created_at": now,
         "updated_at": now,

@@ -38,7 +38,6 @@ def test_rpc_url_can_come_from_the_environment(monkeypatch):
             ]
         },
         {"networks": [{"network": "eip155:1", "usdc_address": "0x12", "usdc_domain_name": "USDC"}]},
-        {"networks": [{"network": "eip155:1", "usdc_address": "0x036CbD53842c5426634e7929541eC2318f3dCF7e"}]},
         {"networks": [{"network": "eip155:1"}]},
         {
             "networks": [
@@ -63,3 +62,14 @@ def test_bad_chains_files_are_refused_clearly(tmp_path, document):
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(ChainConfigError, match="cannot read"):
         ChainRegistry.load(tmp_path / "nope.json")
+
+
+def test_domain_name_may_be_left_to_the_chain(tmp_path):
+    path = tmp_path / "chains.json"
+    path.write_text(
+        json.dumps(
+            {"networks": [{"network": "eip155:1", "usdc_address": "0x036CbD53842c5426634e7929541eC2318f3dCF7e"}]}
+        )
+    )
+    network = ChainRegistry.load(path).get("eip155:1")
+    assert network.usdc_domain_name is None  # read from the token's name() when first needed

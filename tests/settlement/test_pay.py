@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -177,3 +178,74 @@ def test_twenty_concurrent_payments_move_money_once(pay_app, shop, devnet):
     assert {code for status, code in results if status != 200} <= {"ALREADY_PAID", "PAYMENT_IN_PROGRESS"}
     assert devnet.balance(network, shop.payout) == 2_000_000
     assert len(events("payment.completed")) == 1
+
+
+def test_domain_name_is_read_from_the_chain_when_the_chains_file_omits_it(db_url, redis_server_url, devnet, tmp_path):
+    from backend.app import create_app
+    from backend.chains.registry import ChainRegistry
+    from tests.conftest import make_settings, truncate_all
+
+    document = json.loads(Path(devnet.info["chains_file"]).read_text())
+    for network in document["networks"]:
+        network.pop("usdc_domain_name", None)
+    path = tmp_path / "chains.json"
+    path.write_text(json.dumps(document))
+    registry = ChainRegistry.load(path)
+    assert all(n.usdc_domain_name is None for n in registry)
+    truncate_all(db_url)
+    app = create_app(make_settings(db_url, redis_url=redis_server_url), chains=registry)
+    with app.app_context():
+        from tests.conftest import create_merchant
+
+        shop = create_merchant(app, "domain@example.com", {n: devnet.buyer(0).address for n in devnet.networks})
+        intent = create_intent(app.test_client(), shop)
+        for req in intent["payment_requirements"]:
+            assert req["usdcDomainName"] == "USDC" and req["extra"] == {"name": "USDC", "version": "2"}
+        db.session.remove()
+        db.engine.dispose()
+
+
+def test_expired_intent_and_reused_nonce(pay_client, shop, devnet):
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import update
+
+    from backend.intents.models import Intent
+
+    network = "eip155:84532"
+    paid = create_intent(pay_client, shop)
+    payload = sign_authorization(devnet.buyer(0).key, requirement(paid, network))
+    assert pay(pay_client, shop, paid, network, payload).status_code == 200
+    # The same signed authorization presented for another intent with the same terms: nonce already used.
+    other = create_intent(pay_client, shop)
+    response = pay(pay_client, shop, other, network, payload)
+    assert response.status_code == 409 and response.get_json()["error"]["code"] == "NONCE_ALREADY_USED"
+    # An expired intent refuses a fresh, valid authorization.
+    db.session.execute(
+        update(Intent)
+        .where(Intent.id == other["intent_id"])
+        .values(expires_at=datetime.now(UTC) - timedelta(seconds=1))
+    )
+    db.session.commit()
+    fresh = sign_authorization(devnet.buyer(0).key, requirement(other, network))
+    response = pay(pay_client, shop, other, network, fresh)
+    assert response.status_code == 410 and response.get_json()["error"]["code"] == "INTENT_EXPIRED"
+    assert devnet.balance(network, shop.payout) == 1_500_000
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"intent_id": "x"},
+        {"intent_id": "x", "payment_signature": "nope"},
+        {
+            "intent_id": "x",
+            "payment_signature": {"scheme": "exact", "network": "eip155:84532", "x402Version": "1", "payload": {}},
+        },
+    ],
+)
+def test_malformed_pay_bodies_are_validation_errors(pay_client, shop, body):
+    response = pay_client.post(PAY, json=body, headers=shop.headers)
+    assert response.status_code == 400
+    assert response.get_json()["error"]["code"] == "VALIDATION_ERROR"
