@@ -231,12 +231,30 @@ def worker(burst: bool) -> None:
 
 @cli.command(help="Run the relayer: the only process that loads relay keys (RQ worker on the relayer queue).")
 @click.option("--burst", is_flag=True, help="Drain the queue and exit (tests).")
-def relayer(burst: bool) -> None:
+@click.option(
+    "--processes",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Relayer processes to run (each sends one settlement at a time; use one per relay account).",
+)
+def relayer(burst: bool, processes: int) -> None:
     from backend.queueing import RedisNotConfigured, redis_from_url
     from relayer.keys import RelayKeyError
-    from relayer.worker import run_relayer
+    from relayer.worker import run_pool, run_relayer
 
     app = _app()
+    if processes > 1:
+        from relayer.keys import load_relay_accounts
+
+        try:
+            load_relay_accounts(app.extensions["payintent.chains"])  # fail fast, once, on bad keys
+        except RelayKeyError as exc:
+            raise CLIError("RELAY_KEYS", str(exc), exit_code=1) from None
+        argv = [sys.argv[0], "relayer", *(["--burst"] if burst else [])]
+        run_pool(processes, argv)
+        _emit({"relayer": "stopped", "processes": processes})
+        return
     try:
         connection = redis_from_url(Settings.from_env().redis_url)
     except RedisNotConfigured as exc:

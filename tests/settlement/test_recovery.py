@@ -219,3 +219,35 @@ def test_cancel_and_expiry_never_win_over_a_settlement_in_flight(iso):
         stop_process(relayer)
     assert iso.devnet.balance(NETWORK, iso.payout) == 1_000_000
     assert len(iso.completed_events(intent["intent_id"])) == 1
+
+
+def test_relayer_pool_uses_several_relay_accounts_in_parallel(iso):
+    from concurrent.futures import ThreadPoolExecutor
+
+    intents = [create_intent(iso.client, iso.shop, 1) for _ in range(8)]
+    payloads = [
+        sign_authorization(iso.devnet.buyer(i % 3).key, requirement(it, NETWORK)) for i, it in enumerate(intents)
+    ]
+    env = {**os.environ, "DATABASE_URL": iso.db_url, "REDIS_URL": iso.redis_url, "LOG_LEVEL": "WARNING",
+           "CHAINS_FILE": iso.devnet.info["chains_file"], "RELAYER_QUEUE": iso.queue}  # fmt: skip
+    pool = subprocess.Popen([PAYINTENT, "relayer", "--processes", "4"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        time.sleep(2)
+
+        def attempt(pair: tuple[dict[str, Any], dict[str, Any]]) -> int:
+            with iso.app.test_client() as c:
+                return pay(c, iso.shop, pair[0], NETWORK, pair[1]).status_code
+
+        with ThreadPoolExecutor(max_workers=8) as workers:
+            statuses = list(workers.map(attempt, zip(intents, payloads, strict=True)))
+        for intent in intents:
+            iso.wait_paid(intent["intent_id"])
+    finally:
+        pool.send_signal(signal.SIGTERM)
+        pool.wait(timeout=30)
+    assert all(s in (200, 504) for s in statuses), statuses
+    db.session.expire_all()
+    relays = {s.relay_address for s in db.session.scalars(select(Settlement).where(Settlement.status == "confirmed"))}
+    assert len(relays) > 1
+    assert iso.devnet.balance(NETWORK, iso.payout) == 8_000_000
