@@ -249,3 +249,15 @@ def test_malformed_pay_bodies_are_validation_errors(pay_client, shop, body):
     response = pay_client.post(PAY, json=body, headers=shop.headers)
     assert response.status_code == 400
     assert response.get_json()["error"]["code"] == "VALIDATION_ERROR"
+
+
+def test_pay_responses_match_the_openapi_document(pay_client, shop, devnet):
+    from tests.test_openapi import check
+
+    spec = json.loads(pay_client.get("/api/v1/openapi.json").data)
+    network = "eip155:11155111"
+    intent = create_intent(pay_client, shop)
+    payload = sign_authorization(devnet.buyer(0).key, requirement(intent, network))
+    check(spec, PAY, "post", pay(pay_client, shop, intent, network, payload))  # 200
+    check(spec, PAY, "post", pay(pay_client, shop, intent, network, payload))  # 409 ALREADY_PAID
+    check(spec, PAY, "post", pay_client.post(PAY, json={}, headers=shop.headers))  # 400
