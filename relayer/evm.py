@@ -21,8 +21,8 @@ from web3.exceptions import ContractLogicError
 from backend.chains.evm import EvmChain
 from backend.settlement.models import Settlement
 
-LEASE_SECONDS = 30
-NONCE_KEY = "payintent:relayer:nonce:{}:{}"
+LEASE_SECONDS = 120  # longer than the RPC calls and the database write a send makes
+NONCE_KEY = "payintent:relayer:last:{}:{}"  # the last transaction sent from an account: "nonce:hash"
 LEASE_KEY = "payintent:relayer:lease:{}:{}"
 PRIORITY_FEE_WEI = 1_000_000_000  # 1 gwei tip when the node does not suggest one
 GAS_HEADROOM = 1.25
@@ -60,9 +60,26 @@ def lease(redis: Redis, network: str, accounts: list[LocalAccount], wait_seconds
 
 
 def _next_nonce(redis: Redis, chain: EvmChain, account: LocalAccount) -> int:
-    stored = redis.get(NONCE_KEY.format(chain.network.network, account.address))
-    pending = chain.w3.eth.get_transaction_count(account.address, "pending")
-    return max(pending, int(stored) if stored else 0)
+    """The chain's pending count, unless our last transaction is still known to the node but not yet
+    counted (a lagging or load-balanced RPC). A dropped transaction leaves no gap: the chain wins."""
+    pending = int(chain.w3.eth.get_transaction_count(account.address, "pending"))
+    last = redis.get(NONCE_KEY.format(chain.network.network, account.address))
+    if last:
+        last_nonce, _, last_hash = last.decode().partition(":")
+        if int(last_nonce) >= pending and is_pending(chain, last_hash):
+            return int(last_nonce) + 1
+    return pending
+
+
+def is_pending(chain: EvmChain, tx_hash: str) -> bool:
+    """Whether the node still holds the transaction unmined (so it may yet be mined)."""
+    from web3.exceptions import TransactionNotFound
+
+    try:
+        tx = chain.w3.eth.get_transaction(tx_hash)
+    except TransactionNotFound:
+        return False
+    return tx.get("blockNumber") is None
 
 
 def _fees(chain: EvmChain) -> dict[str, int]:
@@ -127,18 +144,26 @@ def send(
                 chain.w3.eth.send_raw_transaction(signed.raw_transaction)
             except Exception as exc:
                 message = str(exc).lower()
-                if "already known" in message:
-                    pass  # the very same transaction is in the pool: it was sent
-                elif "nonce too low" in message or "underpriced" in message or "nonce" in message:
+                if "already known" not in message:  # else: the very same transaction is in the pool
+                    retryable = "nonce too low" in message or "replacement transaction underpriced" in message
+                    if not retryable or attempt + 1 >= MAX_SEND_ATTEMPTS:
+                        raise
                     redis.delete(NONCE_KEY.format(network, account.address))
-                    if attempt + 1 < MAX_SEND_ATTEMPTS:
-                        continue
-                    raise
-                else:
-                    raise
-            redis.set(NONCE_KEY.format(network, account.address), nonce + 1)
+                    time.sleep(0.2 * (attempt + 1))
+                    continue
+            redis.set(NONCE_KEY.format(network, account.address), f"{nonce}:{tx_hash}")
             return tx_hash
     raise RelayUnavailable("could not send the transaction")
+
+
+def wait_confirmations(chain: EvmChain, block_number: int, timeout: float) -> bool:
+    """Wait until the block is buried under the network's confirmations (1 = mined)."""
+    deadline = time.monotonic() + timeout
+    while not chain.is_final(block_number):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
 
 
 def wait_receipt(chain: EvmChain, tx_hash: str, timeout: float) -> dict[str, Any] | None:

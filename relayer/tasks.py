@@ -1,14 +1,30 @@
-"""The relayer's job: submit one settlement's authorization and finish it from its receipt."""
+"""The relayer's job: submit one settlement's authorization and finish it from the chain.
+
+Rules that keep it exactly once:
+- one job at a time per settlement (a Redis lock held for the whole job);
+- the chain is asked first (a retry may find the authorization already executed);
+- nothing is sent for an intent that another settlement has already paid;
+- a revert releases the intent only when none of our transactions for it can still be mined,
+  and the reconciler keeps watching such a settlement until its validBefore.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
 
 from eth_account.signers.local import LocalAccount
 from flask import current_app
 from redis import Redis
 
 from backend.chains.evm import EvmChain, evm_chain
+from backend.extensions import db
+from backend.intents.models import PAID, Intent
 from backend.queueing import app_job, redis_from_url
 from backend.settlement import models as st
 from backend.settlement import services
@@ -20,6 +36,10 @@ from relayer.faults import crash_point
 log = logging.getLogger(__name__)
 
 RECEIPT_TIMEOUT_SECONDS = 120
+# The per-settlement lock lives this long unless its holder renews it (every third of it), so a
+# relayer that dies frees its settlements within seconds.
+JOB_LOCK_SECONDS = 15
+JOB_LOCK_KEY = "payintent:relayer:settling:{}"
 # Set by relayer.worker at start-up: the only place relay keys live.
 RELAY_ACCOUNTS: dict[str, list[LocalAccount]] = {}
 
@@ -28,11 +48,44 @@ def _redis() -> Redis:
     return redis_from_url(current_app.config["PAYINTENT_SETTINGS"].redis_url)
 
 
+@contextlib.contextmanager
+def settlement_lock(redis: Redis, settlement_id: str) -> Iterator[bool]:
+    """Hold the settlement for this job; yields False if another live relayer holds it."""
+    key = JOB_LOCK_KEY.format(settlement_id)
+    token = secrets.token_hex(8).encode()
+    deadline = time.monotonic() + JOB_LOCK_SECONDS + 2  # a dead holder's lock expires by then
+    while not redis.set(key, token, nx=True, ex=JOB_LOCK_SECONDS):
+        if time.monotonic() > deadline:
+            yield False
+            return
+        time.sleep(0.25)
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(JOB_LOCK_SECONDS / 3):
+            if redis.get(key) != token:
+                return
+            redis.expire(key, JOB_LOCK_SECONDS)
+
+    renewer = threading.Thread(target=renew, name=f"lock-{settlement_id}", daemon=True)
+    renewer.start()
+    try:
+        yield True
+    finally:
+        stop.set()
+        renewer.join(timeout=2)
+        if redis.get(key) == token:
+            redis.delete(key)
+
+
 @app_job
 def settle(settlement_id: str) -> str:
     redis = _redis()
     try:
-        return _settle(settlement_id, redis)
+        with settlement_lock(redis, settlement_id) as held:
+            if not held:
+                return "already-being-settled"  # another relayer process is on it
+            return _settle(settlement_id, redis)
     finally:
         notify_settled(redis, settlement_id)
 
@@ -47,19 +100,23 @@ def _settle(settlement_id: str, redis: Redis) -> str:
         log.error("no relay account for %s; settlement %s waits", settlement.network, settlement_id)
         return "no-relay-account"
     chain = evm_chain(network)
-    # A retry (after a crash or a lost job) first asks the chain what already happened.
     if finish_from_chain(chain, settlement):
         return "finished-from-chain"
     if settlement.status == st.SUBMITTED and settlement.tx_hash:
         receipt = chain.receipt(settlement.tx_hash)
         if receipt is not None:
             return _finish(chain, settlement, settlement.tx_hash, receipt)
+        if evm.is_pending(chain, settlement.tx_hash):
+            return "still-pending"  # our earlier transaction may still be mined: never send a second one
+    intent = db.session.get(Intent, settlement.intent_id, populate_existing=True)
+    if intent is not None and intent.status == PAID and intent.settlement_id != settlement_id:
+        services.fail_settlement(settlement_id, "ALREADY_PAID", "the intent was paid by another authorization")
+        return "intent-already-paid"
     call = evm.transfer_call(chain, settlement)
     try:
         gas = evm.estimate(chain, call, accounts[0].address)
     except evm.Reverted as exc:
-        services.fail_settlement(settlement_id, "SETTLEMENT_FAILED", f"the transfer would revert: {exc}")
-        return "reverted-before-send"
+        return _reverted(chain, settlement, f"the transfer would revert: {exc}")
     tx_hash = evm.send(
         redis,
         chain,
@@ -81,12 +138,20 @@ def _submitted(settlement_id: str, tx_hash: str, relay_address: str) -> None:
     crash_point("after-mark-submitted")
 
 
-def _finish(chain: EvmChain, settlement: st.Settlement, tx_hash: str, receipt: dict) -> str:
+def _finish(chain: EvmChain, settlement: st.Settlement, tx_hash: str, receipt: dict[str, Any]) -> str:
     if receipt.get("status") == 1:
+        if not evm.wait_confirmations(chain, int(receipt["blockNumber"]), RECEIPT_TIMEOUT_SECONDS):
+            return "waiting-for-confirmations"  # the reconciler finishes it once final
         services.complete_settlement(settlement.id, tx_hash)
         return "confirmed"
-    # Reverted: maybe someone else executed the authorization first; the chain decides.
+    return _reverted(chain, settlement, f"transaction {tx_hash} reverted")
+
+
+def _reverted(chain: EvmChain, settlement: st.Settlement, reason: str) -> str:
+    """A revert: the chain decides (someone may have executed or cancelled it); else release the intent."""
     if finish_from_chain(chain, settlement):
         return "finished-from-chain"
-    services.fail_settlement(settlement.id, "SETTLEMENT_FAILED", f"transaction {tx_hash} reverted")
+    if settlement.tx_hash and evm.is_pending(chain, settlement.tx_hash):
+        return "still-pending"
+    services.fail_settlement(settlement.id, "SETTLEMENT_FAILED", reason)
     return "reverted"

@@ -8,9 +8,11 @@ from flask import Flask
 from redis import Redis
 from rq import SimpleWorker
 
+from backend.chains.evm import evm_chain
+from backend.chains.registry import Network
 from backend.queueing import queue, set_job_app
 from relayer import tasks
-from relayer.keys import load_relay_accounts
+from relayer.keys import RelayKeyError, load_relay_accounts
 
 log = logging.getLogger(__name__)
 
@@ -19,12 +21,27 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False) -> None:
     accounts = load_relay_accounts(app.extensions["payintent.chains"])
     tasks.RELAY_ACCOUNTS.clear()
     tasks.RELAY_ACCOUNTS.update(accounts)
+    registry = app.extensions["payintent.chains"]
     for network, loaded in accounts.items():
+        check_chain_id(registry.get(network))
         log.info("relayer: %d relay account(s) on %s: %s", len(loaded), network, ", ".join(a.address for a in loaded))
     set_job_app(app)
     queue_name = app.config["PAYINTENT_SETTINGS"].relayer_queue
     worker = SimpleWorker([queue(queue_name, connection)], connection=connection)
     worker.work(burst=burst, with_scheduler=False, logging_level="INFO")
+
+
+def check_chain_id(network: Network | None) -> None:
+    """Refuse to sign for a network whose RPC answers with another chain id (a misconfigured URL)."""
+    if network is None:
+        return
+    try:
+        answered = evm_chain(network).w3.eth.chain_id
+    except Exception as exc:
+        log.warning("relayer: %s unreachable at start-up (%s); will retry per job", network.network, type(exc).__name__)
+        return
+    if answered != network.chain_id:
+        raise RelayKeyError(f"the RPC of {network.network} answers chain id {answered}, not {network.chain_id}")
 
 
 def run_pool(processes: int, argv: list[str]) -> int:
@@ -37,7 +54,7 @@ def run_pool(processes: int, argv: list[str]) -> int:
     import subprocess
     import time
 
-    children: list[subprocess.Popen[bytes]] = [subprocess.Popen(argv) for _ in range(processes)]
+    children: list[subprocess.Popen[bytes] | None] = [subprocess.Popen(argv) for _ in range(processes)]
     stopping = False
 
     def stop(*_: object) -> None:
@@ -46,19 +63,27 @@ def run_pool(processes: int, argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    delays = [1.0] * processes
     try:
-        while not stopping:
+        while not stopping and any(child is not None for child in children):
             for i, child in enumerate(children):
-                if child.poll() is not None and not stopping:
-                    log.warning("relayer process %d exited with %s; restarting it", child.pid, child.returncode)
-                    time.sleep(1)
-                    children[i] = subprocess.Popen(argv)
+                if child is None or child.poll() is None or stopping:
+                    continue
+                if child.returncode == 0:  # a clean exit (e.g. --burst drained the queue): not restarted
+                    children[i] = None
+                    continue
+                log.warning("relayer process %d exited with %s; restarting in %.0fs", child.pid, child.returncode,
+                            delays[i])  # fmt: skip
+                time.sleep(delays[i])
+                delays[i] = min(delays[i] * 2, 60.0)
+                children[i] = subprocess.Popen(argv)
             time.sleep(0.5)
     finally:
-        for child in children:
+        alive = [child for child in children if child is not None]
+        for child in alive:
             if child.poll() is None:
                 child.terminate()
-        for child in children:
+        for child in alive:
             try:
                 child.wait(timeout=30)
             except subprocess.TimeoutExpired:

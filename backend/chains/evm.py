@@ -76,8 +76,12 @@ class EvmChain:
     def block_timestamp(self) -> int:
         return int(self.w3.eth.get_block("latest")["timestamp"])
 
-    def authorization_log(self, authorizer: str, nonce: bytes, from_block: int) -> tuple[str, str] | None:
-        """(topic, tx hash) of the AuthorizationUsed/Canceled event for this authorization, if any."""
+    def is_final(self, block_number: int) -> bool:
+        """Whether a block is buried under the network's configured confirmations."""
+        return self.block_number() - block_number + 1 >= max(self.network.confirmations, 1)
+
+    def authorization_log(self, authorizer: str, nonce: bytes, from_block: int) -> tuple[str, str, int] | None:
+        """(topic, tx hash, block) of the AuthorizationUsed/Canceled event for this authorization, if any."""
         topics = [
             [AUTHORIZATION_USED_TOPIC, AUTHORIZATION_CANCELED_TOPIC],
             "0x" + bytes(12).hex() + to_checksum_address(authorizer)[2:].lower(),
@@ -90,7 +94,7 @@ class EvmChain:
             return None
         first = logs[0]
         topic = first["topics"][0]
-        return ("0x" + bytes(topic).hex(), "0x" + bytes(first["transactionHash"]).hex())
+        return ("0x" + bytes(topic).hex(), "0x" + bytes(first["transactionHash"]).hex(), int(first["blockNumber"]))
 
     def receipt(self, tx_hash: str) -> dict[str, Any] | None:
         from web3.exceptions import TransactionNotFound

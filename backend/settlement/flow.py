@@ -77,20 +77,27 @@ def submit_payment(
     intent = load_payable_intent(merchant_id, submission.intent_id)
     now = clock.now()
     try:
+        # The intent's state first: a retry of a settled payment is ALREADY_PAID whatever it carries.
+        services.check_payable(intent, now)
         requirement = services.requirement_for(intent, submission)
         network = services.network_of(registry, submission.network)
         if network.kind != "evm":
             raise APIError(400, "UNSUPPORTED_NETWORK", f"Payments on {network.network} are not supported yet")
+        if requirement["asset"].lower() != network.usdc_address.lower():
+            raise APIError(
+                409,
+                "REQUIREMENT_OUTDATED",
+                f"The USDC contract configured for {network.network} changed since this intent was created",
+            )
         auth = parse_evm_payload(submission.payload)
         verify_evm_authorization(auth, requirement, int(now.timestamp()))
-        services.check_payable(intent, now)
         chain = evm_chain(network)
         try:
             used = chain.authorization_state(auth.payer, auth.nonce)
             balance = chain.balance_of(auth.payer)
             start_block = chain.block_number()
-        except Exception as exc:  # RPC down, timeouts, malformed answers
-            log.warning("chain %s unreachable during /pay: %s", network.network, exc)
+        except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
+            log.warning("chain %s unreachable during /pay (%s)", network.network, type(exc).__name__)
             raise APIError(503, "CHAIN_UNAVAILABLE", f"{network.name} cannot be reached right now; try again") from None
         if used:
             raise APIError(409, "NONCE_ALREADY_USED", "This authorization's nonce was already used or cancelled")

@@ -26,8 +26,9 @@ class Settlement(db.Model):
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    intent_id: Mapped[str] = mapped_column(ForeignKey("intents.id", ondelete="CASCADE"), index=True)
-    merchant_id: Mapped[str] = mapped_column(ForeignKey("merchants.id", ondelete="CASCADE"))
+    # RESTRICT: the record of money that moved is never deleted with its intent or merchant.
+    intent_id: Mapped[str] = mapped_column(ForeignKey("intents.id", ondelete="RESTRICT"), index=True)
+    merchant_id: Mapped[str] = mapped_column(ForeignKey("merchants.id", ondelete="RESTRICT"))
     network: Mapped[str] = mapped_column(String(64))
     asset: Mapped[str] = mapped_column(String(64))
     payer: Mapped[str] = mapped_column(String(64))

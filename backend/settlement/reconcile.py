@@ -40,9 +40,15 @@ def onchain_outcome(chain: EvmChain, settlement: Settlement) -> tuple[Outcome, s
         return Outcome.UNUSED, None
     found = chain.authorization_log(settlement.payer, nonce, (settlement.start_block or 0) - 5)
     if found is None:
-        # Used, but the log is out of our search range: our own transaction is the best candidate.
-        return Outcome.USED, settlement.tx_hash
-    topic, tx_hash = found
+        # Used, but the log is out of our search range: only our own mined transaction will do.
+        receipt = chain.receipt(settlement.tx_hash) if settlement.tx_hash else None
+        if receipt is not None and receipt.get("status") == 1:
+            return Outcome.USED, settlement.tx_hash
+        log.warning("settlement %s: authorization used but its transaction was not found yet", settlement.id)
+        return Outcome.UNUSED, None
+    topic, tx_hash, block_number = found
+    if topic == AUTHORIZATION_USED_TOPIC and not chain.is_final(block_number):
+        return Outcome.UNUSED, None  # executed, but not yet under enough confirmations
     return (Outcome.USED if topic == AUTHORIZATION_USED_TOPIC else Outcome.CANCELED), tx_hash
 
 
@@ -63,11 +69,30 @@ def finish_from_chain(chain: EvmChain, settlement: Settlement) -> bool:
     return False
 
 
+def watch_released(registry: ChainRegistry) -> int:
+    """Settlements failed on a revert may still execute until validBefore (their signature is out):
+    if one does, the database follows the chain and the intent is paid."""
+    found = 0
+    for settlement in services.released_but_valid(int(clock.now().timestamp()) - EXPIRY_GRACE_SECONDS):
+        network = registry.get(settlement.network)
+        if network is None:
+            continue
+        try:
+            outcome, tx_hash = onchain_outcome(evm_chain(network), settlement)
+        except Exception as exc:
+            log.warning("could not watch settlement %s (%s)", settlement.id, type(exc).__name__)
+            continue
+        if outcome is Outcome.USED and tx_hash:
+            services.complete_settlement(settlement.id, tx_hash)
+            found += 1
+    return found
+
+
 def reconcile(registry: ChainRegistry, redis: Redis | None, queue_name: str = "relayer") -> dict[str, int]:
     """Periodic: finish or re-send every settlement left open by a crash, a timeout or a lost job."""
     from backend.settlement.flow import enqueue_settlement, notify_settled
 
-    counts = {"finished": 0, "resent": 0, "waiting": 0, "errors": 0}
+    counts = {"finished": 0, "resent": 0, "waiting": 0, "errors": 0, "late": watch_released(registry)}
     for settlement in services.open_settlements(clock.now() - STALE_AFTER):
         network = registry.get(settlement.network)
         if network is None:
@@ -87,8 +112,8 @@ def reconcile(registry: ChainRegistry, redis: Redis | None, queue_name: str = "r
                 counts["resent"] += 1
             else:
                 counts["waiting"] += 1
-        except Exception:
-            log.exception("could not reconcile settlement %s", settlement.id)
+        except Exception as exc:  # logged without the message: RPC errors carry the RPC URL
+            log.warning("could not reconcile settlement %s (%s)", settlement.id, type(exc).__name__)
             counts["errors"] += 1
     return counts
 

@@ -166,6 +166,8 @@ def complete_settlement(settlement_id: str, tx_hash: str) -> bool:
         return False
     if settlement.status == st.CONFIRMED:
         return True
+    if not tx_hash:
+        raise ValueError("a settlement is completed with the hash of the transaction that executed it")
     now = clock.now()
     db.session.execute(
         update(Settlement)
@@ -198,6 +200,12 @@ def complete_settlement(settlement_id: str, tx_hash: str) -> bool:
             intent_id=intent.id,
         )
     else:
+        # The buyer paid twice (e.g. submitted a released authorization themselves): keep a durable mark.
+        db.session.execute(
+            update(Settlement)
+            .where(Settlement.id == settlement_id)
+            .values(failure_code="DUPLICATE_PAYMENT", failure_reason="executed after the intent was already paid")
+        )
         log.error("settlement %s executed on chain but intent %s was already paid", settlement_id, settlement.intent_id)
     db.session.commit()
     return True
@@ -243,6 +251,22 @@ def touch(settlement_id: str) -> None:
     """Mark a settlement as just handled, so the reconciler waits before looking again."""
     db.session.execute(update(Settlement).where(Settlement.id == settlement_id).values(updated_at=clock.now()))
     db.session.commit()
+
+
+def released_but_valid(now_ts: int, limit: int = 200) -> list[Settlement]:
+    """Settlements that failed on a revert while their authorization can still execute."""
+    return list(
+        db.session.scalars(
+            select(Settlement)
+            .where(
+                Settlement.status == st.FAILED,
+                Settlement.failure_code == "SETTLEMENT_FAILED",
+                Settlement.valid_before > now_ts,
+            )
+            .order_by(Settlement.valid_before)
+            .limit(limit)
+        )
+    )
 
 
 def open_settlements(older_than: datetime, limit: int = 200) -> list[Settlement]:

@@ -14,8 +14,10 @@ from eth_utils import to_checksum_address
 from backend.errors import APIError
 from payintent.eip3009 import domain_of, recover_authorizer
 
-# validBefore must leave at least this long for the transaction to be mined.
+# validBefore must leave at least this long for the transaction to be mined...
 VALIDITY_MARGIN_SECONDS = 30
+# ... and may be at most this far ahead: an unexecuted authorization holds its intent until then.
+MAX_VALIDITY_SECONDS = 3600
 _ADDRESS_RE = re.compile(r"^0x[0-9a-fA-F]{40}$")
 _BYTES32_RE = re.compile(r"^0x[0-9a-fA-F]{64}$")
 _SIGNATURE_RE = re.compile(r"^0x[0-9a-fA-F]{130}$")
@@ -93,6 +95,8 @@ def verify_evm_authorization(auth: EvmAuthorization, requirement: dict[str, Any]
         raise APIError(
             400, "AMOUNT_MISMATCH", f"value must equal maxAmountRequired ({requirement['maxAmountRequired']})"
         )
+    if auth.payer == auth.pay_to:
+        raise APIError(400, "PAYER_IS_RECIPIENT", "from and to are the same address: nothing would be paid")
     if auth.valid_after > now:
         raise APIError(400, "AUTHORIZATION_NOT_YET_VALID", "validAfter is in the future")
     if auth.valid_before <= now + VALIDITY_MARGIN_SECONDS:
@@ -100,6 +104,12 @@ def verify_evm_authorization(auth: EvmAuthorization, requirement: dict[str, Any]
             400,
             "AUTHORIZATION_EXPIRED",
             f"validBefore has passed or leaves under {VALIDITY_MARGIN_SECONDS} s to settle; sign a new authorization",
+        )
+    if auth.valid_before > now + MAX_VALIDITY_SECONDS:
+        raise APIError(
+            400,
+            "AUTHORIZATION_TOO_LONG",
+            f"validBefore may be at most {MAX_VALIDITY_SECONDS} s ahead (sign with validBefore = now + 900)",
         )
     try:
         signer = recover_authorizer(domain_of(requirement), auth.raw)

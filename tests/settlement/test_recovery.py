@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -251,3 +252,123 @@ def test_relayer_pool_uses_several_relay_accounts_in_parallel(iso):
     relays = {s.relay_address for s in db.session.scalars(select(Settlement).where(Settlement.status == "confirmed"))}
     assert len(relays) > 1
     assert iso.devnet.balance(NETWORK, iso.payout) == 8_000_000
+
+
+def _token(devnet: Any, network: str) -> Any:
+    artifact = json.loads((Path(__file__).resolve().parents[2] / "devnet" / "artifacts" / "TestUSDC.json").read_text())
+    w3 = devnet.w3(network)
+    return w3, w3.eth.contract(address=devnet.info["networks"][network]["usdc_address"], abi=artifact["abi"])
+
+
+def _send_as(w3: Any, account: Any, call: Any) -> Any:
+    w3.provider.make_request("anvil_setBalance", [account.address, hex(10**18)])
+    tx = call.build_transaction({"from": account.address, "nonce": w3.eth.get_transaction_count(account.address),
+                                 "chainId": w3.eth.chain_id})  # fmt: skip
+    receipt = w3.eth.wait_for_transaction_receipt(
+        w3.eth.send_raw_transaction(account.sign_transaction(tx).raw_transaction)
+    )
+    assert receipt["status"] == 1
+    return receipt
+
+
+def test_buyer_cancelling_the_authorization_releases_the_intent(iso):
+    from eth_account import Account
+
+    buyer = Account.create()
+    w3, token = _token(iso.devnet, NETWORK)
+    _send_as(w3, iso.devnet.buyer(0), token.functions.transfer(buyer.address, 5_000_000))
+    intent = create_intent(iso.client, iso.shop, 1)
+    payload = sign_authorization(buyer.key, requirement(intent, NETWORK))
+    assert pay(iso.client, iso.shop, intent, NETWORK, payload).get_json()["error"]["code"] == "SETTLEMENT_PENDING"
+    signed = Account.sign_typed_data(
+        buyer.key,
+        {"name": "USDC", "version": "2", "chainId": w3.eth.chain_id, "verifyingContract": token.address},
+        {"CancelAuthorization": [{"name": "authorizer", "type": "address"}, {"name": "nonce", "type": "bytes32"}]},
+        {"authorizer": buyer.address, "nonce": bytes.fromhex(payload["nonce"][2:])},
+    )
+    cancel = token.get_function_by_signature("cancelAuthorization(address,bytes32,bytes)")
+    _send_as(w3, buyer, cancel(buyer.address, bytes.fromhex(payload["nonce"][2:]), bytes(signed.signature)))
+    relayer = iso.relayer()
+    try:
+        deadline = time.monotonic() + 30
+        while iso.settlement(intent["intent_id"]).status != "failed":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        stop_process(relayer)
+    assert iso.settlement(intent["intent_id"]).failure_code == "AUTHORIZATION_CANCELED"
+    assert iso.intent_row(intent["intent_id"]).settlement_id is None  # payable again
+    assert iso.devnet.balance(NETWORK, iso.payout) == 0
+
+
+def test_a_released_authorization_that_executes_later_still_pays_the_intent(iso):
+    """A revert (balance moved away) releases the intent; if the same authorization executes later
+    (anyone can submit it), the reconciler's watch marks the intent paid: the database follows the chain."""
+    from eth_account import Account
+
+    buyer, elsewhere = Account.create(), Account.create()
+    w3, token = _token(iso.devnet, NETWORK)
+    _send_as(w3, iso.devnet.buyer(1), token.functions.transfer(buyer.address, 2_000_000))
+    intent = create_intent(iso.client, iso.shop, 2)
+    payload = sign_authorization(buyer.key, requirement(intent, NETWORK))
+    assert pay(iso.client, iso.shop, intent, NETWORK, payload).get_json()["error"]["code"] == "SETTLEMENT_PENDING"
+    _send_as(w3, buyer, token.functions.transfer(elsewhere.address, 2_000_000))  # funds gone before relaying
+    relayer = iso.relayer()
+    try:
+        deadline = time.monotonic() + 30
+        while iso.settlement(intent["intent_id"]).status != "failed":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        stop_process(relayer)
+    settlement = iso.settlement(intent["intent_id"])
+    assert settlement.failure_code == "SETTLEMENT_FAILED" and "revert" in settlement.failure_reason
+    assert iso.intent_row(intent["intent_id"]).settlement_id is None
+    # The funds come back and a third party submits the buyer's public authorization itself.
+    _send_as(w3, elsewhere, token.functions.transfer(buyer.address, 2_000_000))
+    sig = bytes.fromhex(payload["signature"][2:])
+    outsider = Account.create()
+    _send_as(w3, outsider, token.functions.transferWithAuthorization(
+        payload["from"], payload["to"], int(payload["value"]), 0, int(payload["validBefore"]),
+        bytes.fromhex(payload["nonce"][2:]), sig[64], sig[:32], sig[32:64]))  # fmt: skip
+    assert iso.devnet.balance(NETWORK, iso.payout) == 2_000_000
+    assert iso.reconcile_later()["late"] == 1
+    row = iso.intent_row(intent["intent_id"])
+    assert row.status == "paid" and row.buyer_address == buyer.address
+    assert len(iso.completed_events(intent["intent_id"])) == 1
+
+
+def test_retry_of_a_paid_intent_is_already_paid_whatever_it_carries(iso):
+    relayer = iso.relayer()
+    try:
+        intent = create_intent(iso.client, iso.shop, 1)
+        iso.app.config["PAYINTENT_SETTINGS"] = iso.app.config["PAYINTENT_SETTINGS"].__class__(
+            **{**iso.app.config["PAYINTENT_SETTINGS"].__dict__, "pay_wait_seconds": 30}
+        )
+        payload = sign_authorization(iso.devnet.buyer(0).key, requirement(intent, NETWORK))
+        assert pay(iso.client, iso.shop, intent, NETWORK, payload).status_code == 200
+    finally:
+        stop_process(relayer)
+    stale = {**payload, "validBefore": "1000"}  # expired, and a bad signature too
+    for network, body in ((NETWORK, stale), ("eip155:1", payload)):
+        response = pay(iso.client, iso.shop, intent, network, body)
+        assert response.status_code == 409 and response.get_json()["error"]["code"] == "ALREADY_PAID"
+    db.session.expire_all()
+    assert not db.session.scalars(select(Event).where(Event.type == "payment.failed")).all()
+
+
+def test_long_lived_authorizations_are_refused(iso):
+    intent = create_intent(iso.client, iso.shop, 1)
+    payload = sign_authorization(iso.devnet.buyer(0).key, requirement(intent, NETWORK), valid_for=7200)
+    response = pay(iso.client, iso.shop, intent, NETWORK, payload)
+    assert response.status_code == 400
+    assert response.get_json()["error"]["code"] == "AUTHORIZATION_TOO_LONG"
+
+
+def test_paying_yourself_is_refused(iso):
+    buyer = iso.devnet.buyer(2)
+    selfish = create_merchant(iso.app, f"self-{uuid.uuid4().hex[:6]}@example.com", {NETWORK: buyer.address})
+    intent = create_intent(iso.client, selfish, 1)
+    response = pay(iso.client, selfish, intent, NETWORK, sign_authorization(buyer.key, requirement(intent, NETWORK)))
+    assert response.status_code == 400
+    assert response.get_json()["error"]["code"] == "PAYER_IS_RECIPIENT"

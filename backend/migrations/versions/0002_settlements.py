@@ -38,8 +38,8 @@ def upgrade() -> None:
     sa.Column('updated_at', sa.DateTime(timezone=True), nullable=False),
     sa.Column('submitted_at', sa.DateTime(timezone=True), nullable=True),
     sa.Column('finished_at', sa.DateTime(timezone=True), nullable=True),
-    sa.ForeignKeyConstraint(['intent_id'], ['intents.id'], name=op.f('fk_settlements_intent_id_intents'), ondelete='CASCADE'),
-    sa.ForeignKeyConstraint(['merchant_id'], ['merchants.id'], name=op.f('fk_settlements_merchant_id_merchants'), ondelete='CASCADE'),
+    sa.ForeignKeyConstraint(['intent_id'], ['intents.id'], name=op.f('fk_settlements_intent_id_intents'), ondelete='RESTRICT'),
+    sa.ForeignKeyConstraint(['merchant_id'], ['merchants.id'], name=op.f('fk_settlements_merchant_id_merchants'), ondelete='RESTRICT'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_settlements')),
     sa.UniqueConstraint('network', 'payer', 'nonce', name=op.f('uq_settlements_network_payer_nonce'))
     )
