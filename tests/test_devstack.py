@@ -12,11 +12,14 @@ from pathlib import Path
 
 import psutil
 import requests
+from web3 import Web3
 
 from devnet import free_port_base
 from tests.conftest import free_port
 
 PAYINTENT = str(Path(sys.executable).with_name("payintent"))
+AGENT_PAY = Path(__file__).resolve().parents[1] / "examples" / "agent_pay.py"
+AGENT_SETTINGS = ("PAYINTENT_URL", "PAYINTENT_API_KEY", "BUYER_PRIVATE_KEY", "PAYINTENT_RPC_URLS")
 
 
 def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
@@ -40,6 +43,7 @@ def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("redis-server" in " ".join(c.cmdline()) for c in children)  # a private, real Redis
         assert sum("anvil" in " ".join(c.cmdline()) for c in children) == 3  # the local devnet
+        assert any(c.cmdline()[-1:] == ["relayer"] for c in children)  # settles /pay
         chains = json.loads(Path(demo["chains_file"]).read_text())["networks"]
         assert [b["address"] in banner and b["private_key"] in banner for b in demo["buyers"]] == [True] * 3
         response = requests.post(
@@ -52,8 +56,47 @@ def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
         requirements = response.json()["data"]["payment_requirements"]
         assert len(requirements) == len(chains) == 3
         assert {r["asset"] for r in requirements} == {c["usdc_address"] for c in chains}
+
+        # The agent example pays a fresh intent on the devnet, end to end, with only var/demo.json.
+        agent_env = {k: v for k, v in env.items() if k not in AGENT_SETTINGS}  # PAYINTENT_VAR_DIR stays
+        paid = subprocess.run(
+            [sys.executable, str(AGENT_PAY), "--amount", "1.25"],
+            env=agent_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert paid.returncode == 0, paid.stderr
+        summary = json.loads(paid.stdout.splitlines()[-1])
+        assert f"tx_hash {summary['tx_hash']}" in paid.stdout
+        rpc_url = demo["networks"][summary["network"]]["rpc_url"]
+        receipt = Web3(Web3.HTTPProvider(rpc_url)).eth.get_transaction_receipt(summary["tx_hash"])
+        assert receipt["status"] == 1
+        assert summary["buyer_address"] == demo["buyers"][0]["address"] and summary["amount_usdc"] == 1.25
+        intent = requests.get(
+            f"http://127.0.0.1:{port}/api/v1/x402/intents/{summary['intent_id']}",
+            headers={"Authorization": f"Bearer {demo['api_key']}"},
+            timeout=10,
+        ).json()["data"]
+        assert intent["status"] == "paid" and intent["tx_hash"] == summary["tx_hash"]
+        assert intent["chain"] == summary["network"] and intent["amount_usdc"] == 1.25
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
     time.sleep(0.5)
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_the_relayer_starts_only_where_relay_keys_are_configured(tmp_path, monkeypatch):
+    from backend.devstack import relay_keys_configured
+
+    for name in ("RELAY_KEYS", "RELAY_KEYS_FILE", "CHAINS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    assert not relay_keys_configured()  # the public testnets: no relay keys, no relayer
+    chains = tmp_path / "chains.json"
+    chains.write_text(json.dumps({"networks": [], "relay_keys_file": "relay_keys.json"}))
+    monkeypatch.setenv("CHAINS_FILE", str(chains))
+    assert relay_keys_configured()  # as `devnet up` writes it
+    monkeypatch.delenv("CHAINS_FILE")
+    monkeypatch.setenv("RELAY_KEYS_FILE", str(tmp_path / "keys.json"))
+    assert relay_keys_configured()
