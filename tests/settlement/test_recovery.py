@@ -76,6 +76,13 @@ class Isolated:
         finally:
             clock_module.set_clock(None)
 
+    def wait_settlement(self, intent_id: str, status: str, timeout: float = 30) -> Settlement:
+        deadline = time.monotonic() + timeout
+        while (settlement := self.settlement(intent_id)).status != status:
+            assert time.monotonic() < deadline, f"settlement is {settlement.status}, not {status}"
+            time.sleep(0.1)
+        return settlement
+
     def wait_paid(self, intent_id: str, timeout: float = 30) -> Intent:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -290,10 +297,7 @@ def test_buyer_cancelling_the_authorization_releases_the_intent(iso):
     _send_as(w3, buyer, cancel(buyer.address, bytes.fromhex(payload["nonce"][2:]), bytes(signed.signature)))
     relayer = iso.relayer()
     try:
-        deadline = time.monotonic() + 30
-        while iso.settlement(intent["intent_id"]).status != "failed":
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        iso.wait_settlement(intent["intent_id"], "failed")
     finally:
         stop_process(relayer)
     assert iso.settlement(intent["intent_id"]).failure_code == "AUTHORIZATION_CANCELED"
@@ -315,10 +319,7 @@ def test_a_released_authorization_that_executes_later_still_pays_the_intent(iso)
     _send_as(w3, buyer, token.functions.transfer(elsewhere.address, 2_000_000))  # funds gone before relaying
     relayer = iso.relayer()
     try:
-        deadline = time.monotonic() + 30
-        while iso.settlement(intent["intent_id"]).status != "failed":
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        iso.wait_settlement(intent["intent_id"], "failed")
     finally:
         stop_process(relayer)
     settlement = iso.settlement(intent["intent_id"])
