@@ -1,9 +1,11 @@
 """Start, identify and stop Anvil processes.
 
 Anvil is the Linux binary from the ``@foundry-rs/anvil-linux-amd64`` npm package (``npm ci``), or
-``ANVIL_BIN``, or ``anvil`` on PATH. It runs with ``--prune-history`` (no historical state, so it
-never spills state snapshots into ``~/.foundry/anvil/tmp``) and ``--cache-path`` pointing under our
-var dir as a second guard, so a stopped devnet leaves nothing behind outside ``var/devnet``.
+``ANVIL_BIN``, or ``anvil`` on PATH. It runs with ``--prune-history 64`` (at most 64 recent states,
+in memory, so it never spills state snapshots into ``~/.foundry/anvil/tmp``; with no number it
+keeps none, and an ``eth_call`` at "latest" racing a new block fails with BlockOutOfRangeError)
+and ``--cache-path`` pointing under our var dir as a second guard, so a stopped devnet leaves
+nothing behind outside ``var/devnet``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import psutil
 import requests
 
+PRUNED_STATES_KEPT = 64
 ROOT = Path(__file__).resolve().parents[1]
 NPM_ANVIL = ROOT / "node_modules" / "@foundry-rs" / "anvil-linux-amd64" / "bin" / "anvil"
 HOST = "127.0.0.1"
@@ -69,7 +72,7 @@ def spawn(binary: str, *, port: int, chain_id: int, cache_dir: Path, log_file: P
     argv = [
         binary,
         *("--host", HOST, "--port", str(port), "--chain-id", str(chain_id)),
-        *("--prune-history", "--cache-path", str(cache_dir), "--silent"),
+        *("--prune-history", str(PRUNED_STATES_KEPT), "--cache-path", str(cache_dir), "--silent"),
     ]
     with log_file.open("wb") as log:
         proc = subprocess.Popen(

@@ -7,6 +7,7 @@ from typing import Any
 
 from eth_utils import keccak, to_checksum_address
 from web3 import Web3
+from web3.types import RPCEndpoint
 
 from backend.chains.registry import Network
 
@@ -58,7 +59,14 @@ class EvmChain:
         if not network.rpc_url:
             raise ValueError(f"{network.network} has no RPC URL configured")
         self.network = network
-        self.w3 = Web3(Web3.HTTPProvider(network.rpc_url, request_kwargs={"timeout": RPC_TIMEOUT_SECONDS}))
+        provider = Web3.HTTPProvider(
+            network.rpc_url,
+            request_kwargs={"timeout": RPC_TIMEOUT_SECONDS},
+            # web3 asks eth_chainId before every call; a chain id never changes, so ask once.
+            cache_allowed_requests=True,
+            cacheable_requests={RPCEndpoint("eth_chainId")},
+        )
+        self.w3 = Web3(provider)
         self.token = self.w3.eth.contract(address=to_checksum_address(network.usdc_address), abi=USDC_ABI)
 
     def balance_of(self, address: str) -> int:

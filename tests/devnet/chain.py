@@ -18,6 +18,8 @@ from typing import Any
 from eth_account.signers.local import LocalAccount
 from web3 import Web3
 
+from devnet.anvil import PRUNED_STATES_KEPT
+
 ROOT = Path(__file__).resolve().parents[2]
 ANVIL = ROOT / "node_modules" / "@foundry-rs" / "anvil-linux-amd64" / "bin" / "anvil"
 ARTIFACT = ROOT / "devnet" / "artifacts" / "TestUSDC.json"
@@ -55,7 +57,7 @@ def anvil_command(port: int, cache_dir: Path) -> list[str]:
     return [
         str(ANVIL),
         *("--host", "127.0.0.1", "--port", str(port), "--chain-id", str(CHAIN_ID)),
-        *("--prune-history", "--cache-path", str(cache_dir), "--silent"),
+        *("--prune-history", str(PRUNED_STATES_KEPT), "--cache-path", str(cache_dir), "--silent"),
     ]
 
 
