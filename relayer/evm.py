@@ -82,14 +82,25 @@ def is_pending(chain: EvmChain, tx_hash: str) -> bool:
     return tx.get("blockNumber") is None
 
 
+FEE_CACHE_SECONDS = 3.0
+_fee_cache: dict[str, tuple[float, dict[str, int]]] = {}
+
+
 def _fees(chain: EvmChain) -> dict[str, int]:
-    """EIP-1559: tip as the node suggests, cap at twice the base fee plus the tip."""
+    """EIP-1559: tip as the node suggests, cap at twice the base fee plus the tip (cached 3 s per
+    chain: the cap leaves room for the base fee to rise for several blocks)."""
+    network = chain.network.network
+    cached = _fee_cache.get(network)
+    if cached is not None and time.monotonic() - cached[0] < FEE_CACHE_SECONDS:
+        return cached[1]
     base_fee = int(chain.w3.eth.get_block("latest").get("baseFeePerGas") or 0)
     try:
         tip = int(chain.w3.eth.max_priority_fee)
     except Exception:
         tip = PRIORITY_FEE_WEI
-    return {"maxPriorityFeePerGas": tip, "maxFeePerGas": 2 * base_fee + tip}
+    fees = {"maxPriorityFeePerGas": tip, "maxFeePerGas": 2 * base_fee + tip}
+    _fee_cache[network] = (time.monotonic(), fees)
+    return fees
 
 
 def transfer_call(chain: EvmChain, settlement: Settlement) -> Any:

@@ -100,7 +100,10 @@ def _settle(settlement_id: str, redis: Redis) -> str:
         log.error("no relay account for %s; settlement %s waits", settlement.network, settlement_id)
         return "no-relay-account"
     chain = evm_chain(network)
-    if finish_from_chain(chain, settlement):
+    # A retry first asks the chain what already happened. A fresh settlement (never sent) skips it:
+    # /pay has just read authorizationState, and if anyone executed it since, the gas estimate
+    # reverts and _reverted asks the chain then.
+    if settlement.status != st.PENDING and finish_from_chain(chain, settlement):
         return "finished-from-chain"
     if settlement.status == st.SUBMITTED and settlement.tx_hash:
         receipt = chain.receipt(settlement.tx_hash)
