@@ -44,8 +44,15 @@ JOB_LOCK_KEY = "payintent:relayer:settling:{}"
 RELAY_ACCOUNTS: dict[str, list[LocalAccount]] = {}
 
 
+_connections: dict[str, Redis] = {}
+
+
 def _redis() -> Redis:
-    return redis_from_url(current_app.config["PAYINTENT_SETTINGS"].redis_url)
+    """One connection per relayer process (a job runs many commands)."""
+    url = current_app.config["PAYINTENT_SETTINGS"].redis_url
+    if url not in _connections:
+        _connections[url] = redis_from_url(url)
+    return _connections[url]
 
 
 @contextlib.contextmanager
@@ -81,13 +88,13 @@ def settlement_lock(redis: Redis, settlement_id: str) -> Iterator[bool]:
 @app_job
 def settle(settlement_id: str) -> str:
     redis = _redis()
-    try:
-        with settlement_lock(redis, settlement_id) as held:
-            if not held:
-                return "already-being-settled"  # another relayer process is on it
-            return _settle(settlement_id, redis)
-    finally:
-        notify_settled(redis, settlement_id)
+    with settlement_lock(redis, settlement_id) as held:
+        if not held:
+            return "already-being-settled"  # another relayer process is on it
+        # An exception (an RPC hiccup) propagates: RQ retries the job and /pay keeps waiting.
+        outcome = _settle(settlement_id, redis)
+    notify_settled(redis, settlement_id)
+    return outcome
 
 
 def _settle(settlement_id: str, redis: Redis) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import requests
 from eth_utils import keccak, to_checksum_address
 from web3 import Web3
 from web3.types import RPCEndpoint
@@ -59,9 +60,14 @@ class EvmChain:
         if not network.rpc_url:
             raise ValueError(f"{network.network} has no RPC URL configured")
         self.network = network
+        session = requests.Session()
+        # Proxy settings from the environment are read once here, not on every call.
+        session.proxies = requests.utils.get_environ_proxies(network.rpc_url)
+        session.trust_env = False
         provider = Web3.HTTPProvider(
             network.rpc_url,
             request_kwargs={"timeout": RPC_TIMEOUT_SECONDS},
+            session=session,
             # web3 asks eth_chainId before every call; a chain id never changes, so ask once.
             cache_allowed_requests=True,
             cacheable_requests={RPCEndpoint("eth_chainId")},

@@ -14,7 +14,7 @@ from typing import Any
 
 from redis import Redis
 from redis.exceptions import RedisError
-from rq import Queue
+from rq import Queue, Retry
 
 from backend import clock
 from backend.chains.evm import evm_chain
@@ -50,6 +50,7 @@ def enqueue_settlement(redis: Redis, settlement_id: str, queue_name: str) -> Non
         SETTLE_JOB,
         settlement_id,
         job_id=f"settle-{settlement_id}",
+        retry=Retry(max=3, interval=[1, 3, 10]),  # transient RPC errors; the reconciler covers the rest
         job_timeout=300,
         result_ttl=600,
         failure_ttl=7 * 24 * 3600,
