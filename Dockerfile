@@ -5,6 +5,8 @@ WORKDIR /app
 COPY pyproject.toml constraints.txt README.md ./
 COPY backend backend
 COPY relayer relayer
+COPY payintent payintent
+COPY devnet devnet
 RUN pip install --no-cache-dir -c constraints.txt . && useradd --system --home /app payintent
 USER payintent
 EXPOSE 8000
