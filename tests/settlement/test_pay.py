@@ -261,3 +261,30 @@ def test_pay_responses_match_the_openapi_document(pay_client, shop, devnet):
     check(spec, PAY, "post", pay(pay_client, shop, intent, network, payload))  # 200
     check(spec, PAY, "post", pay(pay_client, shop, intent, network, payload))  # 409 ALREADY_PAID
     check(spec, PAY, "post", pay_client.post(PAY, json={}, headers=shop.headers))  # 400
+
+
+def test_unreachable_chain_is_chain_unavailable_and_claims_nothing(db_url, redis_server_url, devnet, tmp_path):
+    from backend.app import create_app
+    from backend.chains.registry import ChainRegistry
+    from backend.intents.models import Intent
+    from tests.conftest import create_merchant, free_port, make_settings, truncate_all
+
+    document = json.loads(Path(devnet.info["chains_file"]).read_text())
+    for network in document["networks"]:
+        network["rpc_url"] = f"http://127.0.0.1:{free_port()}"  # nothing listens there: an RPC outage
+    path = tmp_path / "chains.json"
+    path.write_text(json.dumps(document))
+    truncate_all(db_url)
+    app = create_app(make_settings(db_url, redis_url=redis_server_url), chains=ChainRegistry.load(path))
+    with app.app_context():
+        shop = create_merchant(app, "outage@example.com", {n: devnet.buyer(1).address for n in devnet.networks})
+        client = app.test_client()
+        intent = create_intent(client, shop)
+        payload = sign_authorization(devnet.buyer(0).key, requirement(intent, "eip155:84532"))
+        response = pay(client, shop, intent, "eip155:84532", payload)
+        assert response.status_code == 503
+        assert response.get_json()["error"]["code"] == "CHAIN_UNAVAILABLE"
+        assert "127.0.0.1" not in response.get_data(as_text=True)  # no RPC URL leaks to the caller
+        assert db.session.get(Intent, intent["intent_id"]).settlement_id is None
+        db.session.remove()
+        db.engine.dispose()
