@@ -733,11 +733,11 @@ def section(run: Run, started: dt.datetime, argv: list[str]) -> str:
     return "\n".join(parts)
 
 
-def write_section(text: str, doc: Path = DOC) -> None:
-    """Replace this benchmark's section of the doc (up to the next ``## `` heading), keeping the rest."""
+def write_section(text: str, doc: Path = DOC, heading: str = SECTION) -> None:
+    """Replace one benchmark's section of the doc (``heading`` up to the next ``## ``), keeping the rest."""
     current = doc.read_text() if doc.exists() else "# Benchmarks\n\n"
     lines = current.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == SECTION), None)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == heading), None)
     new = text.rstrip("\n") + "\n"
     if start is None:
         head = current.rstrip("\n") + "\n\n" if current.strip() else ""

@@ -1617,21 +1617,6 @@ def section(
     return "\n".join(parts)
 
 
-def write_section(text: str, doc: Path = DOC) -> None:
-    """Replace this benchmark's section of the doc (up to the next ``## `` heading), keeping the rest."""
-    current = doc.read_text() if doc.exists() else "# Benchmarks\n\n"
-    lines = current.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == SECTION), None)
-    new = text.rstrip("\n") + "\n"
-    if start is None:
-        doc.parent.mkdir(parents=True, exist_ok=True)
-        doc.write_text(current.rstrip("\n") + "\n\n" + new)
-        return
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    tail = "".join(lines[end:])
-    doc.write_text("".join(lines[:start]) + new + ("\n" + tail if tail else ""))
-
-
 # --- main ----------------------------------------------------------------------------------------------
 
 
@@ -1829,7 +1814,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"PROBLEM: {problem}", file=sys.stderr)
     print(f"\ntotal {time.monotonic() - clock_started:.0f} s")
     if args.write:
-        write_section(section(results, steps, methods, sig, aims_lines, settings, problems))
+        bench_api.write_section(section(results, steps, methods, sig, aims_lines, settings, problems), DOC, SECTION)
         print(f"wrote the section '{SECTION}' of {DOC.relative_to(ROOT)}")
     return 1 if problems else 0
 

@@ -16,7 +16,6 @@ from redis import Redis
 from backend import clock
 from backend.chains.evm import AUTHORIZATION_USED_TOPIC, EvmChain, evm_chain
 from backend.chains.registry import ChainRegistry
-from backend.settlement import models as st
 from backend.settlement import services
 from backend.settlement.models import Settlement
 
@@ -118,4 +117,4 @@ def reconcile(registry: ChainRegistry, redis: Redis | None, queue_name: str = "r
     return counts
 
 
-__all__ = ["Outcome", "finish_from_chain", "onchain_outcome", "reconcile", "st"]
+__all__ = ["Outcome", "finish_from_chain", "onchain_outcome", "reconcile"]

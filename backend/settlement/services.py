@@ -28,7 +28,7 @@ from backend.intents.services import effective_status
 from backend.money import from_atomic
 from backend.settlement import models as st
 from backend.settlement.models import Settlement
-from backend.settlement.verify import EvmAuthorization, parse_evm_payload, verify_evm_authorization
+from backend.settlement.verify import EvmAuthorization
 
 log = logging.getLogger(__name__)
 
@@ -294,8 +294,6 @@ __all__ = [
     "complete_settlement",
     "fail_settlement",
     "mark_submitted",
-    "parse_evm_payload",
     "record_failed_attempt",
     "requirement_for",
-    "verify_evm_authorization",
 ]
