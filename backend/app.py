@@ -63,9 +63,11 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
 
     from backend.intents.views import blp as intents_blp
     from backend.settlement.views import blp as payments_blp
+    from backend.webhooks.views import blp as webhooks_blp
 
     api.register_blueprint(intents_blp)
     api.register_blueprint(payments_blp)
+    api.register_blueprint(webhooks_blp)
     register_error_handlers(app)
 
     @app.get("/healthz")

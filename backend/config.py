@@ -47,6 +47,10 @@ class Settings:
     webhook_allow_private_targets: bool
     pay_wait_seconds: float = 30.0
     relayer_queue: str = "relayer"
+    # Parallel webhook senders per worker process (a slow receiver holds one of them, not the queue).
+    webhook_concurrency: int = 8
+    # The spec's response deadline; not read from the environment (tests shorten it).
+    webhook_timeout_seconds: float = 10.0
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -62,4 +66,5 @@ class Settings:
             webhook_allow_private_targets=_env_bool("WEBHOOK_ALLOW_PRIVATE_TARGETS"),
             pay_wait_seconds=float(_env("PAY_WAIT_SECONDS", "30")),
             relayer_queue=_env("RELAYER_QUEUE", "relayer"),
+            webhook_concurrency=max(1, int(_env("WEBHOOK_CONCURRENCY", "8"))),
         )

@@ -5,5 +5,17 @@ from backend.idempotency.models import IdempotencyRecord
 from backend.intents.models import Intent
 from backend.merchants.models import ApiKey, Merchant, Wallet
 from backend.settlement.models import Settlement
+from backend.webhooks.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint
 
-__all__ = ["ApiKey", "Event", "IdempotencyRecord", "Intent", "Merchant", "Settlement", "Wallet"]
+__all__ = [
+    "ApiKey",
+    "Event",
+    "IdempotencyRecord",
+    "Intent",
+    "Merchant",
+    "Settlement",
+    "Wallet",
+    "WebhookAttempt",
+    "WebhookDelivery",
+    "WebhookEndpoint",
+]

@@ -58,3 +58,18 @@ def app_job(func: F) -> F:
             return func(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def app_redis() -> Redis | None:
+    """The current app's Redis connection (made once per app), or None when REDIS_URL is not set."""
+    from flask import current_app, has_app_context
+
+    if not has_app_context():
+        return None
+    redis = current_app.extensions.get("payintent.redis")
+    if redis is None:
+        url = current_app.config["PAYINTENT_SETTINGS"].redis_url
+        if not url:
+            return None
+        redis = current_app.extensions["payintent.redis"] = redis_from_url(url)
+    return redis

@@ -18,8 +18,9 @@ from rq import SimpleWorker
 
 from backend.idempotency.tasks import purge_idempotency_keys
 from backend.intents.tasks import expire_intents
-from backend.queueing import DEFAULT_QUEUE, queue
+from backend.queueing import DEFAULT_QUEUE, job_app, queue
 from backend.settlement.tasks import reconcile_settlements
+from backend.webhooks.tasks import WEBHOOK_QUEUE, Dispatcher, deliver_webhooks
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +29,11 @@ log = logging.getLogger(__name__)
 class Periodic:
     func: Callable[[], Any]
     every_seconds: int
+    queue: str = DEFAULT_QUEUE
 
 
 PERIODIC: tuple[Periodic, ...] = (
+    Periodic(deliver_webhooks, 2, WEBHOOK_QUEUE),
     Periodic(expire_intents, 10),
     Periodic(reconcile_settlements, 15),
     Periodic(purge_idempotency_keys, 3600),
@@ -40,11 +43,10 @@ PERIODIC: tuple[Periodic, ...] = (
 def enqueue_due(connection: Redis, periodic: tuple[Periodic, ...] = PERIODIC) -> list[str]:
     """Enqueue each periodic job whose interval has passed; returns the names enqueued."""
     enqueued = []
-    q = queue(DEFAULT_QUEUE, connection)
     for job in periodic:
         name = f"{job.func.__module__}.{job.func.__name__}"
         if connection.set(f"payintent:periodic:{name}", "1", nx=True, ex=job.every_seconds):
-            q.enqueue(job.func, job_timeout=600, result_ttl=60, failure_ttl=24 * 3600)
+            queue(job.queue, connection).enqueue(job.func, job_timeout=600, result_ttl=60, failure_ttl=24 * 3600)
             enqueued.append(name)
     return enqueued
 
@@ -58,10 +60,17 @@ def _ticker(connection: Redis, stop: threading.Event) -> None:
         stop.wait(1.0)
 
 
-def run_worker(connection: Redis, *, burst: bool = False, queues: tuple[str, ...] = (DEFAULT_QUEUE,)) -> None:
+def run_worker(
+    connection: Redis, *, burst: bool = False, queues: tuple[str, ...] = (WEBHOOK_QUEUE, DEFAULT_QUEUE)
+) -> None:
+    """Work the queues (webhook wake-ups first). Outside burst mode, also run the periodic ticker and
+    the webhook dispatcher threads; in burst mode webhook jobs deliver inline."""
     stop = threading.Event()
     ticker = None
+    dispatcher = None
     if not burst:
+        app = job_app()
+        dispatcher = Dispatcher(app, app.config["PAYINTENT_SETTINGS"].webhook_concurrency).start()
         ticker = threading.Thread(target=_ticker, args=(connection, stop), name="periodic", daemon=True)
         ticker.start()
     try:
@@ -71,3 +80,5 @@ def run_worker(connection: Redis, *, burst: bool = False, queues: tuple[str, ...
         stop.set()
         if ticker is not None:
             ticker.join(timeout=2)
+        if dispatcher is not None:
+            dispatcher.stop()

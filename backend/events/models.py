@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import ForeignKey, Index, String, Text
+from sqlalchemy import Boolean, ForeignKey, Index, String, Text, false
 from sqlalchemy.orm import Mapped, mapped_column
 
 from backend.extensions import UTCDateTime, db
@@ -19,4 +19,6 @@ class Event(db.Model):
     type: Mapped[str] = mapped_column(String(64))
     intent_id: Mapped[str | None] = mapped_column(String(36), index=True)
     payload: Mapped[str] = mapped_column(Text)
+    # Simulated events (POST /api/v1/webhooks/test) go to one endpoint and describe nothing real.
+    simulated: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)

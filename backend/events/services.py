@@ -9,6 +9,7 @@ from backend.events.models import Event
 from backend.extensions import db
 from backend.ids import prefixed_id
 from backend.jsonio import dumps
+from backend.webhooks.services import schedule_deliveries
 
 # The ten event types of the spec, in its order.
 EVENT_TYPES: tuple[str, ...] = (
@@ -25,16 +26,27 @@ EVENT_TYPES: tuple[str, ...] = (
 )
 
 
-def record_event(merchant_id: str, event_type: str, data: dict[str, Any], *, intent_id: str | None = None) -> Event:
-    """Add an event to the current session; it commits (or not) with the caller's transaction.
+def record_event(
+    merchant_id: str,
+    event_type: str,
+    data: dict[str, Any],
+    *,
+    intent_id: str | None = None,
+    simulated: bool = False,
+    endpoint_id: str | None = None,
+) -> Event:
+    """Add an event and its webhook deliveries to the session; they commit (or not) with the caller.
 
     The envelope ``{id, event, created_at, data}`` is serialised here once; webhook deliveries
-    send and sign these exact bytes.
+    send and sign these exact bytes. Deliveries go to every live endpoint of the merchant that
+    subscribed to ``event_type``, or only to ``endpoint_id`` (simulated test events).
     """
     if event_type not in EVENT_TYPES:
         raise ValueError(f"unknown event type {event_type!r}")
     created_at = clock.now()
     event_id = prefixed_id("evt")
+    if simulated:  # recognisable at a glance, still 40 characters
+        event_id = "evt_test_" + event_id[4:35]
     envelope = {"id": event_id, "event": event_type, "created_at": created_at, "data": data}
     event = Event(
         id=event_id,
@@ -43,6 +55,8 @@ def record_event(merchant_id: str, event_type: str, data: dict[str, Any], *, int
         intent_id=intent_id,
         payload=dumps(envelope),
         created_at=created_at,
+        simulated=simulated,
     )
     db.session.add(event)
+    schedule_deliveries(event, endpoint_id=endpoint_id)
     return event

@@ -10,7 +10,7 @@ from flask.views import MethodView
 from backend.errors import APIError
 from backend.http import ApiBlueprint, ok
 from backend.merchants.auth import api_key_required, current_merchant_id
-from backend.queueing import redis_from_url
+from backend.queueing import app_redis
 from backend.settlement.flow import submit_payment
 from backend.settlement.schemas import PayEnvelope, PaySchema
 from backend.settlement.services import PaymentSubmission
@@ -19,12 +19,9 @@ blp = ApiBlueprint("payments", __name__, url_prefix="/api/v1/x402", description=
 
 
 def api_redis() -> Any:
-    redis = current_app.extensions.get("payintent.redis")
+    redis = app_redis()
     if redis is None:
-        url = current_app.config["PAYINTENT_SETTINGS"].redis_url
-        if not url:
-            raise APIError(503, "SETTLEMENT_UNAVAILABLE", "Settlement is not configured on this server (REDIS_URL)")
-        redis = current_app.extensions["payintent.redis"] = redis_from_url(url)
+        raise APIError(503, "SETTLEMENT_UNAVAILABLE", "Settlement is not configured on this server (REDIS_URL)")
     return redis
 
 

@@ -1,0 +1,1 @@
+"""Webhooks: endpoints, signed deliveries retried on schedule from the database, replay."""

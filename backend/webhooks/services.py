@@ -1,0 +1,450 @@
+"""Webhook endpoints, the delivery queue in the database, the retry schedule, replay and logs.
+
+Delivery is at-least-once with the same event ``id`` on every attempt. A worker claims one due
+delivery with a lease (a conditional UPDATE, ``FOR UPDATE SKIP LOCKED`` on PostgreSQL), sends it,
+and records the attempt only while its lease is still the one on the row, so two workers never
+send or record the same attempt; a crashed worker's lease runs out and the delivery is due again.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import event as sa_event
+from sqlalchemy import func, insert, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from backend import clock
+from backend.errors import APIError, not_found
+from backend.events.models import Event
+from backend.extensions import db
+from backend.ids import prefixed_id
+from backend.jsonio import strict_loads
+from backend.webhooks import models as wm
+from backend.webhooks import transport
+from backend.webhooks.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint
+from payintent.webhooks import new_secret, signature_headers
+
+log = logging.getLogger(__name__)
+
+# The spec's schedule: attempt 1 at once, then 1 min, 5 min, 30 min and 2 h after the previous one.
+RETRY_DELAYS_SECONDS: tuple[int, ...] = (60, 300, 1800, 7200)
+MAX_ATTEMPTS = len(RETRY_DELAYS_SECONDS) + 1
+# Longer than any attempt can take (10 s deadline, DB writes); a crashed worker's delivery is due again after it.
+LEASE_SECONDS = 60
+MAX_ENDPOINTS_PER_MERCHANT = 16
+_WAKE_FLAG = "payintent.webhooks.wake"
+
+_deliveries = WebhookDelivery.__table__
+_endpoints = WebhookEndpoint.__table__
+_attempts = WebhookAttempt.__table__
+_events = Event.__table__
+
+
+def next_attempt_delay(attempt_number: int) -> int | None:
+    """Seconds from failed attempt ``attempt_number`` (1-based) to the next one; None after the last."""
+    if attempt_number >= MAX_ATTEMPTS:
+        return None
+    return RETRY_DELAYS_SECONDS[attempt_number - 1]
+
+
+# --- endpoints -----------------------------------------------------------------------------------
+
+
+def endpoint_to_dict(endpoint: WebhookEndpoint, secret: str | None = None) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "webhook_id": endpoint.id,
+        "url": endpoint.url,
+        "events": list(endpoint.events),
+        "created_at": clock.isoformat(endpoint.created_at),
+    }
+    if secret is not None:
+        data["secret"] = secret
+    return data
+
+
+def create_endpoint(merchant_id: str, url: str, events: Sequence[str]) -> tuple[WebhookEndpoint, str]:
+    """Register an endpoint; returns it with its secret (the only time the secret is shown)."""
+    count = db.session.scalar(
+        select(func.count())
+        .select_from(_endpoints)
+        .where(_endpoints.c.merchant_id == merchant_id, _endpoints.c.deleted_at.is_(None))
+    )
+    if (count or 0) >= MAX_ENDPOINTS_PER_MERCHANT:
+        raise APIError(
+            409, "WEBHOOK_LIMIT_REACHED", f"A merchant can have at most {MAX_ENDPOINTS_PER_MERCHANT} webhook endpoints"
+        )
+    now = clock.now()
+    secret = new_secret()
+    endpoint = WebhookEndpoint(
+        id=prefixed_id("we"),
+        merchant_id=merchant_id,
+        url=url,
+        events=list(dict.fromkeys(events)),
+        secret=secret,
+        created_at=now,
+        updated_at=now,
+    )
+    db.session.add(endpoint)
+    db.session.commit()
+    return endpoint, secret
+
+
+def get_endpoint(merchant_id: str, webhook_id: str) -> WebhookEndpoint:
+    endpoint = db.session.get(WebhookEndpoint, webhook_id)
+    if endpoint is None or endpoint.merchant_id != merchant_id or endpoint.deleted_at is not None:
+        raise not_found("Webhook endpoint")
+    return endpoint
+
+
+def list_endpoints(merchant_id: str, *, limit: int, offset: int) -> tuple[list[WebhookEndpoint], int]:
+    conditions = (WebhookEndpoint.merchant_id == merchant_id, WebhookEndpoint.deleted_at.is_(None))
+    total = db.session.scalar(select(func.count()).select_from(WebhookEndpoint).where(*conditions)) or 0
+    rows = db.session.scalars(
+        select(WebhookEndpoint)
+        .where(*conditions)
+        .order_by(WebhookEndpoint.created_at.desc(), WebhookEndpoint.id.desc())
+        .limit(limit)
+        .offset(offset)
+    )
+    return list(rows), total
+
+
+def delete_endpoint(merchant_id: str, webhook_id: str) -> None:
+    """Stop sending to an endpoint: it disappears from the API and its pending deliveries are cancelled.
+
+    The row and its delivery log are kept (soft delete) so past deliveries stay readable.
+    """
+    endpoint = get_endpoint(merchant_id, webhook_id)
+    now = clock.now()
+    endpoint.deleted_at = now
+    endpoint.updated_at = now
+    db.session.execute(
+        update(WebhookDelivery)
+        .where(WebhookDelivery.endpoint_id == webhook_id, WebhookDelivery.status == wm.PENDING)
+        .values(status=wm.CANCELLED, next_attempt_at=None, finished_at=now, updated_at=now)
+    )
+    db.session.commit()
+
+
+def rotate_secret(merchant_id: str, webhook_id: str) -> tuple[WebhookEndpoint, str]:
+    """Replace the secret at once; every attempt from now on (retries too) is signed with the new one."""
+    endpoint = get_endpoint(merchant_id, webhook_id)
+    secret = new_secret()
+    endpoint.secret = secret
+    endpoint.updated_at = clock.now()
+    db.session.commit()
+    return endpoint, secret
+
+
+# --- scheduling ----------------------------------------------------------------------------------
+
+
+def schedule_deliveries(event: Event, *, endpoint_id: str | None = None) -> int:
+    """Add a pending delivery of ``event`` per subscribed live endpoint (or to ``endpoint_id`` only).
+
+    Runs inside the transaction that writes the event, so the event and its deliveries commit
+    together; workers are woken after that commit.
+    """
+    query = select(_endpoints.c.id, _endpoints.c.events).where(
+        _endpoints.c.merchant_id == event.merchant_id, _endpoints.c.deleted_at.is_(None)
+    )
+    if endpoint_id is not None:
+        query = query.where(_endpoints.c.id == endpoint_id)
+    targets = [
+        row.id for row in db.session.execute(query) if endpoint_id is not None or event.type in (row.events or ())
+    ]
+    if targets:
+        db.session.flush()  # the event row first: deliveries reference it
+    for target in targets:
+        _add_delivery(target, event.merchant_id, event.id, event.type, event.created_at)
+    return len(targets)
+
+
+def _add_delivery(
+    endpoint_id: str, merchant_id: str, event_id: str, event_type: str, now: datetime, replay_of: str | None = None
+) -> str:
+    delivery_id = prefixed_id("whd")
+    db.session.execute(
+        insert(_deliveries).values(
+            id=delivery_id,
+            endpoint_id=endpoint_id,
+            merchant_id=merchant_id,
+            event_id=event_id,
+            event_type=event_type,
+            status=wm.PENDING,
+            attempt_count=0,
+            next_attempt_at=now,
+            replay_of=replay_of,
+            created_at=now,
+            updated_at=now,
+        )
+    )
+    db.session.info[_WAKE_FLAG] = True
+    return delivery_id
+
+
+def replay_delivery(merchant_id: str, delivery_id: str) -> str:
+    """Send a delivery's event again to the same endpoint (same event id) as a new delivery."""
+    original = get_delivery_row(merchant_id, delivery_id)
+    endpoint = db.session.get(WebhookEndpoint, original.endpoint_id)
+    if endpoint is None or endpoint.deleted_at is not None:
+        raise APIError(409, "WEBHOOK_DELETED", "The delivery's webhook endpoint was deleted; nothing to replay to")
+    new_id = _add_delivery(
+        original.endpoint_id, merchant_id, original.event_id, original.event_type, clock.now(), replay_of=original.id
+    )
+    db.session.commit()
+    return new_id
+
+
+def send_test_event(merchant_id: str, webhook_id: str, event_type: str) -> tuple[str, str]:
+    """Deliver a simulated event of ``event_type`` to one endpoint; returns (delivery_id, event_id)."""
+    from backend.events.services import record_event
+    from backend.webhooks.samples import sample_data
+
+    get_endpoint(merchant_id, webhook_id)
+    event = record_event(
+        merchant_id, event_type, sample_data(event_type, clock.now()), simulated=True, endpoint_id=webhook_id
+    )
+    db.session.flush()
+    delivery_id = db.session.scalar(select(_deliveries.c.id).where(_deliveries.c.event_id == event.id))
+    db.session.commit()
+    assert delivery_id is not None
+    return delivery_id, event.id
+
+
+@sa_event.listens_for(Session, "after_commit")
+def _wake_after_commit(session: Session) -> None:
+    if session.info.pop(_WAKE_FLAG, False):
+        from backend.webhooks.tasks import wake_workers
+
+        wake_workers()
+
+
+@sa_event.listens_for(Session, "after_rollback")
+def _forget_wake(session: Session) -> None:
+    session.info.pop(_WAKE_FLAG, None)
+
+
+# --- delivering ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClaimedDelivery:
+    id: str
+    lease_token: str
+    attempt_count: int
+    event_id: str
+    url: str
+    secret: str
+    payload: str
+
+
+def _due(now: datetime) -> Any:
+    return (
+        _deliveries.c.status == wm.PENDING,
+        _deliveries.c.next_attempt_at <= now,
+        or_(_deliveries.c.lease_expires_at.is_(None), _deliveries.c.lease_expires_at < now),
+    )
+
+
+def claim_due(now: datetime) -> ClaimedDelivery | None:
+    """Lease the oldest due delivery to this caller, or None when nothing is due."""
+    pick = (
+        select(_deliveries.c.id)
+        .where(*_due(now))
+        .order_by(_deliveries.c.next_attempt_at)
+        .limit(1)
+        .with_for_update(skip_locked=True)
+    )
+    for _ in range(10):
+        delivery_id = db.session.scalar(pick)
+        if delivery_id is None:
+            db.session.rollback()
+            return None
+        token = uuid.uuid4().hex
+        leased = db.session.execute(
+            update(_deliveries)
+            .where(_deliveries.c.id == delivery_id, *_due(now))
+            .values(lease_token=token, lease_expires_at=now + timedelta(seconds=LEASE_SECONDS))
+        )
+        if leased.rowcount != 1:  # another worker took it first (SQLite has no SKIP LOCKED)
+            db.session.rollback()
+            continue
+        row = db.session.execute(
+            select(_deliveries.c.attempt_count, _deliveries.c.event_id, _endpoints.c.url, _endpoints.c.secret,
+                   _events.c.payload)
+            .join(_endpoints, _endpoints.c.id == _deliveries.c.endpoint_id)
+            .join(_events, _events.c.id == _deliveries.c.event_id)
+            .where(_deliveries.c.id == delivery_id)
+        ).one()  # fmt: skip
+        db.session.commit()
+        return ClaimedDelivery(delivery_id, token, row.attempt_count, row.event_id, row.url, row.secret, row.payload)
+    return None
+
+
+def record_attempt(claimed: ClaimedDelivery, attempted_at: datetime, result: transport.SendResult) -> bool:
+    """Write the attempt and the delivery's next state; False if the lease was lost meanwhile."""
+    number = claimed.attempt_count + 1
+    now = clock.now()
+    values: dict[str, Any] = {
+        "attempt_count": number,
+        "lease_token": None,
+        "lease_expires_at": None,
+        "last_status_code": result.status_code,
+        "last_error": result.error,
+        "updated_at": now,
+    }
+    delay = next_attempt_delay(number)
+    if result.succeeded or delay is None:
+        values.update(status=wm.SUCCEEDED if result.succeeded else wm.FAILED, next_attempt_at=None, finished_at=now)
+    else:
+        values.update(next_attempt_at=attempted_at + timedelta(seconds=delay))
+    updated = db.session.execute(
+        update(_deliveries)
+        .where(
+            _deliveries.c.id == claimed.id,
+            _deliveries.c.lease_token == claimed.lease_token,
+            _deliveries.c.status == wm.PENDING,
+        )
+        .values(**values)
+    )
+    if updated.rowcount != 1:
+        db.session.rollback()
+        log.warning("webhook delivery %s: lease lost before attempt %d was recorded", claimed.id, number)
+        return False
+    db.session.execute(
+        insert(_attempts).values(
+            delivery_id=claimed.id,
+            number=number,
+            attempted_at=attempted_at,
+            succeeded=result.succeeded,
+            status_code=result.status_code,
+            latency_ms=result.latency_ms,
+            error=result.error,
+            response_body=result.response_body,
+        )
+    )
+    try:
+        db.session.commit()
+    except IntegrityError:
+        db.session.rollback()
+        log.warning("webhook delivery %s: attempt %d was already recorded", claimed.id, number)
+        return False
+    return True
+
+
+def deliver_one(*, allow_private: bool, deadline: float = transport.DEADLINE_SECONDS) -> bool:
+    """Claim, sign, send and record one due delivery; False when nothing was due."""
+    claimed = claim_due(clock.now())
+    if claimed is None:
+        return False
+    attempted_at = clock.now()
+    body = claimed.payload.encode("utf-8")
+    headers = signature_headers(claimed.secret, claimed.event_id, body, int(attempted_at.timestamp()))
+    result = transport.post(claimed.url, body, headers, allow_private=allow_private, deadline=deadline)
+    record_attempt(claimed, attempted_at, result)
+    log.info(
+        "webhook delivery %s attempt %d: %s (%d ms)",
+        claimed.id,
+        claimed.attempt_count + 1,
+        "ok" if result.succeeded else (result.error or "failed"),
+        result.latency_ms,
+    )
+    return True
+
+
+def deliver_due(*, allow_private: bool, deadline: float = transport.DEADLINE_SECONDS, limit: int = 10_000) -> int:
+    """Deliver due deliveries one after another until none is due; returns how many were attempted."""
+    sent = 0
+    while sent < limit and deliver_one(allow_private=allow_private, deadline=deadline):
+        sent += 1
+    return sent
+
+
+# --- logs ----------------------------------------------------------------------------------------
+
+
+def get_delivery_row(merchant_id: str, delivery_id: str) -> Any:
+    row = db.session.execute(
+        select(_deliveries).where(_deliveries.c.id == delivery_id, _deliveries.c.merchant_id == merchant_id)
+    ).first()
+    if row is None:
+        raise not_found("Webhook delivery")
+    return row
+
+
+def delivery_to_dict(row: Mapping[str, Any]) -> dict[str, Any]:
+    iso = clock.isoformat
+    return {
+        "delivery_id": row["id"],
+        "webhook_id": row["endpoint_id"],
+        "event_id": row["event_id"],
+        "event": row["event_type"],
+        "status": row["status"],
+        "attempt_count": row["attempt_count"],
+        "next_attempt_at": iso(row["next_attempt_at"]),
+        "last_status_code": row["last_status_code"],
+        "last_error": row["last_error"],
+        "replay_of": row["replay_of"],
+        "created_at": iso(row["created_at"]),
+        "finished_at": iso(row["finished_at"]),
+    }
+
+
+def list_deliveries(
+    merchant_id: str,
+    *,
+    webhook_id: str | None = None,
+    event_id: str | None = None,
+    status: str | None = None,
+    limit: int = 20,
+    offset: int = 0,
+) -> tuple[list[dict[str, Any]], int]:
+    """A page of the merchant's deliveries, newest first, with the total matching the filters."""
+    conditions = [_deliveries.c.merchant_id == merchant_id]
+    if webhook_id is not None:
+        conditions.append(_deliveries.c.endpoint_id == webhook_id)
+    if event_id is not None:
+        conditions.append(_deliveries.c.event_id == event_id)
+    if status is not None:
+        conditions.append(_deliveries.c.status == status)
+    total = db.session.scalar(select(func.count()).select_from(_deliveries).where(*conditions)) or 0
+    rows = db.session.execute(
+        select(_deliveries)
+        .where(*conditions)
+        .order_by(_deliveries.c.created_at.desc(), _deliveries.c.id.desc())
+        .limit(limit)
+        .offset(offset)
+    )
+    return [delivery_to_dict(r._mapping) for r in rows], total
+
+
+def get_delivery(merchant_id: str, delivery_id: str) -> dict[str, Any]:
+    """One delivery with its attempts (oldest first) and the envelope it sends."""
+    row = get_delivery_row(merchant_id, delivery_id)
+    data = delivery_to_dict(row._mapping)
+    payload = db.session.scalar(select(_events.c.payload).where(_events.c.id == row.event_id))
+    data["payload"] = strict_loads(payload) if payload else None
+    attempts = db.session.execute(
+        select(_attempts).where(_attempts.c.delivery_id == delivery_id).order_by(_attempts.c.number)
+    )
+    data["attempts"] = [
+        {
+            "number": a.number,
+            "attempted_at": clock.isoformat(a.attempted_at),
+            "succeeded": a.succeeded,
+            "status_code": a.status_code,
+            "latency_ms": a.latency_ms,
+            "error": a.error,
+            "response_body": a.response_body,
+        }
+        for a in attempts
+    ]
+    return data
