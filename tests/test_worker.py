@@ -6,6 +6,7 @@ from redis import Redis
 from rq import Queue
 
 from backend.queueing import DEFAULT_QUEUE, set_job_app
+from backend.webhooks.tasks import WEBHOOK_QUEUE
 from backend.worker import PERIODIC, enqueue_due, run_worker
 from tests.intents.helpers import URL, create
 
@@ -15,7 +16,10 @@ def test_periodic_jobs_are_enqueued_once_per_interval_across_workers(redis_url):
     names = enqueue_due(connection)
     assert len(names) == len(PERIODIC)
     assert enqueue_due(connection) == []  # a second worker's ticker in the same interval
-    assert Queue(DEFAULT_QUEUE, connection=connection).count == len(PERIODIC)
+    by_queue = {name: sum(1 for p in PERIODIC if p.queue == name) for name in (DEFAULT_QUEUE, WEBHOOK_QUEUE)}
+    assert sum(by_queue.values()) == len(PERIODIC)
+    for name, count in by_queue.items():
+        assert Queue(name, connection=connection).count == count
 
 
 def test_worker_expires_overdue_intents(app, client, merchant, clock, redis_url):
