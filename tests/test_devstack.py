@@ -15,7 +15,9 @@ import requests
 from web3 import Web3
 
 from devnet import free_port_base
+from payintent.webhooks import verify_signature
 from tests.conftest import free_port
+from tests.webhooks.receiver import start_receiver
 
 PAYINTENT = str(Path(sys.executable).with_name("payintent"))
 AGENT_PAY = Path(__file__).resolve().parents[1] / "examples" / "agent_pay.py"
@@ -57,6 +59,16 @@ def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
         assert len(requirements) == len(chains) == 3
         assert {r["asset"] for r in requirements} == {c["usdc_address"] for c in chains}
 
+        # A merchant's local webhook receiver (make run allows private targets).
+        receiver = start_receiver()
+        hook = requests.post(
+            f"http://127.0.0.1:{port}/api/v1/webhooks",
+            json={"url": receiver.url("/hooks"), "events": ["payment.completed"]},
+            headers={"Authorization": f"Bearer {demo['api_key']}"},
+            timeout=10,
+        )
+        assert hook.status_code == 201, hook.text
+
         # The agent example pays a fresh intent on the devnet, end to end, with only var/demo.json.
         agent_env = {k: v for k, v in env.items() if k not in AGENT_SETTINGS}  # PAYINTENT_VAR_DIR stays
         paid = subprocess.run(
@@ -80,6 +92,11 @@ def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
         ).json()["data"]
         assert intent["status"] == "paid" and intent["tx_hash"] == summary["tx_hash"]
         assert intent["chain"] == summary["network"] and intent["amount_usdc"] == 1.25
+        (delivered,) = receiver.wait_for(1, timeout=5)
+        verify_signature(delivered.body, delivered.headers["Service-Signature"], hook.json()["data"]["secret"])
+        envelope = json.loads(delivered.body)
+        assert envelope["event"] == "payment.completed" and envelope["data"]["tx_hash"] == summary["tx_hash"]
+        receiver.close()
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
