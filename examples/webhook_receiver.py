@@ -92,7 +92,8 @@ def verify(raw_body: bytes, headers: Headers, secret: str) -> None:
 
 
 def fulfil(envelope: dict[str, Any]) -> None:
-    """The merchant's business logic. Real work (mark the order paid, ship, email) goes to a job queue."""
+    """The merchant's business logic. Real work (mark the order paid, ship, email) goes to a job queue,
+    which reads the intent from the API (``status == "paid"``) before shipping anything."""
     data = envelope.get("data") if isinstance(envelope.get("data"), dict) else {}
     line = {"id": envelope["id"], "event": envelope.get("event"), "intent_id": data.get("intent_id")}
     print(json.dumps(line), flush=True)

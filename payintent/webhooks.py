@@ -33,20 +33,43 @@ class WebhookVerificationError(ValueError):
     """The delivery is not authentic (or too old); answer 401 and do not process it."""
 
 
+class WebhookSecretError(ValueError):
+    """The configured secret is unusable (empty, or not ``whsec_`` + base64): a setup error, not a 401."""
+
+
+def _check_secret(secret: str) -> str:
+    if not isinstance(secret, str) or not secret.strip() or secret.strip() == SECRET_PREFIX:
+        raise WebhookSecretError("the webhook secret is empty; set it to the whsec_... value shown at registration")
+    return secret
+
+
+def _raw(body: bytes | bytearray) -> bytes:
+    if not isinstance(body, bytes | bytearray):
+        raise TypeError("webhook verification needs the raw body bytes, not parsed or decoded text")
+    return bytes(body)
+
+
 def new_secret() -> str:
     return SECRET_PREFIX + base64.b64encode(secrets.token_bytes(SECRET_BYTES)).decode("ascii")
 
 
 def _standard_key(secret: str) -> bytes:
+    secret = _check_secret(secret)
     encoded = secret[len(SECRET_PREFIX) :] if secret.startswith(SECRET_PREFIX) else secret
     try:
-        return base64.b64decode(encoded, validate=True)
+        key = base64.b64decode(encoded, validate=True)
     except ValueError:
-        raise WebhookVerificationError("the secret is not a whsec_ base64 secret") from None
+        raise WebhookSecretError(
+            "the webhook secret is not whsec_ followed by base64 (check for stray spaces)"
+        ) from None
+    if not key:
+        raise WebhookSecretError("the webhook secret is empty")
+    return key
 
 
 def service_signature(secret: str, body: bytes) -> str:
     """The ``Service-Signature`` header value for ``body``."""
+    _check_secret(secret)
     return "sha256=" + hmac.new(secret.encode("utf-8"), body, hashlib.sha256).hexdigest()
 
 
@@ -72,12 +95,12 @@ def verify_signature(raw_body: bytes, header: str | None, secret: str) -> None:
 
     ``raw_body`` must be the bytes as received (a re-serialised body fails, on purpose).
     """
-    if not isinstance(raw_body, bytes | bytearray):
-        raise TypeError("verify_signature needs the raw body bytes, not parsed or decoded text")
-    if not header or not header.startswith("sha256="):
+    body = _raw(raw_body)
+    header = (header or "").strip()
+    if not header.startswith("sha256="):
         raise WebhookVerificationError("missing or malformed Service-Signature header")
-    expected = service_signature(secret, bytes(raw_body))
-    if not hmac.compare_digest(expected.encode("ascii"), header.strip().encode("ascii", "replace")):
+    expected = service_signature(secret, body)
+    if not hmac.compare_digest(expected.encode("ascii"), header.encode("ascii", "replace")):
         raise WebhookVerificationError("signature mismatch")
 
 
@@ -93,18 +116,18 @@ def verify_standard(
 
     ``headers`` is looked up case-insensitively; the timestamp must be within ``tolerance`` seconds.
     """
+    body = _raw(raw_body)
     lowered = {k.lower(): v for k, v in headers.items()}
     msg_id, stamp, signatures = (lowered.get(h) for h in ("webhook-id", "webhook-timestamp", "webhook-signature"))
     if not msg_id or not stamp or not signatures:
         raise WebhookVerificationError("missing webhook-id, webhook-timestamp or webhook-signature header")
-    try:
-        timestamp = int(stamp)
-    except ValueError:
-        raise WebhookVerificationError("malformed webhook-timestamp") from None
+    if not stamp.isascii() or not stamp.isdigit():
+        raise WebhookVerificationError("malformed webhook-timestamp")
+    timestamp = int(stamp)
     current = time.time() if now is None else now
     if abs(current - timestamp) > tolerance:
         raise WebhookVerificationError("webhook-timestamp is outside the tolerance window")
-    expected = standard_signature(secret, msg_id, timestamp, bytes(raw_body)).encode("ascii")
+    expected = standard_signature(secret, msg_id, timestamp, body).encode("ascii")
     for candidate in signatures.split():
         if hmac.compare_digest(expected, candidate.encode("ascii", "replace")):
             return msg_id

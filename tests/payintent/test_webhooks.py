@@ -202,3 +202,28 @@ def test_new_secret_is_whsec_and_base64_of_32_random_bytes() -> None:
     # A fresh secret signs and verifies both ways.
     verify_signature(BODY, service_signature(first, BODY), first)
     assert verify_standard(BODY, signature_headers(first, EVENT_ID, BODY, STAMP), first, now=STAMP) == EVENT_ID
+
+
+@pytest.mark.parametrize("secret", ["", "   ", "whsec_"])
+def test_an_empty_secret_is_a_setup_error_not_a_pass(secret):
+    from payintent.webhooks import WebhookSecretError
+
+    body = b'{"id":"evt_1"}'
+    with pytest.raises(WebhookSecretError):
+        verify_signature(body, "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest(), secret)
+    with pytest.raises(WebhookSecretError):
+        verify_standard(body, {"webhook-id": "evt_1", "webhook-timestamp": "1", "webhook-signature": "v1,x"}, secret,
+                        now=1)  # fmt: skip
+
+
+def test_standard_needs_raw_bytes_and_a_plain_timestamp():
+    secret = new_secret()
+    body = b'{"id":"evt_1"}'
+    headers = signature_headers(secret, "evt_1", body, 1_700_000_000)
+    with pytest.raises(TypeError):
+        verify_standard(body.decode(), headers, secret, now=1_700_000_000)  # type: ignore[arg-type]
+    for spelling in (" +1700000000 ", "1_700_000_000", "\u0661\u0667" + "\u0660" * 8):
+        with pytest.raises(WebhookVerificationError):
+            verify_standard(body, {**headers, "webhook-timestamp": spelling}, secret, now=1_700_000_000)
+    padded = " " + headers["Service-Signature"] + " "
+    verify_signature(body, padded, secret)  # surrounding spaces in a header value are not the signature
