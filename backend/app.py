@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from flask import Flask
+from flask import Flask, request
 
 from backend.chains.registry import ChainRegistry
 from backend.config import Settings
-from backend.errors import register_error_handlers
+from backend.errors import APIError, register_error_handlers
 from backend.extensions import api, db
 from backend.jsonio import ExactJSONProvider, dumps, strict_loads
 from backend.schemas import FlatMetadata, HttpUrl, UsdcAmount
@@ -69,6 +69,12 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
     api.register_blueprint(payments_blp)
     api.register_blueprint(webhooks_blp)
     register_error_handlers(app)
+
+    @app.before_request
+    def refuse_nul_characters() -> None:
+        # No identifier or filter contains NUL; PostgreSQL cannot even compare with one.
+        if "\x00" in request.path or any("\x00" in k or "\x00" in v for k, v in request.args.items(multi=True)):
+            raise APIError(400, "INVALID_REQUEST", "The path and query must not contain NUL characters")
 
     @app.get("/healthz")
     def healthz() -> Any:

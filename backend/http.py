@@ -43,9 +43,22 @@ class StrictJSONParser(FlaskParser):
         if not body:
             raise APIError(400, "INVALID_JSON", "The request body is empty; send a JSON object")
         try:
-            return strict_loads(body)
+            data = strict_loads(body)
         except JSONParseError as exc:
             raise APIError(400, "INVALID_JSON", f"The request body is not valid JSON: {exc}") from None
+        if _has_nul(data):
+            raise APIError(400, "INVALID_JSON", "Strings must not contain the NUL character (\\u0000)")
+        return data
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    return False
 
 
 class ApiBlueprint(flask_smorest.Blueprint):

@@ -21,13 +21,13 @@ class RedisNotConfigured(RuntimeError):
     pass
 
 
-def redis_from_url(url: str | None = None) -> Redis:
+def redis_from_url(url: str | None = None, **options: Any) -> Redis:
     url = url or os.environ.get("REDIS_URL")
     if not url:
         raise RedisNotConfigured(
             "REDIS_URL is not set (for example redis://127.0.0.1:6379/0); `make run` starts a private Redis"
         )
-    return Redis.from_url(url)
+    return Redis.from_url(url, **options)
 
 
 def queue(name: str, connection: Redis) -> Queue:
@@ -60,16 +60,22 @@ def app_job(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def app_redis() -> Redis | None:
-    """The current app's Redis connection (made once per app), or None when REDIS_URL is not set."""
+def app_redis(*, fast: bool = False) -> Redis | None:
+    """The current app's Redis connection (made once per app), or None when REDIS_URL is not set.
+
+    ``fast=True`` gives a separate connection with 0.5 s timeouts, for best-effort calls made
+    inside other work (waking workers after a commit) that must never stall it.
+    """
     from flask import current_app, has_app_context
 
     if not has_app_context():
         return None
-    redis = current_app.extensions.get("payintent.redis")
+    name = "payintent.redis.fast" if fast else "payintent.redis"
+    redis = current_app.extensions.get(name)
     if redis is None:
         url = current_app.config["PAYINTENT_SETTINGS"].redis_url
         if not url:
             return None
-        redis = current_app.extensions["payintent.redis"] = redis_from_url(url)
+        options = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5} if fast else {}
+        redis = current_app.extensions[name] = redis_from_url(url, **options)
     return redis

@@ -43,6 +43,8 @@ class WebhookDelivery(db.Model):
     __table_args__ = (
         Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
         Index("ix_webhook_deliveries_endpoint_created", "endpoint_id", "created_at"),
+        # Live leases per endpoint (the in-flight cap); finished attempts clear the column.
+        Index("ix_webhook_deliveries_lease", "lease_expires_at"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from sqlalchemy import case, func, insert, literal, null, or_, select, update
 from sqlalchemy import event as sa_event
-from sqlalchemy import func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -39,6 +39,9 @@ MAX_ATTEMPTS = len(RETRY_DELAYS_SECONDS) + 1
 # Longer than any attempt can take (10 s deadline, DB writes); a crashed worker's delivery is due again after it.
 LEASE_SECONDS = 60
 MAX_ENDPOINTS_PER_MERCHANT = 16
+# At most this many attempts to one endpoint are in flight at once, across all workers, so a slow or
+# dead endpoint with a backlog occupies a few senders and every other endpoint keeps being served.
+MAX_IN_FLIGHT_PER_ENDPOINT = 4
 _WAKE_FLAG = "payintent.webhooks.wake"
 
 _deliveries = WebhookDelivery.__table__
@@ -214,8 +217,10 @@ def send_test_event(merchant_id: str, webhook_id: str, event_type: str) -> tuple
     )
     db.session.flush()
     delivery_id = db.session.scalar(select(_deliveries.c.id).where(_deliveries.c.event_id == event.id))
+    if delivery_id is None:  # the endpoint was deleted meanwhile
+        db.session.rollback()
+        raise not_found("Webhook endpoint")
     db.session.commit()
-    assert delivery_id is not None
     return delivery_id, event.id
 
 
@@ -255,13 +260,24 @@ def _due(now: datetime) -> Any:
 
 
 def claim_due(now: datetime) -> ClaimedDelivery | None:
-    """Lease the oldest due delivery to this caller, or None when nothing is due."""
+    """Lease the oldest due delivery to this caller, or None when nothing is due.
+
+    Deliveries of deleted endpoints are skipped, and so are endpoints that already have
+    MAX_IN_FLIGHT_PER_ENDPOINT live leases.
+    """
+    busy = (
+        select(_deliveries.c.endpoint_id)
+        .where(_deliveries.c.lease_expires_at > now, _deliveries.c.status == wm.PENDING)
+        .group_by(_deliveries.c.endpoint_id)
+        .having(func.count() >= MAX_IN_FLIGHT_PER_ENDPOINT)
+    )
     pick = (
         select(_deliveries.c.id)
-        .where(*_due(now))
+        .join(_endpoints, _endpoints.c.id == _deliveries.c.endpoint_id)
+        .where(*_due(now), _endpoints.c.deleted_at.is_(None), _deliveries.c.endpoint_id.not_in(busy))
         .order_by(_deliveries.c.next_attempt_at)
         .limit(1)
-        .with_for_update(skip_locked=True)
+        .with_for_update(of=_deliveries, skip_locked=True)
     )
     for _ in range(10):
         delivery_id = db.session.scalar(pick)
@@ -289,6 +305,11 @@ def claim_due(now: datetime) -> ClaimedDelivery | None:
     return None
 
 
+def _clean(text: str | None, limit: int) -> str | None:
+    """Receiver-supplied text fit for any database column: no NUL, bounded length."""
+    return None if text is None else text.replace("\x00", "\ufffd")[:limit]
+
+
 def record_attempt(claimed: ClaimedDelivery, attempted_at: datetime, result: transport.SendResult) -> bool:
     """Write the attempt and the delivery's next state; False if the lease was lost meanwhile."""
     number = claimed.attempt_count + 1
@@ -298,21 +319,25 @@ def record_attempt(claimed: ClaimedDelivery, attempted_at: datetime, result: tra
         "lease_token": None,
         "lease_expires_at": None,
         "last_status_code": result.status_code,
-        "last_error": result.error,
+        "last_error": _clean(result.error, 500),
         "updated_at": now,
     }
     delay = next_attempt_delay(number)
     if result.succeeded or delay is None:
-        values.update(status=wm.SUCCEEDED if result.succeeded else wm.FAILED, next_attempt_at=None, finished_at=now)
+        status, next_at, finished = (wm.SUCCEEDED if result.succeeded else wm.FAILED), None, now
     else:
-        values.update(next_attempt_at=attempted_at + timedelta(seconds=delay))
+        status, next_at, finished = wm.PENDING, attempted_at + timedelta(seconds=delay), None
+    # An endpoint deleted while this attempt was in flight: log the attempt, keep the delivery cancelled.
+    cancelled = _deliveries.c.status == wm.CANCELLED
+    when_type = _deliveries.c.next_attempt_at.type
+    values.update(
+        status=case((cancelled, wm.CANCELLED), else_=status),
+        next_attempt_at=None if next_at is None else case((cancelled, null()), else_=literal(next_at, when_type)),
+        finished_at=case((cancelled, _deliveries.c.finished_at), else_=literal(finished, when_type)),
+    )
     updated = db.session.execute(
         update(_deliveries)
-        .where(
-            _deliveries.c.id == claimed.id,
-            _deliveries.c.lease_token == claimed.lease_token,
-            _deliveries.c.status == wm.PENDING,
-        )
+        .where(_deliveries.c.id == claimed.id, _deliveries.c.lease_token == claimed.lease_token)
         .values(**values)
     )
     if updated.rowcount != 1:
@@ -327,8 +352,8 @@ def record_attempt(claimed: ClaimedDelivery, attempted_at: datetime, result: tra
             succeeded=result.succeeded,
             status_code=result.status_code,
             latency_ms=result.latency_ms,
-            error=result.error,
-            response_body=result.response_body,
+            error=_clean(result.error, 500),
+            response_body=_clean(result.response_body, transport.RESPONSE_EXCERPT_BYTES),
         )
     )
     try:
@@ -348,7 +373,11 @@ def deliver_one(*, allow_private: bool, deadline: float = transport.DEADLINE_SEC
     attempted_at = clock.now()
     body = claimed.payload.encode("utf-8")
     headers = signature_headers(claimed.secret, claimed.event_id, body, int(attempted_at.timestamp()))
-    result = transport.post(claimed.url, body, headers, allow_private=allow_private, deadline=deadline)
+    try:
+        result = transport.post(claimed.url, body, headers, allow_private=allow_private, deadline=deadline)
+    except Exception as exc:  # a bug or an odd answer must cost one attempt, not loop forever
+        log.exception("webhook delivery %s: sending failed unexpectedly", claimed.id)
+        result = transport.SendResult(False, None, 0, f"internal error: {type(exc).__name__}", None)
     record_attempt(claimed, attempted_at, result)
     log.info(
         "webhook delivery %s attempt %d: %s (%d ms)",

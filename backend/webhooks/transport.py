@@ -1,33 +1,54 @@
 """Sending one webhook request: target checks on the resolved address, a hard deadline, no redirects.
 
 The host is resolved here, every resolved address is checked (loopback, private, link-local,
-metadata and other non-global addresses are refused unless WEBHOOK_ALLOW_PRIVATE_TARGETS is set),
-and the connection goes to the checked address itself, so DNS cannot change the answer between
-check and connect (rebinding). HTTPS still verifies the certificate against the URL's host name.
+metadata and every other non-public range, including IPv6 forms that embed such an IPv4
+address, are refused unless WEBHOOK_ALLOW_PRIVATE_TARGETS is set), and the connection goes to
+the checked address itself, so DNS cannot change the answer between check and connect
+(rebinding). HTTPS verifies the certificate against the URL's host name.
+
+The deadline is wall-clock for the whole attempt: name resolution, connect, TLS, request and
+response. A watchdog shuts the socket down when it passes, so a receiver that trickles bytes
+cannot hold a sender longer than the deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import ipaddress
 import socket
+import ssl
 import threading
 import time
-from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from urllib.parse import urlsplit
-
-import urllib3
-from urllib3.exceptions import HTTPError as Urllib3Error
+from urllib.parse import SplitResult, urlsplit
 
 DEADLINE_SECONDS = 10.0
 RESPONSE_EXCERPT_BYTES = 1024
 _DRAIN_LIMIT = 64 * 1024
-_POOL_CACHE_SIZE = 256
 USER_AGENT = "payintent-webhooks/1"
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+# Refused whatever Python's is_global says in a given release (it has changed between patch releases).
+_DENIED = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+        "192.0.0.0/24", "192.0.2.0/24", "192.88.99.0/24", "192.168.0.0/16", "198.18.0.0/15",
+        "198.51.100.0/24", "203.0.113.0/24", "224.0.0.0/4", "240.0.0.0/4",
+        "::/96", "::ffff:0:0:0/96",  # unspecified, loopback, IPv4-compatible, IPv4-translated
+        "64:ff9b:1::/48", "100::/64", "2001::/23", "2001:db8::/32", "fc00::/7", "fe80::/10", "fec0::/10", "ff00::/8",
+    )
+)  # fmt: skip
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_resolver = ThreadPoolExecutor(max_workers=8, thread_name_prefix="webhook-dns")
 
 
 class TargetRefused(ValueError):
-    """The URL may not be delivered to (scheme, host, or a refused address)."""
+    """The URL may not be delivered to (scheme, host, port, or a refused address)."""
 
 
 @dataclass(frozen=True)
@@ -39,26 +60,55 @@ class SendResult:
     response_body: str | None
 
 
-def address_allowed(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """Only globally routable unicast addresses (no loopback, private, link-local, CGNAT, metadata...)."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip in _NAT64:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
+def address_allowed(ip: IPAddress) -> bool:
+    """Only public unicast addresses; IPv6 forms carrying an IPv4 address are judged by that address."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        embedded = _embedded_ipv4(ip)
+        if embedded is not None:
+            return address_allowed(embedded)
+    if any(ip.version == net.version and ip in net for net in _DENIED):
+        return False
     return ip.is_global and not ip.is_multicast
 
 
+def _host_and_port(parts: SplitResult) -> tuple[str, int]:
+    """The URL's host as ASCII (IDNA) and its port; TargetRefused when either is unusable."""
+    if parts.scheme not in {"http", "https"} or not parts.hostname:
+        raise TargetRefused("the URL must be http:// or https:// with a host")
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise TargetRefused("the URL's port is not a valid port number") from None
+    try:
+        host = parts.hostname.encode("idna").decode("ascii") if not parts.hostname.isascii() else parts.hostname
+    except UnicodeError:
+        raise TargetRefused("the URL's host is not a valid host name") from None
+    if any(ord(c) < 0x21 or ord(c) == 0x7F for c in host) or len(host) > 253:
+        raise TargetRefused("the URL's host is not a valid host name")
+    return host, port
+
+
 def check_url_literal(url: str, allow_private: bool) -> None:
-    """Registration-time check: refuse URLs that name a refused address literally (or localhost).
+    """Registration-time check: the URL is usable, and names no refused address literally (or localhost).
 
     Host names are checked again, resolved, at every delivery.
     """
     parts = urlsplit(url)
-    if parts.scheme not in {"http", "https"} or not parts.hostname:
-        raise TargetRefused("the URL must be http:// or https:// with a host")
+    host, _ = _host_and_port(parts)
     if parts.username or parts.password:
         raise TargetRefused("the URL must not carry credentials")
     if allow_private:
         return
-    host = parts.hostname
     if host == "localhost" or host.endswith(".localhost"):
         raise TargetRefused("loopback targets are not allowed")
     try:
@@ -69,54 +119,65 @@ def check_url_literal(url: str, allow_private: bool) -> None:
         raise TargetRefused(f"{ip} is not a public address")
 
 
-def resolve(host: str, port: int, allow_private: bool) -> str:
+def resolve(host: str, port: int, allow_private: bool, timeout: float = DEADLINE_SECONDS) -> str:
     """The address to connect to; every address the name resolves to must be allowed."""
+    future = _resolver.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise TargetRefused(f"cannot resolve {host}: {exc}") from None
+        infos = future.result(timeout=max(timeout, 0.001))
+    except FutureTimeout:
+        raise TargetRefused(f"resolving the host took longer than {timeout:g} s") from None
+    except (OSError, UnicodeError) as exc:
+        raise TargetRefused(f"cannot resolve the host: {exc}") from None
     addresses = [info[4][0] for info in infos]
     if not addresses:
-        raise TargetRefused(f"{host} resolves to no address")
+        raise TargetRefused("the host resolves to no address")
     if not allow_private:
         for address in addresses:
             if not address_allowed(ipaddress.ip_address(address.split("%", 1)[0])):
-                raise TargetRefused(f"{host} resolves to {address}, which is not a public address")
+                raise TargetRefused(f"the host resolves to {address}, which is not a public address")
     return addresses[0]
 
 
-class _Pools:
-    """Keep-alive connection pools per (scheme, address, port, host name), least recently used first out."""
+class _PinnedHTTPSConnection(http.client.HTTPSConnection):
+    """HTTPS to a checked address, with SNI and certificate checks for the URL's host name."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pools: OrderedDict[tuple[str, str, int, str], urllib3.HTTPConnectionPool] = OrderedDict()
+    def __init__(self, address: str, port: int, server_hostname: str, timeout: float) -> None:
+        super().__init__(address, port, timeout=timeout, context=ssl.create_default_context())
+        self._server_hostname = server_hostname
 
-    def get(self, scheme: str, address: str, port: int, host: str) -> urllib3.HTTPConnectionPool:
-        key = (scheme, address, port, host)
-        with self._lock:
-            pool = self._pools.get(key)
-            if pool is not None:
-                self._pools.move_to_end(key)
-                return pool
-            if scheme == "https":
-                pool = urllib3.HTTPSConnectionPool(
-                    address, port, maxsize=32, retries=False, server_hostname=host, assert_hostname=host
-                )
-            else:
-                pool = urllib3.HTTPConnectionPool(address, port, maxsize=32, retries=False)
-            self._pools[key] = pool
-            while len(self._pools) > _POOL_CACHE_SIZE:
-                _, old = self._pools.popitem(last=False)
-                old.close()
-            return pool
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=self._server_hostname)  # type: ignore[attr-defined]
 
 
-_pools = _Pools()
+class _Watchdog:
+    """Shuts a connection's socket down when the deadline passes, unblocking any read or write."""
+
+    def __init__(self, conn: http.client.HTTPConnection, seconds: float) -> None:
+        self.fired = False
+        self._conn = conn
+        self._timer = threading.Timer(max(seconds, 0.001), self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        self.fired = True
+        sock = self._conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
 
 
 def _excerpt(data: bytes) -> str | None:
     return data[:RESPONSE_EXCERPT_BYTES].decode("utf-8", "replace") if data else None
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def post(
@@ -130,66 +191,63 @@ def post(
     """POST ``body`` to ``url``; success is a 2xx status received within ``deadline`` seconds."""
     started = time.monotonic()
 
+    def remaining() -> float:
+        return deadline - (time.monotonic() - started)
+
     def result(ok: bool, status: int | None, error: str | None, excerpt: str | None = None) -> SendResult:
         return SendResult(ok, status, int((time.monotonic() - started) * 1000), error, excerpt)
 
     parts = urlsplit(url)
     try:
-        if parts.scheme not in {"http", "https"} or not parts.hostname:
-            raise TargetRefused("the URL must be http:// or https:// with a host")
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        address = resolve(parts.hostname, port, allow_private)
-    except (TargetRefused, ValueError) as exc:
+        host, port = _host_and_port(parts)
+        address = resolve(host, port, allow_private, timeout=remaining())
+    except TargetRefused as exc:
         return result(False, None, f"refused: {exc}")
-    host_header = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
-    if ":" in parts.hostname and parts.port is None:
-        host_header = f"[{parts.hostname}]"
+    default_port = port == (443 if parts.scheme == "https" else 80)
+    host_header = f"[{host}]" if ":" in host else host
+    if not default_port:
+        host_header = f"{host_header}:{port}"
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    request_headers = {
-        "Host": host_header,
-        "Content-Type": "application/json",
-        "User-Agent": USER_AGENT,
-        **headers,
-    }
-    pool = _pools.get(parts.scheme, address, port, parts.hostname)
-    remaining = max(deadline - (time.monotonic() - started), 0.001)
+    conn: http.client.HTTPConnection
+    if parts.scheme == "https":
+        conn = _PinnedHTTPSConnection(address, port, host, timeout=max(remaining(), 0.001))
+    else:
+        conn = http.client.HTTPConnection(address, port, timeout=max(remaining(), 0.001))
+    watchdog = _Watchdog(conn, remaining())
+    status: int | None = None
+    excerpt: str | None = None
     try:
-        response = pool.urlopen(
-            "POST",
-            path,
-            body=body,
-            headers=request_headers,
-            redirect=False,
-            retries=False,
-            preload_content=False,
-            timeout=urllib3.Timeout(connect=remaining, read=remaining),
-            assert_same_host=False,
-        )
-    except urllib3.exceptions.NewConnectionError as exc:  # refused, unreachable (a ConnectTimeoutError subclass)
-        return result(False, None, f"connection failed: {_short(exc.__cause__ or exc)}")
-    except (TimeoutError, urllib3.exceptions.TimeoutError):
-        return result(False, None, f"timeout: no response within {deadline:g} s")
-    except (Urllib3Error, OSError) as exc:
-        return result(False, None, f"connection failed: {type(exc).__name__}: {_short(exc)}")
-    status = response.status
-    in_time = (time.monotonic() - started) <= deadline
-    excerpt = None
-    try:
-        excerpt = _excerpt(response.read(RESPONSE_EXCERPT_BYTES))
-        if len(response.read(_DRAIN_LIMIT)) < _DRAIN_LIMIT:
-            response.release_conn()  # body fully read: the connection can be reused
-        else:
-            response.close()
-    except (Urllib3Error, OSError):
-        response.close()
-    if not in_time:
+        conn.putrequest("POST", path, skip_host=True, skip_accept_encoding=True)
+        request_headers = {
+            "Host": host_header,
+            "Content-Type": "application/json",
+            "Content-Length": str(len(body)),
+            "User-Agent": USER_AGENT,
+            "Connection": "close",
+            **headers,
+        }
+        for name, value in request_headers.items():
+            conn.putheader(name, value)
+        conn.endheaders(body)
+        response = conn.getresponse()
+        status = response.status
+        answered_in_time = remaining() >= 0 and not watchdog.fired
+        try:
+            excerpt = _excerpt(response.read(RESPONSE_EXCERPT_BYTES))
+            response.read(_DRAIN_LIMIT)
+        except (OSError, http.client.HTTPException):
+            pass  # the status decides; a body cut short by the deadline does not matter
+    except (OSError, http.client.HTTPException) as exc:
+        if watchdog.fired or remaining() <= 0 or isinstance(exc, TimeoutError | socket.timeout):
+            return result(False, status, f"timeout: no response within {deadline:g} s")
+        return result(False, status, f"connection failed: {_short(exc)}")
+    finally:
+        watchdog.cancel()
+        conn.close()
+    if not answered_in_time:
         return result(False, status, f"timeout: answered after more than {deadline:g} s", excerpt)
     if 200 <= status < 300:
         return result(True, status, None, excerpt)
     if 300 <= status < 400:
         return result(False, status, f"redirect ({status}) not followed", excerpt)
     return result(False, status, f"HTTP {status}", excerpt)
-
-
-def _short(exc: BaseException) -> str:
-    return str(exc).splitlines()[0][:200] if str(exc) else ""

@@ -225,3 +225,27 @@ def test_delivery_log_lists_and_filters(client, merchant, other_merchant, receiv
 def test_endpoints_need_a_key(client):
     assert client.get(URL).status_code == 401
     assert client.post(URL, json={"url": "https://x.example", "events": ["payment.completed"]}).status_code == 401
+
+
+def test_nul_characters_are_refused_before_any_query(client, merchant):
+    for path in (f"{URL}/we_%00x", f"{URL}/deliveries/whd_%00", f"{URL}/deliveries?webhook_id=we_%00",
+                 "/api/v1/x402/intents?order_id=a%00b"):  # fmt: skip
+        response = client.get(path, headers=merchant.headers)
+        assert response.status_code == 400, path
+        assert response.get_json()["error"]["code"] == "INVALID_REQUEST"
+    for body in ({"url": "http://example.com/a\u0000b", "events": ["payment.completed"]},
+                 {"url": "http://example.com/", "events": ["payment.completed\u0000"]}):  # fmt: skip
+        response = client.post(URL, json=body, headers=merchant.headers)
+        assert response.status_code == 400
+        assert response.get_json()["error"]["code"] == "INVALID_JSON"
+    response = client.post("/api/v1/x402/intents", json={"amount_usdc": 1, "order_id": "a\u0000"},
+                           headers=merchant.headers)  # fmt: skip
+    assert response.status_code == 400
+    assert client.get(URL, headers=merchant.headers).get_json()["data"]["total"] == 0
+
+
+def test_an_unusable_port_is_refused_at_registration(client, merchant):
+    response = client.post(URL, json={"url": "http://example.com:99999/", "events": ["payment.completed"]},
+                           headers=merchant.headers)  # fmt: skip
+    assert response.status_code == 400
+    assert "url" in response.get_json()["error"]["fields"]

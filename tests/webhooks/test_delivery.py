@@ -276,3 +276,55 @@ def test_secrets_never_reach_the_logs(client, merchant, receiver, clock, caplog)
     for secret in (endpoint["secret"], rotated["data"]["secret"]):
         assert secret not in caplog.text
         assert secret.removeprefix("whsec_") not in caplog.text
+
+
+def test_a_slow_endpoint_cannot_take_every_sender(client, merchant, receiver, clock):
+    slow = register(client, merchant, receiver.url("/status/500"))
+    other = register(client, merchant, receiver.url("/ok"))
+    for _ in range(services.MAX_IN_FLIGHT_PER_ENDPOINT + 3):
+        send_test(client, merchant, slow["webhook_id"])
+    clock.advance(seconds=1)
+    newer = send_test(client, merchant, other["webhook_id"])
+    held = [services.claim_due(clock.current) for _ in range(services.MAX_IN_FLIGHT_PER_ENDPOINT)]
+    assert all(c is not None for c in held)  # four senders busy with the slow endpoint's backlog
+    nxt = services.claim_due(clock.current)
+    assert nxt is not None and nxt.id == newer["delivery_id"]  # the fifth serves the other endpoint
+
+
+def test_receiver_text_that_a_database_refuses_still_records_the_attempt(client, merchant, receiver, clock):
+    from backend.webhooks.transport import SendResult
+
+    endpoint = register(client, merchant, receiver.url())
+    queued = send_test(client, merchant, endpoint["webhook_id"])
+    claimed = services.claim_due(clock.current)
+    odd = SendResult(False, 500, 3, "x" * 900 + "\x00", "binary\x00answer")
+    assert services.record_attempt(claimed, clock.current, odd) is True
+    (attempt,) = attempts(queued["delivery_id"])
+    assert len(attempt.error) == 500 and "\x00" not in attempt.error
+    assert attempt.response_body == "binary\ufffdanswer"
+    assert delivery(queued["delivery_id"]).attempt_count == 1
+
+
+def test_an_endpoint_deleted_mid_attempt_logs_the_attempt_and_stays_cancelled(client, merchant, receiver, clock):
+    from backend.webhooks.transport import SendResult
+
+    endpoint = register(client, merchant, receiver.url())
+    queued = send_test(client, merchant, endpoint["webhook_id"])
+    claimed = services.claim_due(clock.current)
+    assert client.delete(f"{URL}/{endpoint['webhook_id']}", headers=merchant.headers).status_code == 200
+    assert services.record_attempt(claimed, clock.current, SendResult(False, 500, 3, "HTTP 500", None)) is True
+    row = delivery(queued["delivery_id"])
+    assert (row.status, row.attempt_count, row.next_attempt_at) == ("cancelled", 1, None)
+    assert len(attempts(queued["delivery_id"])) == 1
+
+
+def test_deliveries_of_a_deleted_endpoint_are_never_sent(client, merchant, receiver, clock):
+    endpoint = register(client, merchant, receiver.url())
+    send_test(client, merchant, endpoint["webhook_id"])
+    # As if the delete committed between an event's fan-out and its commit: the delivery stayed pending.
+    db.session.execute(
+        db.text("UPDATE webhook_endpoints SET deleted_at = created_at WHERE id = :id"), {"id": endpoint["webhook_id"]}
+    )
+    db.session.commit()
+    assert deliver() == 0
+    assert receiver.requests == []

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
+import threading
+import time
 
 import pytest
 
@@ -44,3 +47,76 @@ def test_a_refused_target_is_never_contacted():
     assert not result.succeeded
     assert result.status_code is None
     assert result.error.startswith("refused:")
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["64:ff9b::7f00:1", "64:ff9b::a9fe:a9fe", "2002:7f00:1::", "::7f00:1", "::ffff:0:7f00:1", "fec0::1",
+     "2001::1", "64:ff9b:1::1"],
+)  # fmt: skip
+def test_ipv6_forms_embedding_a_private_ipv4_are_refused(address):
+    assert address_allowed(ipaddress.ip_address(address)) is False
+
+
+def test_nat64_of_a_public_address_is_allowed():
+    assert address_allowed(ipaddress.ip_address("64:ff9b::808:808")) is True  # 8.8.8.8
+
+
+class _Trickle:
+    """A raw TCP server that answers slowly, one byte at a time."""
+
+    def __init__(self, head: bytes, body: bytes, head_gap: float, body_gap: float) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.port = self.sock.getsockname()[1]
+        self.head, self.body, self.head_gap, self.body_gap = head, body, head_gap, body_gap
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        try:
+            conn.recv(65536)
+            for data, gap in ((self.head, self.head_gap), (self.body, self.body_gap)):
+                for i in range(len(data)):
+                    conn.sendall(data[i : i + 1])
+                    time.sleep(gap)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            self.sock.close()
+
+
+def test_a_trickling_status_line_is_cut_at_the_deadline():
+    server = _Trickle(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n", b"ok", head_gap=0.2, body_gap=0)
+    started = time.monotonic()
+    result = post(f"http://127.0.0.1:{server.port}/", b"{}", {}, allow_private=True, deadline=1.0)
+    elapsed = time.monotonic() - started
+    assert not result.succeeded and result.error.startswith("timeout")
+    assert 1.0 <= elapsed < 1.5
+
+
+def test_a_trickling_body_does_not_hold_the_sender_past_the_deadline():
+    server = _Trickle(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", b"x" * 100, head_gap=0, body_gap=0.1)
+    started = time.monotonic()
+    result = post(f"http://127.0.0.1:{server.port}/", b"{}", {}, allow_private=True, deadline=1.0)
+    assert time.monotonic() - started < 1.5
+    assert result.succeeded and result.status_code == 200  # the 2xx came in time; the body does not matter
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://" + ".".join(["a" * 63] * 8) + "/", "not a valid host name"),
+        ("http://example.com:99999/", "not a valid port"),
+    ],
+)
+def test_odd_urls_fail_as_an_attempt_never_as_an_exception(url, message):
+    result = post(url, b"{}", {}, allow_private=True, deadline=1.0)
+    assert not result.succeeded and result.error.startswith("refused:") and message in result.error
+
+
+def test_an_internationalised_host_is_encoded_not_crashed_on():
+    result = post("http://例え.jp/", b"{}", {}, allow_private=True, deadline=1.0)  # no DNS here, or a real answer
+    assert not result.succeeded or result.status_code is not None

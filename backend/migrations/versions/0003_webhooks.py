@@ -56,6 +56,7 @@ def upgrade() -> None:
     with op.batch_alter_table('webhook_deliveries', schema=None) as batch_op:
         batch_op.create_index('ix_webhook_deliveries_due', ['status', 'next_attempt_at'], unique=False)
         batch_op.create_index('ix_webhook_deliveries_endpoint_created', ['endpoint_id', 'created_at'], unique=False)
+        batch_op.create_index('ix_webhook_deliveries_lease', ['lease_expires_at'], unique=False)
         batch_op.create_index(batch_op.f('ix_webhook_deliveries_event_id'), ['event_id'], unique=False)
         batch_op.create_index(batch_op.f('ix_webhook_deliveries_merchant_id'), ['merchant_id'], unique=False)
 
@@ -86,6 +87,7 @@ def downgrade() -> None:
     with op.batch_alter_table('webhook_deliveries', schema=None) as batch_op:
         batch_op.drop_index(batch_op.f('ix_webhook_deliveries_merchant_id'))
         batch_op.drop_index(batch_op.f('ix_webhook_deliveries_event_id'))
+        batch_op.drop_index('ix_webhook_deliveries_lease')
         batch_op.drop_index('ix_webhook_deliveries_endpoint_created')
         batch_op.drop_index('ix_webhook_deliveries_due')
 
