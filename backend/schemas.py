@@ -6,7 +6,7 @@ from decimal import Decimal
 from typing import Any
 
 from flask import current_app
-from marshmallow import Schema, ValidationError, fields
+from marshmallow import Schema, ValidationError, fields, validate
 
 from backend.money import AmountError, parse_usdc_amount
 
@@ -85,6 +85,28 @@ def envelope(data_schema: type[Schema] | Schema, name: str) -> type[Schema]:
         {
             "success": fields.Boolean(required=True, metadata={"enum": [True]}),
             "data": fields.Nested(data_schema, required=True),
+        },
+        name=name,
+    )
+
+
+class PageQuerySchema(StrictSchema):
+    """``limit`` (default 20, at most 100) and ``offset`` (default 0) of every list endpoint."""
+
+    limit = fields.Integer(
+        load_default=20, validate=validate.Range(min=1, max=100), metadata={"description": "Page size (1-100)"}
+    )
+    offset = fields.Integer(load_default=0, validate=validate.Range(min=0, max=10_000_000))
+
+
+def page_of(item_schema: type[Schema], items_key: str, name: str) -> type[Schema]:
+    """``{<items_key>: [item], total, limit, offset}`` as a named schema for the OpenAPI document."""
+    return Schema.from_dict(
+        {
+            items_key: fields.List(fields.Nested(item_schema), required=True),
+            "total": fields.Integer(required=True),
+            "limit": fields.Integer(required=True),
+            "offset": fields.Integer(required=True),
         },
         name=name,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from marshmallow import fields, validate
 
 from backend.intents.models import STATUSES
-from backend.schemas import FlatMetadata, HttpUrl, StrictSchema, UsdcAmount, envelope
+from backend.schemas import FlatMetadata, HttpUrl, PageQuerySchema, StrictSchema, UsdcAmount, envelope, page_of
 
 
 class CreateIntentSchema(StrictSchema):
@@ -39,13 +39,9 @@ class CreateIntentSchema(StrictSchema):
     )
 
 
-class ListIntentsQuerySchema(StrictSchema):
+class ListIntentsQuerySchema(PageQuerySchema):
     status = fields.String(validate=validate.OneOf(STATUSES), metadata={"description": "Filter by status"})
     order_id = fields.String(validate=validate.Length(min=1, max=128), metadata={"description": "Filter by order"})
-    limit = fields.Integer(
-        load_default=20, validate=validate.Range(min=1, max=100), metadata={"description": "Page size (1-100)"}
-    )
-    offset = fields.Integer(load_default=0, validate=validate.Range(min=0, max=10_000_000))
 
 
 class PaymentRequirementSchema(StrictSchema):
@@ -84,18 +80,11 @@ class IntentSchema(StrictSchema):
     paid_at = fields.String(required=True, allow_none=True, metadata={"format": "date-time"})
 
 
-class IntentPageSchema(StrictSchema):
-    intents = fields.List(fields.Nested(IntentSchema), required=True)
-    total = fields.Integer(required=True)
-    limit = fields.Integer(required=True)
-    offset = fields.Integer(required=True)
-
-
 class CancelledIntentSchema(StrictSchema):
     intent_id = fields.UUID(required=True)
     status = fields.String(required=True, metadata={"enum": ["cancelled"]})
 
 
 IntentEnvelope = envelope(IntentSchema, "IntentResponse")
-IntentPageEnvelope = envelope(IntentPageSchema, "IntentPageResponse")
+IntentPageEnvelope = envelope(page_of(IntentSchema, "intents", "IntentPage"), "IntentPageResponse")
 CancelledEnvelope = envelope(CancelledIntentSchema, "CancelledIntentResponse")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from marshmallow import fields, validate
 
 from backend.events.services import EVENT_TYPES
-from backend.schemas import HttpUrl, StrictSchema, envelope
+from backend.schemas import HttpUrl, PageQuerySchema, StrictSchema, envelope, page_of
 from backend.webhooks.models import DELIVERY_STATUSES
 
 _EVENT_TYPE = fields.String(
@@ -32,13 +32,6 @@ class TestEventSchema(StrictSchema):
     )
 
 
-class PageQuerySchema(StrictSchema):
-    limit = fields.Integer(
-        load_default=20, validate=validate.Range(min=1, max=100), metadata={"description": "Page size (1-100)"}
-    )
-    offset = fields.Integer(load_default=0, validate=validate.Range(min=0, max=10_000_000))
-
-
 class ListDeliveriesQuerySchema(PageQuerySchema):
     webhook_id = fields.String(validate=validate.Length(min=1, max=64), metadata={"description": "One endpoint's"})
     event_id = fields.String(validate=validate.Length(min=1, max=64), metadata={"description": "One event's"})
@@ -56,13 +49,6 @@ class WebhookWithSecretSchema(WebhookSchema):
     secret = fields.String(
         required=True, metadata={"description": "Signing secret (whsec_...); shown only in this response"}
     )
-
-
-class WebhookPageSchema(StrictSchema):
-    webhooks = fields.List(fields.Nested(WebhookSchema), required=True)
-    total = fields.Integer(required=True)
-    limit = fields.Integer(required=True)
-    offset = fields.Integer(required=True)
 
 
 class DeletedWebhookSchema(StrictSchema):
@@ -100,13 +86,6 @@ class DeliveryDetailSchema(DeliverySchema):
     attempts = fields.List(fields.Nested(AttemptSchema), required=True)
 
 
-class DeliveryPageSchema(StrictSchema):
-    deliveries = fields.List(fields.Nested(DeliverySchema), required=True)
-    total = fields.Integer(required=True)
-    limit = fields.Integer(required=True)
-    offset = fields.Integer(required=True)
-
-
 class QueuedDeliverySchema(StrictSchema):
     delivery_id = fields.String(required=True)
     webhook_id = fields.String(required=True)
@@ -117,8 +96,10 @@ class QueuedDeliverySchema(StrictSchema):
 
 WebhookEnvelope = envelope(WebhookSchema, "WebhookResponse")
 WebhookWithSecretEnvelope = envelope(WebhookWithSecretSchema, "WebhookWithSecretResponse")
-WebhookPageEnvelope = envelope(WebhookPageSchema, "WebhookPageResponse")
+WebhookPageEnvelope = envelope(page_of(WebhookSchema, "webhooks", "WebhookPage"), "WebhookPageResponse")
 DeletedWebhookEnvelope = envelope(DeletedWebhookSchema, "DeletedWebhookResponse")
 DeliveryEnvelope = envelope(DeliveryDetailSchema, "WebhookDeliveryResponse")
-DeliveryPageEnvelope = envelope(DeliveryPageSchema, "WebhookDeliveryPageResponse")
+DeliveryPageEnvelope = envelope(
+    page_of(DeliverySchema, "deliveries", "WebhookDeliveryPage"), "WebhookDeliveryPageResponse"
+)
 QueuedDeliveryEnvelope = envelope(QueuedDeliverySchema, "QueuedWebhookDeliveryResponse")

@@ -10,6 +10,7 @@ from flask.views import MethodView
 from backend.errors import validation_error
 from backend.http import ApiBlueprint, ok
 from backend.merchants.auth import api_key_required, current_merchant_id
+from backend.schemas import PageQuerySchema
 from backend.webhooks import services
 from backend.webhooks.schemas import (
     CreateWebhookSchema,
@@ -17,7 +18,6 @@ from backend.webhooks.schemas import (
     DeliveryEnvelope,
     DeliveryPageEnvelope,
     ListDeliveriesQuerySchema,
-    PageQuerySchema,
     QueuedDeliveryEnvelope,
     TestEventSchema,
     WebhookEnvelope,
