@@ -48,6 +48,7 @@ fmt: install
 
 bench: install
 	$(BIN)/python bench/api.py
+	$(BIN)/python bench/webhooks.py
 
 clean:
 	rm -rf $(VENV) node_modules var .pytest_cache .ruff_cache *.egg-info
