@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, func, insert, literal, null, or_, select, update
+from sqlalchemy import bindparam, case, func, insert, or_, select, update
 from sqlalchemy import event as sa_event
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from backend import clock
 from backend.errors import APIError, not_found
 from backend.events.models import Event
-from backend.extensions import db
+from backend.extensions import UTCDateTime, db
 from backend.ids import prefixed_id
 from backend.jsonio import strict_loads
 from backend.webhooks import models as wm
@@ -251,12 +251,65 @@ class ClaimedDelivery:
     payload: str
 
 
-def _due(now: datetime) -> Any:
+def _due(now: Any) -> Any:
     return (
         _deliveries.c.status == wm.PENDING,
         _deliveries.c.next_attempt_at <= now,
         or_(_deliveries.c.lease_expires_at.is_(None), _deliveries.c.lease_expires_at < now),
     )
+
+
+# The delivery hot path: statements built once (bind parameters only), two per claim, two per record.
+_NOW = bindparam("now", type_=UTCDateTime())
+_BUSY_ENDPOINTS = (
+    select(_deliveries.c.endpoint_id)
+    .where(_deliveries.c.lease_expires_at > _NOW, _deliveries.c.status == wm.PENDING)
+    .group_by(_deliveries.c.endpoint_id)
+    .having(func.count() >= MAX_IN_FLIGHT_PER_ENDPOINT)
+)
+_OLDEST_DUE = (
+    select(_deliveries.c.id)
+    .join(_endpoints, _endpoints.c.id == _deliveries.c.endpoint_id)
+    .where(*_due(_NOW), _endpoints.c.deleted_at.is_(None), _deliveries.c.endpoint_id.not_in(_BUSY_ENDPOINTS))
+    .order_by(_deliveries.c.next_attempt_at)
+    .limit(1)
+    .with_for_update(of=_deliveries, skip_locked=True)
+    .scalar_subquery()
+)
+# One statement picks and leases (SKIP LOCKED on PostgreSQL; SQLite runs it under its write lock).
+_CLAIM = (
+    update(_deliveries)
+    .where(_deliveries.c.id == _OLDEST_DUE, *_due(_NOW))
+    .values(lease_token=bindparam("token"), lease_expires_at=bindparam("lease_until", type_=UTCDateTime()))
+    .returning(_deliveries.c.id, _deliveries.c.attempt_count, _deliveries.c.event_id, _deliveries.c.endpoint_id)
+)
+_SENDING = select(
+    _endpoints.c.url,
+    _endpoints.c.secret,
+    select(_events.c.payload).where(_events.c.id == bindparam("event_id")).scalar_subquery().label("payload"),
+).where(_endpoints.c.id == bindparam("endpoint_id"))
+_CANCELLED = _deliveries.c.status == wm.CANCELLED
+# Records an attempt if the lease is still ours. An endpoint deleted while the attempt was in flight
+# leaves the delivery cancelled (the attempt is still logged).
+_RECORD = (
+    update(_deliveries)
+    .where(_deliveries.c.id == bindparam("delivery_id"), _deliveries.c.lease_token == bindparam("token"))
+    .values(
+        attempt_count=bindparam("number"),
+        lease_token=None,
+        lease_expires_at=None,
+        last_status_code=bindparam("code"),
+        last_error=bindparam("error"),
+        updated_at=bindparam("now", type_=UTCDateTime()),
+        status=case((_CANCELLED, wm.CANCELLED), else_=bindparam("new_status")),
+        # (a cancelled delivery's columns are kept: its next_attempt_at is already NULL)
+        next_attempt_at=case(
+            (_CANCELLED, _deliveries.c.next_attempt_at), else_=bindparam("next_at", type_=UTCDateTime())
+        ),
+        finished_at=case((_CANCELLED, _deliveries.c.finished_at), else_=bindparam("finished", type_=UTCDateTime())),
+    )
+)
+_INSERT_ATTEMPT = insert(_attempts)
 
 
 def claim_due(now: datetime) -> ClaimedDelivery | None:
@@ -265,44 +318,15 @@ def claim_due(now: datetime) -> ClaimedDelivery | None:
     Deliveries of deleted endpoints are skipped, and so are endpoints that already have
     MAX_IN_FLIGHT_PER_ENDPOINT live leases.
     """
-    busy = (
-        select(_deliveries.c.endpoint_id)
-        .where(_deliveries.c.lease_expires_at > now, _deliveries.c.status == wm.PENDING)
-        .group_by(_deliveries.c.endpoint_id)
-        .having(func.count() >= MAX_IN_FLIGHT_PER_ENDPOINT)
-    )
-    pick = (
-        select(_deliveries.c.id)
-        .join(_endpoints, _endpoints.c.id == _deliveries.c.endpoint_id)
-        .where(*_due(now), _endpoints.c.deleted_at.is_(None), _deliveries.c.endpoint_id.not_in(busy))
-        .order_by(_deliveries.c.next_attempt_at)
-        .limit(1)
-        .with_for_update(of=_deliveries, skip_locked=True)
-    )
-    for _ in range(10):
-        delivery_id = db.session.scalar(pick)
-        if delivery_id is None:
-            db.session.rollback()
-            return None
-        token = uuid.uuid4().hex
-        leased = db.session.execute(
-            update(_deliveries)
-            .where(_deliveries.c.id == delivery_id, *_due(now))
-            .values(lease_token=token, lease_expires_at=now + timedelta(seconds=LEASE_SECONDS))
-        )
-        if leased.rowcount != 1:  # another worker took it first (SQLite has no SKIP LOCKED)
-            db.session.rollback()
-            continue
-        row = db.session.execute(
-            select(_deliveries.c.attempt_count, _deliveries.c.event_id, _endpoints.c.url, _endpoints.c.secret,
-                   _events.c.payload)
-            .join(_endpoints, _endpoints.c.id == _deliveries.c.endpoint_id)
-            .join(_events, _events.c.id == _deliveries.c.event_id)
-            .where(_deliveries.c.id == delivery_id)
-        ).one()  # fmt: skip
-        db.session.commit()
-        return ClaimedDelivery(delivery_id, token, row.attempt_count, row.event_id, row.url, row.secret, row.payload)
-    return None
+    token = uuid.uuid4().hex
+    lease_until = now + timedelta(seconds=LEASE_SECONDS)
+    leased = db.session.execute(_CLAIM, {"now": now, "token": token, "lease_until": lease_until}).first()
+    if leased is None:
+        db.session.rollback()
+        return None
+    row = db.session.execute(_SENDING, {"endpoint_id": leased.endpoint_id, "event_id": leased.event_id}).one()
+    db.session.commit()
+    return ClaimedDelivery(leased.id, token, leased.attempt_count, leased.event_id, row.url, row.secret, row.payload)
 
 
 def _clean(text: str | None, limit: int) -> str | None:
@@ -314,48 +338,27 @@ def record_attempt(claimed: ClaimedDelivery, attempted_at: datetime, result: tra
     """Write the attempt and the delivery's next state; False if the lease was lost meanwhile."""
     number = claimed.attempt_count + 1
     now = clock.now()
-    values: dict[str, Any] = {
-        "attempt_count": number,
-        "lease_token": None,
-        "lease_expires_at": None,
-        "last_status_code": result.status_code,
-        "last_error": _clean(result.error, 500),
-        "updated_at": now,
-    }
     delay = next_attempt_delay(number)
     if result.succeeded or delay is None:
         status, next_at, finished = (wm.SUCCEEDED if result.succeeded else wm.FAILED), None, now
     else:
         status, next_at, finished = wm.PENDING, attempted_at + timedelta(seconds=delay), None
-    # An endpoint deleted while this attempt was in flight: log the attempt, keep the delivery cancelled.
-    cancelled = _deliveries.c.status == wm.CANCELLED
-    when_type = _deliveries.c.next_attempt_at.type
-    values.update(
-        status=case((cancelled, wm.CANCELLED), else_=status),
-        next_attempt_at=None if next_at is None else case((cancelled, null()), else_=literal(next_at, when_type)),
-        finished_at=case((cancelled, _deliveries.c.finished_at), else_=literal(finished, when_type)),
-    )
+    error = _clean(result.error, 500)
     updated = db.session.execute(
-        update(_deliveries)
-        .where(_deliveries.c.id == claimed.id, _deliveries.c.lease_token == claimed.lease_token)
-        .values(**values)
-    )
+        _RECORD,
+        {"delivery_id": claimed.id, "token": claimed.lease_token, "number": number, "code": result.status_code,
+         "error": error, "now": now, "new_status": status, "next_at": next_at, "finished": finished},
+    )  # fmt: skip
     if updated.rowcount != 1:
         db.session.rollback()
         log.warning("webhook delivery %s: lease lost before attempt %d was recorded", claimed.id, number)
         return False
     db.session.execute(
-        insert(_attempts).values(
-            delivery_id=claimed.id,
-            number=number,
-            attempted_at=attempted_at,
-            succeeded=result.succeeded,
-            status_code=result.status_code,
-            latency_ms=result.latency_ms,
-            error=_clean(result.error, 500),
-            response_body=_clean(result.response_body, transport.RESPONSE_EXCERPT_BYTES),
-        )
-    )
+        _INSERT_ATTEMPT,
+        {"delivery_id": claimed.id, "number": number, "attempted_at": attempted_at, "succeeded": result.succeeded,
+         "status_code": result.status_code, "latency_ms": result.latency_ms, "error": error,
+         "response_body": _clean(result.response_body, transport.RESPONSE_EXCERPT_BYTES)},
+    )  # fmt: skip
     try:
         db.session.commit()
     except IntegrityError:
