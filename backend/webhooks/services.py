@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -368,11 +368,18 @@ def record_attempt(claimed: ClaimedDelivery, attempted_at: datetime, result: tra
     return True
 
 
-def deliver_one(*, allow_private: bool, deadline: float = transport.DEADLINE_SECONDS) -> bool:
-    """Claim, sign, send and record one due delivery; False when nothing was due."""
+def deliver_one(
+    *, allow_private: bool, deadline: float = transport.DEADLINE_SECONDS, on_claim: Callable[[], None] | None = None
+) -> bool:
+    """Claim, sign, send and record one due delivery; False when nothing was due.
+
+    ``on_claim`` runs right after a claim, before sending (the dispatcher wakes another sender there).
+    """
     claimed = claim_due(clock.now())
     if claimed is None:
         return False
+    if on_claim is not None:
+        on_claim()
     attempted_at = clock.now()
     body = claimed.payload.encode("utf-8")
     headers = signature_headers(claimed.secret, claimed.event_id, body, int(attempted_at.timestamp()))

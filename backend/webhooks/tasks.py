@@ -15,7 +15,6 @@ import threading
 from typing import ClassVar
 
 from flask import Flask, current_app
-from redis.exceptions import RedisError
 from rq import Queue
 
 from backend.queueing import app_job, app_redis
@@ -43,22 +42,33 @@ def wake_workers() -> None:
 @app_job
 def deliver_webhooks() -> int:
     """Deliver what is due: hand over to this process' dispatcher, or send inline (burst mode, tests)."""
-    redis = app_redis()
-    if redis is not None:
-        with contextlib.suppress(RedisError):
-            redis.delete(WAKE_KEY)  # before looking, so a commit after this point wakes us again
     dispatcher = Dispatcher.current
     if dispatcher is not None:
-        dispatcher.poke()
+        dispatcher.poke()  # its senders clear the wake flag when they run out of work
         return 0
+    clear_wake_flag()
     settings = current_app.config["PAYINTENT_SETTINGS"]
     return services.deliver_due(
         allow_private=settings.webhook_allow_private_targets, deadline=settings.webhook_timeout_seconds
     )
 
 
+def clear_wake_flag() -> None:
+    """Let the next commit enqueue a wake-up again. Call before a final look for due deliveries."""
+    redis = app_redis(fast=True)
+    if redis is not None:
+        with contextlib.suppress(Exception):
+            redis.delete(WAKE_KEY)
+
+
 class Dispatcher:
-    """A worker process' webhook senders: threads that each claim and send one due delivery at a time."""
+    """A worker process' webhook senders: threads that each claim and send one due delivery at a time.
+
+    A wake-up starts one sender; a sender that claims work wakes one more before sending, so the
+    number of busy senders follows the backlog. While senders are draining, the Redis wake flag
+    stays set and commits enqueue nothing (the drain picks their deliveries up); the sender that
+    finds nothing due clears the flag and looks once more, so no commit is missed.
+    """
 
     current: ClassVar[Dispatcher | None] = None
 
@@ -66,7 +76,7 @@ class Dispatcher:
         self.app = app
         self.size = size
         self._cond = threading.Condition()
-        self._generation = 0
+        self._wanted = 0
         self._stopping = False
         self._threads: list[threading.Thread] = []
 
@@ -79,9 +89,10 @@ class Dispatcher:
         return self
 
     def poke(self) -> None:
+        """Wake one idle sender (if all are busy, the next one to finish keeps draining anyway)."""
         with self._cond:
-            self._generation += 1
-            self._cond.notify_all()
+            self._wanted = min(self._wanted + 1, self.size)
+            self._cond.notify()
 
     def stop(self, timeout: float = 15.0) -> None:
         """Let in-flight attempts finish (their deadline is 10 s), then return."""
@@ -93,23 +104,34 @@ class Dispatcher:
         if Dispatcher.current is self:
             Dispatcher.current = None
 
-    def _run(self) -> None:
+    def _wait_for_work(self) -> bool:
+        """Block until poked (or the idle poll interval passes); False when stopping."""
+        with self._cond:
+            if not self._wanted and not self._stopping:
+                self._cond.wait(timeout=_IDLE_POLL_SECONDS)
+            if self._wanted:
+                self._wanted -= 1
+            return not self._stopping
+
+    def _drain(self) -> None:
         settings = self.app.config["PAYINTENT_SETTINGS"]
-        seen = -1
-        while True:
-            with self._cond:
-                if self._generation == seen and not self._stopping:
-                    self._cond.wait(timeout=_IDLE_POLL_SECONDS)
-                seen = self._generation
-                if self._stopping:
+        options = {
+            "allow_private": settings.webhook_allow_private_targets,
+            "deadline": settings.webhook_timeout_seconds,
+            "on_claim": self.poke,
+        }
+        with self.app.app_context():
+            while not self._stopping:
+                if services.deliver_one(**options):
+                    continue
+                clear_wake_flag()
+                if not services.deliver_one(**options):  # a commit between the last look and the clear
                     return
+
+    def _run(self) -> None:
+        while self._wait_for_work():
             try:
-                with self.app.app_context():
-                    while not self._stopping and services.deliver_one(
-                        allow_private=settings.webhook_allow_private_targets,
-                        deadline=settings.webhook_timeout_seconds,
-                    ):
-                        pass
+                self._drain()
             except Exception:  # database down: log, wait, try again; leases keep others safe
                 log.exception("webhook sender failed; retrying shortly")
                 with self._cond:

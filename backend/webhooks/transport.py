@@ -8,18 +8,21 @@ the checked address itself, so DNS cannot change the answer between check and co
 
 The deadline is wall-clock for the whole attempt: name resolution, connect, TLS, request and
 response. A watchdog shuts the socket down when it passes, so a receiver that trickles bytes
-cannot hold a sender longer than the deadline.
+cannot hold a sender longer than the deadline. Connections are kept alive per checked address
+(a stale one is replaced by a fresh one within the same attempt).
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import http.client
 import ipaddress
 import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -138,11 +141,22 @@ def resolve(host: str, port: int, allow_private: bool, timeout: float = DEADLINE
     return addresses[0]
 
 
+_tls_context: ssl.SSLContext | None = None
+
+
+def _tls() -> ssl.SSLContext:
+    """One verifying TLS context for the process (building one costs ~20 ms of CPU)."""
+    global _tls_context
+    if _tls_context is None:
+        _tls_context = ssl.create_default_context()
+    return _tls_context
+
+
 class _PinnedHTTPSConnection(http.client.HTTPSConnection):
     """HTTPS to a checked address, with SNI and certificate checks for the URL's host name."""
 
     def __init__(self, address: str, port: int, server_hostname: str, timeout: float) -> None:
-        super().__init__(address, port, timeout=timeout, context=ssl.create_default_context())
+        super().__init__(address, port, timeout=timeout, context=_tls())
         self._server_hostname = server_hostname
 
     def connect(self) -> None:
@@ -150,25 +164,95 @@ class _PinnedHTTPSConnection(http.client.HTTPSConnection):
         self.sock = self._context.wrap_socket(self.sock, server_hostname=self._server_hostname)  # type: ignore[attr-defined]
 
 
-class _Watchdog:
-    """Shuts a connection's socket down when the deadline passes, unblocking any read or write."""
+class _Alarm:
+    __slots__ = ("cancelled", "conn", "fired")
 
-    def __init__(self, conn: http.client.HTTPConnection, seconds: float) -> None:
+    def __init__(self, conn: http.client.HTTPConnection) -> None:
+        self.conn = conn
         self.fired = False
-        self._conn = conn
-        self._timer = threading.Timer(max(seconds, 0.001), self._fire)
-        self._timer.daemon = True
-        self._timer.start()
+        self.cancelled = False
 
-    def _fire(self) -> None:
-        self.fired = True
-        sock = self._conn.sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
 
-    def cancel(self) -> None:
-        self._timer.cancel()
+class _Watchdog:
+    """One thread for the process that shuts a connection's socket down when its deadline passes,
+    unblocking any read or write on it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, _Alarm]] = []
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+
+    def arm(self, conn: http.client.HTTPConnection, seconds: float) -> _Alarm:
+        alarm = _Alarm(conn)
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="webhook-deadlines", daemon=True)
+                self._thread.start()
+            self._seq += 1
+            heapq.heappush(self._heap, (time.monotonic() + seconds, self._seq, alarm))
+            self._cond.notify()
+        return alarm
+
+    @staticmethod
+    def disarm(alarm: _Alarm) -> None:
+        alarm.cancelled = True  # the entry is dropped when it reaches the top
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap:
+                    self._cond.wait()
+                when, _, alarm = self._heap[0]
+                if alarm.cancelled:
+                    heapq.heappop(self._heap)
+                    continue
+                delay = when - time.monotonic()
+                if delay > 0:
+                    self._cond.wait(timeout=delay)
+                    continue
+                heapq.heappop(self._heap)
+            alarm.fired = True
+            sock = alarm.conn.sock
+            if sock is not None and not alarm.cancelled:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
+_watchdog = _Watchdog()
+_IDLE_SECONDS = 15.0
+_IDLE_PER_TARGET = 8
+
+
+class _IdleConnections:
+    """Kept-alive connections per (scheme, checked address, port, host name); stale ones are dropped."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[str, str, int, str], list[tuple[float, http.client.HTTPConnection]]] = {}
+
+    def take(self, key: tuple[str, str, int, str]) -> http.client.HTTPConnection | None:
+        now = time.monotonic()
+        with self._lock:
+            stack = self._idle.get(key, [])
+            while stack:
+                since, conn = stack.pop()
+                if now - since < _IDLE_SECONDS:
+                    return conn
+                conn.close()
+        return None
+
+    def give(self, key: tuple[str, str, int, str], conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            stack = self._idle.setdefault(key, [])
+            if len(stack) < _IDLE_PER_TARGET and len(self._idle) <= 1024:
+                stack.append((time.monotonic(), conn))
+                return
+        conn.close()
+
+
+_idle = _IdleConnections()
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
 
 def _excerpt(data: bytes) -> str | None:
@@ -208,46 +292,81 @@ def post(
     if not default_port:
         host_header = f"{host_header}:{port}"
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    conn: http.client.HTTPConnection
+    key = (parts.scheme, address, port, host)
+    request_headers = {
+        "Host": host_header,
+        "Content-Type": "application/json",
+        "Content-Length": str(len(body)),
+        "User-Agent": USER_AGENT,
+        **headers,
+    }
+    reused = _idle.take(key)
+    if reused is not None:
+        outcome = _exchange(reused, key, path, request_headers, body, remaining, deadline, reused=True)
+        if outcome is not None:
+            return result(*outcome)
+        # The receiver had closed that idle connection before reading anything: use a fresh one.
     if parts.scheme == "https":
-        conn = _PinnedHTTPSConnection(address, port, host, timeout=max(remaining(), 0.001))
+        conn: http.client.HTTPConnection = _PinnedHTTPSConnection(address, port, host, max(remaining(), 0.001))
     else:
         conn = http.client.HTTPConnection(address, port, timeout=max(remaining(), 0.001))
-    watchdog = _Watchdog(conn, remaining())
+    outcome = _exchange(conn, key, path, request_headers, body, remaining, deadline, reused=False)
+    assert outcome is not None
+    return result(*outcome)
+
+
+Outcome = tuple[bool, int | None, str | None, str | None]  # succeeded, status, error, response excerpt
+
+
+def _exchange(
+    conn: http.client.HTTPConnection,
+    key: tuple[str, str, int, str],
+    path: str,
+    headers: dict[str, str],
+    body: bytes,
+    remaining: Callable[[], float],
+    deadline: float,
+    *,
+    reused: bool,
+) -> Outcome | None:
+    """One request on ``conn`` under the deadline watchdog; None if a reused connection was stale."""
+    if conn.sock is not None:
+        conn.sock.settimeout(max(remaining(), 0.001))
+    alarm = _watchdog.arm(conn, max(remaining(), 0.001))
     status: int | None = None
-    excerpt: str | None = None
+    keep = False
     try:
         conn.putrequest("POST", path, skip_host=True, skip_accept_encoding=True)
-        request_headers = {
-            "Host": host_header,
-            "Content-Type": "application/json",
-            "Content-Length": str(len(body)),
-            "User-Agent": USER_AGENT,
-            "Connection": "close",
-            **headers,
-        }
-        for name, value in request_headers.items():
+        for name, value in headers.items():
             conn.putheader(name, value)
         conn.endheaders(body)
         response = conn.getresponse()
         status = response.status
-        answered_in_time = remaining() >= 0 and not watchdog.fired
+        in_time = remaining() >= 0 and not alarm.fired
+        excerpt: str | None = None
         try:
             excerpt = _excerpt(response.read(RESPONSE_EXCERPT_BYTES))
             response.read(_DRAIN_LIMIT)
+            keep = response.isclosed() and not response.will_close and not alarm.fired
         except (OSError, http.client.HTTPException):
             pass  # the status decides; a body cut short by the deadline does not matter
     except (OSError, http.client.HTTPException) as exc:
-        if watchdog.fired or remaining() <= 0 or isinstance(exc, TimeoutError | socket.timeout):
-            return result(False, status, f"timeout: no response within {deadline:g} s")
-        return result(False, status, f"connection failed: {_short(exc)}")
-    finally:
-        watchdog.cancel()
         conn.close()
-    if not answered_in_time:
-        return result(False, status, f"timeout: answered after more than {deadline:g} s", excerpt)
+        if reused and isinstance(exc, _STALE) and not alarm.fired and remaining() > 0:
+            return None
+        if alarm.fired or remaining() <= 0 or isinstance(exc, TimeoutError):
+            return False, status, f"timeout: no response within {deadline:g} s", None
+        return False, status, f"connection failed: {_short(exc)}", None
+    finally:
+        _watchdog.disarm(alarm)
+    if keep:
+        _idle.give(key, conn)
+    else:
+        conn.close()
+    if not in_time:
+        return False, status, f"timeout: answered after more than {deadline:g} s", excerpt
     if 200 <= status < 300:
-        return result(True, status, None, excerpt)
+        return True, status, None, excerpt
     if 300 <= status < 400:
-        return result(False, status, f"redirect ({status}) not followed", excerpt)
-    return result(False, status, f"HTTP {status}", excerpt)
+        return False, status, f"redirect ({status}) not followed", excerpt
+    return False, status, f"HTTP {status}", excerpt

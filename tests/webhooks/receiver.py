@@ -19,6 +19,7 @@ class Received:
     body: bytes
     headers: dict[str, str]
     at: float
+    client_port: int = 0
 
 
 @dataclass
@@ -61,7 +62,9 @@ def start_receiver(host: str = "127.0.0.1") -> Receiver:
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             with receiver.lock:
-                receiver.requests.append(Received(self.path, body, dict(self.headers.items()), time.monotonic()))
+                receiver.requests.append(
+                    Received(self.path, body, dict(self.headers.items()), time.monotonic(), self.client_address[1])
+                )
             parts = self.path.strip("/").split("/")
             status = 200
             if parts[0] == "status":

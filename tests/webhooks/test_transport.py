@@ -120,3 +120,45 @@ def test_odd_urls_fail_as_an_attempt_never_as_an_exception(url, message):
 def test_an_internationalised_host_is_encoded_not_crashed_on():
     result = post("http://例え.jp/", b"{}", {}, allow_private=True, deadline=1.0)  # no DNS here, or a real answer
     assert not result.succeeded or result.status_code is not None
+
+
+class _KeepAliveThenHangUp:
+    """Answers 200 with keep-alive, then closes each connection shortly after (an idle timeout)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            time.sleep(0.1)
+            conn.close()
+
+
+def test_a_connection_closed_while_idle_is_replaced_within_the_attempt():
+    server = _KeepAliveThenHangUp()
+    url = f"http://127.0.0.1:{server.port}/hook"
+    assert post(url, b"{}", {}, allow_private=True).succeeded
+    time.sleep(0.3)  # the receiver hangs up the idle connection
+    second = post(url, b"{}", {}, allow_private=True)
+    assert second.succeeded and second.status_code == 200
+    assert server.connections == 2
+
+
+def test_connections_are_kept_alive_between_attempts(receiver):
+    for _ in range(3):
+        assert post(receiver.url(), b"{}", {}, allow_private=True).succeeded
+    ports = {r.client_port for r in receiver.requests}
+    assert len(receiver.requests) == 3
+    assert len(ports) == 1
