@@ -1,0 +1,233 @@
+"""The Solana payment transaction: how it is built and the rules a buyer-signed one must follow.
+
+One definition, shared by the server (which builds the unsigned transaction and checks the signed
+one before its relay co-signs) and the client package (which signs it). The transaction is a
+version-0 message without address lookup tables whose fee payer is the service's relay:
+
+1. ComputeBudget ``SetComputeUnitLimit`` (at most MAX_COMPUTE_UNIT_LIMIT)
+2. ComputeBudget ``SetComputeUnitPrice`` (at most MAX_COMPUTE_UNIT_PRICE micro-lamports)
+3. SPL Token ``TransferChecked`` of exactly the amount, from the buyer's associated token account
+   to the merchant's, with the buyer as authority
+4. Memo (no accounts) carrying the intent id
+
+Signers are exactly [relay (fee payer), buyer]; the relay appears in no instruction's accounts,
+so its signature pays the fee and authorises nothing else.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from solders.compute_budget import set_compute_unit_limit, set_compute_unit_price
+from solders.hash import Hash
+from solders.instruction import AccountMeta, Instruction
+from solders.message import MessageV0, to_bytes_versioned
+from solders.pubkey import Pubkey
+from solders.signature import Signature
+from solders.transaction import VersionedTransaction
+
+TOKEN_PROGRAM = Pubkey.from_string("TokenkegQfeZyiNwAJbNbGKPFXCWuBvf9Ss623VQ5DA")
+ASSOCIATED_TOKEN_PROGRAM = Pubkey.from_string("ATokenGPvbdGVxr1b2hvZbsiqW5xWH25efTNsLJA8knL")
+COMPUTE_BUDGET_PROGRAM = Pubkey.from_string("ComputeBudget111111111111111111111111111111")
+MEMO_PROGRAM = Pubkey.from_string("MemoSq4gqABAXKb96qnH8TysNcWxMyWCqXgDLGmfcHr")
+
+COMPUTE_UNIT_LIMIT = 40_000
+MAX_COMPUTE_UNIT_LIMIT = 200_000
+COMPUTE_UNIT_PRICE = 1_000  # micro-lamports per unit
+MAX_COMPUTE_UNIT_PRICE = 100_000
+MAX_TRANSACTION_BYTES = 1232
+_TRANSFER_CHECKED = 12
+_SET_LIMIT = 2
+_SET_PRICE = 3
+
+
+class SolanaTransactionError(ValueError):
+    """The transaction breaks a rule; ``code`` is the API error code, the message says which rule."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def associated_token_address(owner: Pubkey, mint: Pubkey) -> Pubkey:
+    seeds = [bytes(owner), bytes(TOKEN_PROGRAM), bytes(mint)]
+    return Pubkey.find_program_address(seeds, ASSOCIATED_TOKEN_PROGRAM)[0]
+
+
+def transfer_checked(source: Pubkey, mint: Pubkey, destination: Pubkey, authority: Pubkey, amount: int) -> Instruction:
+    data = struct.pack("<BQB", _TRANSFER_CHECKED, amount, 6)
+    accounts = [
+        AccountMeta(source, is_signer=False, is_writable=True),
+        AccountMeta(mint, is_signer=False, is_writable=False),
+        AccountMeta(destination, is_signer=False, is_writable=True),
+        AccountMeta(authority, is_signer=True, is_writable=False),
+    ]
+    return Instruction(TOKEN_PROGRAM, data, accounts)
+
+
+def memo(text: str) -> Instruction:
+    return Instruction(MEMO_PROGRAM, text.encode("utf-8"), [])
+
+
+def build_payment(
+    *,
+    fee_payer: str,
+    payer: str,
+    mint: str,
+    pay_to: str,
+    amount_atomic: int,
+    intent_id: str,
+    recent_blockhash: str,
+    unit_price: int = COMPUTE_UNIT_PRICE,
+) -> VersionedTransaction:
+    """The unsigned payment transaction (both signature slots empty)."""
+    payer_key, mint_key = Pubkey.from_string(payer), Pubkey.from_string(mint)
+    instructions = [
+        set_compute_unit_limit(COMPUTE_UNIT_LIMIT),
+        set_compute_unit_price(unit_price),
+        transfer_checked(
+            associated_token_address(payer_key, mint_key),
+            mint_key,
+            associated_token_address(Pubkey.from_string(pay_to), mint_key),
+            payer_key,
+            amount_atomic,
+        ),
+        memo(intent_id),
+    ]
+    message = MessageV0.try_compile(Pubkey.from_string(fee_payer), instructions, [], Hash.from_string(recent_blockhash))
+    return VersionedTransaction.populate(message, [Signature.default()] * message.header.num_required_signatures)
+
+
+def encode(tx: VersionedTransaction) -> str:
+    return base64.b64encode(bytes(tx)).decode("ascii")
+
+
+def decode(text: Any) -> VersionedTransaction:
+    if not isinstance(text, str) or not text:
+        raise SolanaTransactionError("INVALID_PAYLOAD", "payload.transaction must be a base64 string")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError:
+        raise SolanaTransactionError("INVALID_PAYLOAD", "payload.transaction is not valid base64") from None
+    if len(raw) > MAX_TRANSACTION_BYTES:
+        raise SolanaTransactionError("INVALID_PAYLOAD", "the transaction is larger than a Solana packet")
+    try:
+        return VersionedTransaction.from_bytes(raw)
+    except BaseException as exc:  # solders raises PanicException (a BaseException) on some malformed input
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise SolanaTransactionError("INVALID_PAYLOAD", "payload.transaction is not a Solana transaction") from None
+
+
+def sign_as(tx: VersionedTransaction, keypair: Any) -> VersionedTransaction:
+    """Fill ``keypair``'s signature slot (the buyer's, or the relay's) and keep the others."""
+    message = tx.message
+    keys = list(message.account_keys)[: message.header.num_required_signatures]
+    index = keys.index(keypair.pubkey())
+    signatures = list(tx.signatures)
+    signatures[index] = keypair.sign_message(to_bytes_versioned(message))
+    return VersionedTransaction.populate(message, signatures)
+
+
+@dataclass(frozen=True)
+class SolanaPayment:
+    """What a checked buyer-signed transaction does."""
+
+    payer: str
+    buyer_signature: str  # base58; identifies the authorization (settlement "nonce")
+    recent_blockhash: str
+    amount_atomic: int
+    unit_limit: int
+    unit_price: int
+
+
+def _u32(data: bytes, opcode: int, what: str) -> int:
+    if len(data) != 5 or data[0] != opcode:
+        raise SolanaTransactionError("INVALID_TRANSACTION", f"malformed compute budget instruction ({what})")
+    return int(struct.unpack("<I", data[1:])[0])
+
+
+def check_payment(
+    tx: VersionedTransaction, requirement: dict[str, Any], intent_id: str, fee_payer: str
+) -> SolanaPayment:
+    """Check a buyer-signed transaction against the requirement, instruction by instruction."""
+    message = tx.message
+    if not isinstance(message, MessageV0) or list(message.address_table_lookups):
+        raise SolanaTransactionError("INVALID_TRANSACTION", "use a version-0 message without address lookup tables")
+    keys = list(message.account_keys)
+    header = message.header
+    relay = Pubkey.from_string(fee_payer)
+    if not keys or keys[0] != relay:
+        raise SolanaTransactionError("FEE_PAYER_MISMATCH", f"the fee payer must be the relay {fee_payer}")
+    if header.num_required_signatures != 2 or len(tx.signatures) != 2:
+        raise SolanaTransactionError("INVALID_TRANSACTION", "exactly two signers: the relay (fee payer) and the buyer")
+    payer = keys[1]
+    if payer == relay:
+        raise SolanaTransactionError("INVALID_TRANSACTION", "the buyer cannot be the relay")
+    instructions = list(message.instructions)
+    if len(instructions) != 4:
+        raise SolanaTransactionError(
+            "INVALID_TRANSACTION", "expected exactly: compute unit limit, compute unit price, TransferChecked, memo"
+        )
+    programs = [keys[ix.program_id_index] for ix in instructions]
+    expected = [COMPUTE_BUDGET_PROGRAM, COMPUTE_BUDGET_PROGRAM, TOKEN_PROGRAM, MEMO_PROGRAM]
+    if programs != expected:
+        raise SolanaTransactionError("DISALLOWED_INSTRUCTION", "an instruction calls a program other than expected")
+    for ix in instructions:
+        if 0 in bytes(ix.accounts):  # index 0 is the relay
+            raise SolanaTransactionError(
+                "FEE_PAYER_MISUSED", "the relay may only pay the fee, not appear in an instruction"
+            )
+    if header.num_readonly_signed_accounts != 1:
+        raise SolanaTransactionError("INVALID_TRANSACTION", "the buyer signs read-only; only the fee payer is writable")
+    limit_ix, price_ix, transfer_ix, memo_ix = instructions
+    unit_limit = _u32(bytes(limit_ix.data), _SET_LIMIT, "limit")
+    price_data = bytes(price_ix.data)
+    if len(price_data) != 9 or price_data[0] != _SET_PRICE:
+        raise SolanaTransactionError("INVALID_TRANSACTION", "malformed compute budget instruction (price)")
+    unit_price = int(struct.unpack("<Q", price_data[1:])[0])
+    if unit_limit > MAX_COMPUTE_UNIT_LIMIT:
+        raise SolanaTransactionError("COMPUTE_BUDGET_TOO_HIGH", f"compute unit limit above {MAX_COMPUTE_UNIT_LIMIT}")
+    if unit_price > MAX_COMPUTE_UNIT_PRICE:
+        raise SolanaTransactionError(
+            "COMPUTE_BUDGET_TOO_HIGH", f"compute unit price above {MAX_COMPUTE_UNIT_PRICE} micro-lamports"
+        )
+    if list(bytes(limit_ix.accounts)) or list(bytes(price_ix.accounts)):
+        raise SolanaTransactionError("INVALID_TRANSACTION", "compute budget instructions take no accounts")
+
+    data = bytes(transfer_ix.data)
+    if len(data) != 10 or data[0] != _TRANSFER_CHECKED:
+        raise SolanaTransactionError("DISALLOWED_INSTRUCTION", "the token instruction must be TransferChecked")
+    amount, decimals = struct.unpack("<QB", data[1:])
+    accounts = [keys[i] for i in bytes(transfer_ix.accounts)]
+    if len(accounts) != 4:
+        raise SolanaTransactionError("INVALID_TRANSACTION", "TransferChecked takes source, mint, destination, owner")
+    source, mint, destination, authority = accounts
+    asset = Pubkey.from_string(requirement["asset"])
+    if mint != asset or decimals != 6:
+        raise SolanaTransactionError("ASSET_MISMATCH", "the transfer is not of the requirement's USDC mint")
+    if amount != int(requirement["maxAmountRequired"]):
+        raise SolanaTransactionError("AMOUNT_MISMATCH", f"the amount must be {requirement['maxAmountRequired']}")
+    if destination != associated_token_address(Pubkey.from_string(requirement["payTo"]), asset):
+        raise SolanaTransactionError("RECIPIENT_MISMATCH", "the destination is not the merchant's USDC account")
+    if authority != payer:
+        raise SolanaTransactionError("INVALID_TRANSACTION", "the transfer's authority must be the buyer (signer 2)")
+    if source != associated_token_address(payer, asset):
+        raise SolanaTransactionError("INVALID_TRANSACTION", "the source must be the buyer's USDC account")
+    if list(bytes(memo_ix.accounts)) or bytes(memo_ix.data) != intent_id.encode():
+        raise SolanaTransactionError("INVALID_TRANSACTION", "the memo must be the intent id, with no accounts")
+
+    buyer_signature = tx.signatures[1]
+    if buyer_signature == Signature.default() or not buyer_signature.verify(payer, to_bytes_versioned(message)):
+        raise SolanaTransactionError("INVALID_SIGNATURE", "the buyer's signature is missing or invalid")
+    return SolanaPayment(
+        payer=str(payer),
+        buyer_signature=str(buyer_signature),
+        recent_blockhash=str(message.recent_blockhash),
+        amount_atomic=int(amount),
+        unit_limit=unit_limit,
+        unit_price=unit_price,
+    )

@@ -1,0 +1,172 @@
+"""The Solana payment transaction rules, checked on real solders transactions (no RPC needed)."""
+
+from __future__ import annotations
+
+import struct
+import uuid
+
+import pytest
+from solders.compute_budget import set_compute_unit_limit, set_compute_unit_price
+from solders.hash import Hash
+from solders.keypair import Keypair
+from solders.message import MessageV0
+from solders.pubkey import Pubkey
+from solders.signature import Signature
+from solders.system_program import TransferParams, transfer
+from solders.transaction import VersionedTransaction
+
+from payintent import solana_tx as stx
+
+RELAY = Keypair()
+BUYER = Keypair()
+MERCHANT = Keypair().pubkey()
+MINT = Keypair().pubkey()
+INTENT = str(uuid.uuid4())
+REQUIREMENT = {"asset": str(MINT), "payTo": str(MERCHANT), "maxAmountRequired": "2500000"}
+BLOCKHASH = str(Hash.new_unique())
+SYSTEM_TRANSFER = transfer(TransferParams(from_pubkey=BUYER.pubkey(), to_pubkey=MERCHANT, lamports=1))
+
+
+def unsigned(**overrides) -> VersionedTransaction:
+    args = {
+        "fee_payer": str(RELAY.pubkey()),
+        "payer": str(BUYER.pubkey()),
+        "mint": str(MINT),
+        "pay_to": str(MERCHANT),
+        "amount_atomic": 2_500_000,
+        "intent_id": INTENT,
+        "recent_blockhash": BLOCKHASH,
+    }
+    args.update(overrides)
+    return stx.build_payment(**args)
+
+
+def compile_signed(instructions, fee_payer=None) -> VersionedTransaction:
+    message = MessageV0.try_compile(fee_payer or RELAY.pubkey(), instructions, [], Hash.from_string(BLOCKHASH))
+    tx = VersionedTransaction.populate(message, [Signature.default()] * message.header.num_required_signatures)
+    if BUYER.pubkey() in list(message.account_keys)[: message.header.num_required_signatures]:
+        tx = stx.sign_as(tx, BUYER)
+    return tx
+
+
+def standard_instructions(amount=2_500_000, destination_owner=MERCHANT, mint=MINT, authority=None):
+    authority = authority or BUYER.pubkey()
+    return [
+        set_compute_unit_limit(stx.COMPUTE_UNIT_LIMIT),
+        set_compute_unit_price(stx.COMPUTE_UNIT_PRICE),
+        stx.transfer_checked(
+            stx.associated_token_address(BUYER.pubkey(), mint),
+            mint,
+            stx.associated_token_address(destination_owner, mint),
+            authority,
+            amount,
+        ),
+        stx.memo(INTENT),
+    ]
+
+
+def check(tx):
+    return stx.check_payment(stx.decode(stx.encode(tx)), REQUIREMENT, INTENT, str(RELAY.pubkey()))
+
+
+def test_a_buyer_signed_payment_passes_and_the_relay_can_cosign():
+    tx = stx.sign_as(unsigned(), BUYER)
+    payment = check(tx)
+    assert payment.payer == str(BUYER.pubkey())
+    assert payment.amount_atomic == 2_500_000
+    assert payment.buyer_signature == str(tx.signatures[1])
+    full = stx.sign_as(tx, RELAY)
+    assert all(result for result in full.verify_with_results())  # both signatures valid over the same message
+
+
+def test_the_unsigned_transaction_has_empty_signature_slots_and_the_relay_first():
+    tx = unsigned()
+    assert list(tx.signatures) == [Signature.default(), Signature.default()]
+    assert tx.message.account_keys[0] == RELAY.pubkey() and tx.message.account_keys[1] == BUYER.pubkey()
+    with pytest.raises(stx.SolanaTransactionError) as err:
+        check(tx)
+    assert err.value.code == "INVALID_SIGNATURE"
+
+
+@pytest.mark.parametrize(
+    ("tx_factory", "code"),
+    [
+        (lambda: compile_signed(standard_instructions(amount=2_400_000)), "AMOUNT_MISMATCH"),
+        (lambda: compile_signed(standard_instructions(destination_owner=Keypair().pubkey())), "RECIPIENT_MISMATCH"),
+        (lambda: compile_signed(standard_instructions(mint=Keypair().pubkey())), "ASSET_MISMATCH"),
+        (lambda: compile_signed([*standard_instructions(), stx.memo("extra")]), "INVALID_TRANSACTION"),
+        (
+            lambda: compile_signed(
+                [
+                    *standard_instructions()[:2],
+                    transfer(TransferParams(from_pubkey=BUYER.pubkey(), to_pubkey=MERCHANT, lamports=1)),
+                    standard_instructions()[3],
+                ]
+            ),
+            "DISALLOWED_INSTRUCTION",
+        ),
+        (lambda: compile_signed(standard_instructions(authority=RELAY.pubkey())), "INVALID_TRANSACTION"),
+        (
+            lambda: compile_signed(
+                [
+                    set_compute_unit_limit(stx.COMPUTE_UNIT_LIMIT),
+                    set_compute_unit_price(stx.MAX_COMPUTE_UNIT_PRICE + 1),
+                    *standard_instructions()[2:],
+                ]
+            ),
+            "COMPUTE_BUDGET_TOO_HIGH",
+        ),
+        (lambda: compile_signed(standard_instructions(), fee_payer=BUYER.pubkey()), "FEE_PAYER_MISMATCH"),
+    ],
+    ids=[
+        "amount",
+        "destination",
+        "mint",
+        "extra-instruction",
+        "system-transfer",
+        "relay-as-authority",
+        "compute-price",
+        "buyer-pays-fee",
+    ],
+)
+def test_tampered_transactions_are_refused(tx_factory, code):
+    with pytest.raises(stx.SolanaTransactionError) as err:
+        check(tx_factory())
+    assert err.value.code == code
+
+
+def test_a_transaction_where_the_relay_moves_its_own_tokens_is_refused():
+    relay_ata = stx.associated_token_address(RELAY.pubkey(), MINT)
+    instructions = standard_instructions()
+    instructions[2] = stx.transfer_checked(
+        relay_ata, MINT, stx.associated_token_address(MERCHANT, MINT), RELAY.pubkey(), 2_500_000
+    )
+    message = MessageV0.try_compile(RELAY.pubkey(), instructions, [], Hash.from_string(BLOCKHASH))
+    tx = VersionedTransaction.populate(message, [Signature.default()] * message.header.num_required_signatures)
+    with pytest.raises(stx.SolanaTransactionError):
+        check(tx)
+
+
+def test_a_signature_over_another_message_is_refused():
+    other = stx.sign_as(unsigned(amount_atomic=1), BUYER)
+    tx = unsigned()
+    forged = VersionedTransaction.populate(tx.message, [Signature.default(), other.signatures[1]])
+    with pytest.raises(stx.SolanaTransactionError) as err:
+        check(forged)
+    assert err.value.code == "INVALID_SIGNATURE"
+
+
+@pytest.mark.parametrize("text", ["", "not base64!", "AAAA", 42, "A" * 4000])
+def test_garbage_is_an_invalid_payload_not_a_crash(text):
+    with pytest.raises(stx.SolanaTransactionError) as err:
+        stx.decode(text)
+    assert err.value.code == "INVALID_PAYLOAD"
+
+
+def test_memo_must_be_the_intent():
+    instructions = standard_instructions()
+    instructions[3] = stx.memo(str(uuid.uuid4()))
+    with pytest.raises(stx.SolanaTransactionError):
+        check(compile_signed(instructions))
+    assert struct.calcsize("<BQB") == 10
+    assert isinstance(Pubkey.default(), Pubkey)
