@@ -523,7 +523,11 @@ class Stack:
         self.anvil_pids = [int(n["pid"]) for n in state["networks"].values()]
         self.deployer_key = state["deployer"]["private_key"]
         self.chains_doc = json.loads(Path(self.devnet_info["chains_file"]).read_text())
-        self.relay_keys: dict[str, list[str]] = json.loads((devnet_dir / "relay_keys.json").read_text())
+        # The bench measures EVM settlement: it leaves out the devnet's Solana network (and its relay key).
+        self.chains_doc["networks"] = [n for n in self.chains_doc["networks"] if n.get("kind", "evm") == "evm"]
+        evm_networks = {n["network"] for n in self.chains_doc["networks"]}
+        relay_keys = json.loads((devnet_dir / "relay_keys.json").read_text())
+        self.relay_keys: dict[str, list[str]] = {n: k for n, k in relay_keys.items() if n in evm_networks}
         self.networks = [n["network"] for n in self.chains_doc["networks"]]
         self.rpc_url = {n["network"]: n["rpc_url"] for n in self.chains_doc["networks"]}
         self.usdc = {n["network"]: n["usdc_address"] for n in self.chains_doc["networks"]}

@@ -1,4 +1,5 @@
-"""The local devnet: three Anvil chains, each with a test USDC, for development and tests.
+"""The local devnet: three Anvil chains, each with a test USDC, and a local Solana RPC over LiteSVM
+(``devnet.solana_rpc``) with a USDC-like SPL mint, for development and tests.
 
 ``payintent devnet up|down|status`` and ``payintent dev`` use :func:`up`, :func:`down` and
 :func:`status`. State lives under ``<PAYINTENT_VAR_DIR>/devnet/``.
@@ -10,6 +11,7 @@ from devnet.stack import (
     BUYER_USDC,
     DEFAULT_PORT_BASE,
     LOCAL_CHAINS,
+    SOLANA_NETWORK,
     DevnetError,
     LocalChain,
     devnet_dir,
@@ -23,6 +25,7 @@ __all__ = [
     "BUYER_USDC",
     "DEFAULT_PORT_BASE",
     "LOCAL_CHAINS",
+    "SOLANA_NETWORK",
     "DevnetError",
     "LocalChain",
     "devnet_dir",

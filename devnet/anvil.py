@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NPM_ANVIL = ROOT / "node_modules" / "@foundry-rs" / "anvil-linux-amd64" / "bin" / "anvil"
 HOST = "127.0.0.1"
 
-# Popen objects of the Anvils this process started, so that a ``down`` in the same process reaps them.
+# Popen objects of the processes this one started (Anvils, the Solana RPC), so a ``down`` in the same
+# process reaps them.
 _SPAWNED: dict[int, subprocess.Popen[bytes]] = {}
 
 
@@ -78,6 +79,11 @@ def spawn(binary: str, *, port: int, chain_id: int, cache_dir: Path, log_file: P
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
         )
+    return adopt(proc)
+
+
+def adopt(proc: subprocess.Popen[bytes]) -> Spawned:
+    """Remember a process this one started (so ``stop`` and ``is_alive`` reap it) and identify it."""
     _SPAWNED[proc.pid] = proc
     try:
         create_time = psutil.Process(proc.pid).create_time()
@@ -163,7 +169,7 @@ def stop(pids: list[int], timeout: float = 5.0) -> list[int]:
 
 
 def _reap(pid: int) -> None:
-    """Collect the exit status of an Anvil this process started, so it does not linger as a zombie."""
+    """Collect the exit status of a process this one started, so it does not linger as a zombie."""
     proc = _SPAWNED.get(pid)
     if proc is not None:
         proc.poll()

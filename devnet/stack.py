@@ -1,11 +1,15 @@
-"""``devnet up|down|status``: three local chains with a test USDC, funded demo buyers and relay accounts.
+"""``devnet up|down|status``: three local EVM chains with a test USDC and a local Solana RPC with a
+USDC-like SPL mint, funded demo buyers and relay accounts.
 
-Everything lives under ``<PAYINTENT_VAR_DIR or ./var>/devnet/``:
+Ports: the Anvils take ``port_base`` .. ``port_base + 2``, the Solana RPC (:mod:`devnet.solana_rpc`,
+over LiteSVM) ``port_base + 3``. Everything lives under ``<PAYINTENT_VAR_DIR or ./var>/devnet/``:
 
-- ``state.json`` (0600): pids, ports, start time, the deployer and buyer keys;
-- ``chains.json``: a chains file for ``CHAINS_FILE`` (RPC URLs, token addresses, relay addresses);
-- ``relay_keys.json`` (0600): ``{network: [private key, ...]}``, read only by the relayer;
-- ``anvil-<chain id>.log`` and ``cache/`` (Anvil's cache path; stays empty).
+- ``state.json`` (0600): pids, ports, start time, the deployer, buyer and Solana mint-authority keys;
+- ``chains.json``: a chains file for ``CHAINS_FILE`` (RPC URLs, token addresses, relay addresses; the
+  Solana network's ``usdc_address`` is the mint and its ``fee_payer`` the relay);
+- ``relay_keys.json`` (0600): ``{network: [key, ...]}``, read only by the relayer: hex private keys for
+  the EVM networks, one base58 64-byte keypair for the Solana network;
+- ``anvil-<chain id>.log``, ``solana-rpc.log`` and ``cache/`` (Anvil's cache path; stays empty).
 
 Keys are fresh random ones on every start (never Anvil's well-known dev keys).
 """
@@ -26,10 +30,11 @@ from typing import TYPE_CHECKING, Any
 import requests
 
 from backend.config import var_dir
-from devnet import anvil
+from devnet import anvil, solana_network, solana_process
 
-if TYPE_CHECKING:  # web3 takes a second to import: only `up` needs it, not `down` or `status`
+if TYPE_CHECKING:  # web3 and solders take a while to import: only `up` needs them, not `down` or `status`
     from eth_account.signers.local import LocalAccount
+    from solders.keypair import Keypair
     from web3 import Web3
 
 ARTIFACT = Path(__file__).with_name("artifacts") / "TestUSDC.json"
@@ -42,6 +47,11 @@ BUYER_USDC = 10_000 * USDC
 ETH = 10**18
 RELAY_ETH = 1_000 * ETH
 DEPLOYER_ETH = 100 * ETH
+SOL = 10**9  # lamports
+SOLANA_BUYERS = 3
+SOLANA_BUYER_SOL = 1 * SOL  # buyers need none (the relay pays fees); a wallet usually holds some
+SOLANA_RELAY_SOL = 1_000 * SOL
+SOLANA_SETUP_FILE = "solana-setup.json"  # holds the mint's keys until the RPC has set itself up; then removed
 STATE_VERSION = 1
 
 
@@ -57,6 +67,10 @@ LOCAL_CHAINS = (
     LocalChain("eip155:11155111", 11155111, "Ethereum Sepolia (local)"),
     LocalChain("eip155:5042002", 5042002, "Arc Testnet (local)"),
 )
+
+
+SOLANA_NETWORK = solana_network.NETWORK  # "solana:EtWTRABZaYq6iMfeYKouRu166VU2xqa1", Solana devnet's CAIP-2 id
+PORTS = len(LOCAL_CHAINS) + 1  # the Anvils, then the Solana RPC
 
 
 class DevnetError(RuntimeError):
@@ -84,7 +98,7 @@ def default_port_base() -> int:
         raise DevnetError("INVALID_PORT", f"{PORT_BASE_ENV} must be a port number, not {raw!r}") from None
 
 
-def free_port_base(count: int = len(LOCAL_CHAINS), attempts: int = 200) -> int:
+def free_port_base(count: int = PORTS, attempts: int = 200) -> int:
     """A port such that it and the ``count - 1`` after it were free a moment ago (tests, parallel stacks)."""
     rng = random.SystemRandom()
     for _ in range(attempts):
@@ -102,13 +116,13 @@ def free_port_base(count: int = len(LOCAL_CHAINS), attempts: int = 200) -> int:
 def up(port_base: int | None = None) -> tuple[dict[str, Any], bool]:
     """Start the devnet unless it already runs. Returns (what ``devnet up`` prints, whether this call started it)."""
     port_base = default_port_base() if port_base is None else port_base
-    if not 1 <= port_base <= 65535 - (len(LOCAL_CHAINS) - 1):
-        raise DevnetError("INVALID_PORT", f"--port-base must be between 1 and {65535 - len(LOCAL_CHAINS) + 1}")
+    if not 1 <= port_base <= 65535 - (PORTS - 1):
+        raise DevnetError("INVALID_PORT", f"--port-base must be between 1 and {65535 - PORTS + 1}")
     workdir = devnet_dir()
     with _locked(workdir):
         state = _read_state(workdir)
         if state is not None:
-            if state.get("complete") and all(_chain_alive(c) for c in state["networks"].values()):
+            if state.get("complete") and _all_alive(state):
                 return _summary(state), False
             _stop_state(state)  # a half-started or half-dead devnet: clear it and start afresh
             (workdir / "state.json").unlink(missing_ok=True)
@@ -116,7 +130,7 @@ def up(port_base: int | None = None) -> tuple[dict[str, Any], bool]:
 
 
 def down() -> dict[str, Any]:
-    """Stop exactly the Anvil processes ``up`` recorded; forget the running state."""
+    """Stop exactly the processes ``up`` recorded (Anvils, Solana RPC); forget the running state."""
     workdir = devnet_dir()
     with _locked(workdir):
         state = _read_state(workdir)
@@ -156,13 +170,49 @@ def status() -> dict[str, Any]:
             "usdc_address": chain.get("usdc_address"),
             "token_deployed": bool(code and code != "0x"),
         }
-    healthy = state.get("complete") and all(n["rpc_reachable"] and n["token_deployed"] for n in networks.values())
+    solana = _solana_status(state.get("solana"))
+    healthy = (
+        state.get("complete")
+        and all(n["rpc_reachable"] and n["token_deployed"] for n in networks.values())
+        and solana is not None
+        and solana["rpc_reachable"]
+        and solana["mint_exists"]
+    )
     return {
         "state": "running" if healthy else "degraded",
         "running": bool(healthy),
         "started_at": state.get("started_at"),
         "chains_file": state.get("chains_file"),
         "networks": networks,
+        "solana": solana,
+    }
+
+
+def _solana_status(entry: dict[str, Any] | None) -> dict[str, Any] | None:
+    if entry is None:
+        return None
+    alive = _solana_alive(entry)
+    slot = None
+    mint_exists = reachable = False
+    if alive:
+        try:
+            if anvil.rpc(entry["rpc_url"], "getGenesisHash", timeout=1) == solana_network.DEVNET_GENESIS_HASH:
+                slot = anvil.rpc(entry["rpc_url"], "getSlot", timeout=1)
+                mint = anvil.rpc(entry["rpc_url"], "getAccountInfo", [entry["usdc_mint"], {"encoding": "base64"}])
+                mint_exists = mint["value"] is not None
+                reachable = True
+        except (requests.RequestException, RuntimeError, ValueError, TypeError, KeyError):
+            pass
+    return {
+        "network": entry["network"],
+        "rpc_url": entry["rpc_url"],
+        "pid": entry["pid"],
+        "pid_alive": alive,
+        "rpc_reachable": reachable,
+        "slot": slot,
+        "usdc_mint": entry["usdc_mint"],
+        "mint_exists": mint_exists,
+        "fee_payer": entry["fee_payer"],
     }
 
 
@@ -171,10 +221,12 @@ def status() -> dict[str, Any]:
 
 def _start(workdir: Path, port_base: int) -> dict[str, Any]:
     from eth_account import Account
+    from solders.keypair import Keypair
 
     binary = _binary()
     ports = {c.network: port_base + i for i, c in enumerate(LOCAL_CHAINS)}
-    taken = [str(p) for p in ports.values() if not anvil.port_is_free(p)]
+    solana_port = port_base + len(LOCAL_CHAINS)
+    taken = [str(p) for p in [*ports.values(), solana_port] if not anvil.port_is_free(p)]
     if taken:
         ports_text = f"port {taken[0]} is" if len(taken) == 1 else f"ports {', '.join(taken)} are"
         raise DevnetError(
@@ -183,6 +235,8 @@ def _start(workdir: Path, port_base: int) -> dict[str, Any]:
     deployer = Account.create()
     buyers = [Account.create() for _ in range(BUYERS)]
     relays = [Account.create() for _ in range(RELAYS)]
+    solana_mint, solana_authority, solana_relay = Keypair(), Keypair(), Keypair()
+    solana_buyers = [Keypair() for _ in range(SOLANA_BUYERS)]
     state: dict[str, Any] = {
         "version": STATE_VERSION,
         "complete": False,
@@ -192,6 +246,8 @@ def _start(workdir: Path, port_base: int) -> dict[str, Any]:
         "relay_keys_file": str(workdir / "relay_keys.json"),
         "deployer": _keypair(deployer),
         "buyers": [_keypair(b) for b in buyers],
+        "solana_buyers": [_solana_keypair(b) for b in solana_buyers],
+        "solana_mint_authority": _solana_keypair(solana_authority),
         "networks": {},
     }
     try:
@@ -216,13 +272,21 @@ def _start(workdir: Path, port_base: int) -> dict[str, Any]:
                 "usdc_address": None,
             }
             _write_json(workdir / "state.json", state, 0o600)  # recorded at once, so `down` can always stop it
+        state["solana"] = _spawn_solana(
+            workdir, solana_port, solana_mint, solana_authority, solana_relay, solana_buyers
+        )
+        _write_json(workdir / "state.json", state, 0o600)
         for chain in LOCAL_CHAINS:
             entry = state["networks"][chain.network]
             anvil.wait_ready(entry["rpc_url"], entry["pid"], chain.chain_id, Path(entry["log"]))
         for chain in LOCAL_CHAINS:
             entry = state["networks"][chain.network]
             entry["usdc_address"] = _deploy_and_fund(entry["rpc_url"], chain.chain_id, deployer, buyers, relays)
-        relay_keys = {c.network: [_hex_key(r) for r in relays] for c in LOCAL_CHAINS}
+        solana = state["solana"]
+        solana_process.wait_ready(solana["rpc_url"], solana["pid"], solana["usdc_mint"], Path(solana["log"]))
+        (workdir / SOLANA_SETUP_FILE).unlink(missing_ok=True)  # it held the mint's keys; the RPC has read it
+        relay_keys: dict[str, list[str]] = {c.network: [_hex_key(r) for r in relays] for c in LOCAL_CHAINS}
+        relay_keys[solana_network.NETWORK] = [str(solana_relay)]
         _write_json(workdir / "relay_keys.json", relay_keys, 0o600)
         _write_json(workdir / "chains.json", _chains_document(state, relays), 0o644)
         state["complete"] = True
@@ -239,6 +303,32 @@ def _start(workdir: Path, port_base: int) -> dict[str, Any]:
 def _abort(workdir: Path, state: dict[str, Any]) -> None:
     _stop_state(state)
     (workdir / "state.json").unlink(missing_ok=True)
+    (workdir / SOLANA_SETUP_FILE).unlink(missing_ok=True)
+
+
+def _spawn_solana(
+    workdir: Path, port: int, mint: Keypair, authority: Keypair, relay: Keypair, buyers: list[Keypair]
+) -> dict[str, Any]:
+    """Start the Solana RPC; it creates the mint and funds the relay (SOL) and buyers (SOL, USDC) itself."""
+    from devnet.solana_setup import setup_document
+
+    accounts = [(str(relay.pubkey()), SOLANA_RELAY_SOL, 0)]
+    accounts += [(str(b.pubkey()), SOLANA_BUYER_SOL, BUYER_USDC) for b in buyers]
+    setup_file = workdir / SOLANA_SETUP_FILE
+    _write_json(setup_file, setup_document(mint, authority, accounts), 0o600)
+    log = workdir / "solana-rpc.log"
+    spawned = solana_process.spawn(port=port, setup_file=setup_file, log_file=log, cwd=workdir)
+    return {
+        "name": solana_network.NAME,
+        "network": solana_network.NETWORK,
+        "port": port,
+        "rpc_url": f"http://{anvil.HOST}:{port}",
+        "pid": spawned.pid,
+        "create_time": spawned.create_time,
+        "log": str(log),
+        "usdc_mint": str(mint.pubkey()),
+        "fee_payer": str(relay.pubkey()),
+    }
 
 
 def _binary() -> str:
@@ -285,8 +375,9 @@ def _send(w3: Web3, sender: LocalAccount, call: Any, chain_id: int, *, nonce: in
 
 
 def _chains_document(state: dict[str, Any], relays: list[LocalAccount]) -> dict[str, Any]:
+    solana = state["solana"]
     return {
-        "_comment": "Written by `payintent devnet up`: local Anvil chains. Point CHAINS_FILE here.",
+        "_comment": "Written by `payintent devnet up`: local Anvil chains, a local Solana RPC. Point CHAINS_FILE here.",
         "networks": [
             {
                 "network": network,
@@ -300,6 +391,17 @@ def _chains_document(state: dict[str, Any], relays: list[LocalAccount]) -> dict[
                 "relay_addresses": [r.address for r in relays],
             }
             for network, entry in state["networks"].items()
+        ]
+        + [
+            {
+                "network": solana["network"],
+                "name": solana["name"],
+                "kind": "solana",
+                "rpc_url": solana["rpc_url"],
+                "usdc_address": solana["usdc_mint"],
+                "fee_payer": solana["fee_payer"],
+                "confirmations": 1,
+            }
         ],
         "relay_keys_file": state["relay_keys_file"],
     }
@@ -315,6 +417,8 @@ def _summary(state: dict[str, Any]) -> dict[str, Any]:
             for network, entry in state["networks"].items()
         },
         "buyers": state["buyers"],
+        "solana": {k: state["solana"][k] for k in ("network", "rpc_url", "usdc_mint", "fee_payer")},
+        "solana_buyers": state["solana_buyers"],
     }
 
 
@@ -325,8 +429,20 @@ def _chain_alive(chain: dict[str, Any]) -> bool:
     return anvil.is_our_anvil(chain["pid"], chain.get("create_time"), chain["port"])
 
 
+def _solana_alive(entry: dict[str, Any]) -> bool:
+    return solana_process.is_ours(entry["pid"], entry.get("create_time"), entry["port"])
+
+
+def _all_alive(state: dict[str, Any]) -> bool:
+    solana = state.get("solana")
+    return all(_chain_alive(c) for c in state["networks"].values()) and solana is not None and _solana_alive(solana)
+
+
 def _stop_state(state: dict[str, Any]) -> list[int]:
     ours = [c["pid"] for c in state.get("networks", {}).values() if _chain_alive(c)]
+    solana = state.get("solana")
+    if solana is not None and _solana_alive(solana):
+        ours.append(solana["pid"])
     return anvil.stop(ours)
 
 
@@ -374,3 +490,8 @@ def _keypair(account: LocalAccount) -> dict[str, str]:
 
 def _hex_key(account: LocalAccount) -> str:
     return "0x" + bytes(account.key).hex()
+
+
+def _solana_keypair(keypair: Keypair) -> dict[str, str]:
+    """A Solana account: its address and its secret key as a base58 64-byte keypair (the wallets' form)."""
+    return {"address": str(keypair.pubkey()), "secret_key": str(keypair)}

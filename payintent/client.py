@@ -295,7 +295,8 @@ class PayIntentClient:
 
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
-        signer = account if hasattr(account, "sign_message") else Account.from_key(account)
+        solana_signer = _solana_keypair(account)
+        signer = solana_signer or (account if hasattr(account, "sign_message") else Account.from_key(account))
         if isinstance(intent_or_id, str) or not intent_or_id.get("payment_requirements"):
             intent_id = intent_or_id if isinstance(intent_or_id, str) else str(intent_or_id["intent_id"])
             intent: Mapping[str, Any] = self.get_intent(intent_id)
@@ -307,7 +308,14 @@ class PayIntentClient:
         if intent.get("status") in ("cancelled", "expired"):
             raise _not_payable(intent)
         urls = self.rpc_urls if rpc_urls is None else rpc_urls
-        requirement = choose_requirement(intent, signer.address, urls)
+        if solana_signer is not None:
+            requirement = next(
+                (r for r in intent.get("payment_requirements") or [] if str(r["network"]).startswith("solana:")), None
+            )
+            if requirement is None:
+                raise NoFundedNetworkError("the intent has no Solana requirement", {})
+        else:
+            requirement = choose_requirement(intent, signer.address, urls)
         last_error: PayIntentError | None = None
         for attempt in range(1, max_attempts + 1):
             if last_error is not None:
@@ -317,9 +325,12 @@ class PayIntentClient:
                 if outcome.get("status") == "paid":
                     return paid_result(outcome)
                 log.info("intent %s still pending after %s; paying again (attempt %d)", intent_id, last_error, attempt)
-            payload = sign_authorization(
-                signer, requirement, now=int(self._clock()), valid_for=DEFAULT_VALIDITY_SECONDS
-            )
+            if solana_signer is not None:
+                payload = self._sign_solana(intent_id, requirement, solana_signer)
+            else:
+                payload = sign_authorization(
+                    signer, requirement, now=int(self._clock()), valid_for=DEFAULT_VALIDITY_SECONDS
+                )
             body = {
                 "intent_id": intent_id,
                 "payment_signature": {
@@ -344,6 +355,22 @@ class PayIntentClient:
             return paid_result(outcome)
         raise last_error
 
+    def _sign_solana(self, intent_id: str, requirement: Mapping[str, Any], keypair: Any) -> dict[str, Any]:
+        """Fetch the transaction the service built for this payer, check it, and sign it as the buyer."""
+        from payintent import solana_tx
+
+        built = self._request(
+            "POST",
+            f"/x402/intents/{intent_id}/solana-transaction",
+            body={"payer": str(keypair.pubkey()), "network": requirement["network"]},
+        )
+        tx = solana_tx.decode(built["transaction"])
+        fee_payer = str((requirement.get("extra") or {}).get("feePayer") or built["fee_payer"])
+        # Sign only what the rules allow (exact amount, the merchant's account, the relay as fee payer only).
+        signed = solana_tx.sign_as(tx, keypair)
+        solana_tx.check_payment(signed, dict(requirement), intent_id, fee_payer)
+        return {"transaction": solana_tx.encode(signed)}
+
     def _await_outcome(self, intent_id: str) -> dict[str, Any] | None:
         """Read the intent now, then poll while it is pending (bounded). ``None``: never readable.
 
@@ -363,6 +390,15 @@ class PayIntentClient:
             if intent.get("status") in ("cancelled", "expired"):
                 raise _not_payable(intent)
         return intent
+
+
+def _solana_keypair(account: Any) -> Any:
+    """A solders Keypair passed as the account (or None for EVM accounts and keys)."""
+    try:
+        from solders.keypair import Keypair
+    except ImportError:  # pragma: no cover - solders is a dependency
+        return None
+    return account if isinstance(account, Keypair) else None
 
 
 def _not_payable(intent: Mapping[str, Any]) -> PayIntentError:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from eth_account import Account
 from eth_account.signers.local import LocalAccount
+from solders.keypair import Keypair
 
 from backend.chains.registry import ChainRegistry
 
@@ -29,7 +30,7 @@ def _parse(document: object, source: str) -> dict[str, list[str]]:
     return document  # type: ignore[return-value]
 
 
-def load_relay_accounts(registry: ChainRegistry) -> dict[str, list[LocalAccount]]:
+def _read_keys(registry: ChainRegistry) -> dict[str, list[str]]:
     raw = os.environ.get("RELAY_KEYS", "").strip()
     if raw:
         try:
@@ -46,6 +47,30 @@ def load_relay_accounts(registry: ChainRegistry) -> dict[str, list[LocalAccount]
             raise RelayKeyError(f"cannot read relay key file {path}: {exc.strerror}") from None
         except json.JSONDecodeError:
             raise RelayKeyError(f"relay key file {path} is not valid JSON") from None
+    return keys
+
+
+def load_solana_relays(registry: ChainRegistry) -> dict[str, Keypair]:
+    """The fee-payer keypair of each Solana network (base58 64-byte secret keys); must match fee_payer."""
+    relays: dict[str, Keypair] = {}
+    for network_id, secrets in _read_keys(registry).items():
+        network = registry.get(network_id)
+        if network is None or network.kind != "solana" or not secrets:
+            continue
+        try:
+            keypair = Keypair.from_base58_string(secrets[0])
+        except BaseException as exc:  # solders may panic on malformed input
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            raise RelayKeyError(f"the relay key for {network_id} is not a base58 Solana keypair") from None
+        if network.fee_payer and str(keypair.pubkey()) != network.fee_payer:
+            raise RelayKeyError(f"the relay key for {network_id} does not match fee_payer in the chains file")
+        relays[network_id] = keypair
+    return relays
+
+
+def load_relay_accounts(registry: ChainRegistry) -> dict[str, list[LocalAccount]]:
+    keys = _read_keys(registry)
     accounts: dict[str, list[LocalAccount]] = {}
     for network_id, hex_keys in keys.items():
         network = registry.get(network_id)

@@ -21,6 +21,7 @@ from typing import Any
 from eth_account.signers.local import LocalAccount
 from flask import current_app
 from redis import Redis
+from solders.keypair import Keypair
 
 from backend.chains.evm import EvmChain, evm_chain
 from backend.extensions import db
@@ -30,7 +31,8 @@ from backend.settlement import models as st
 from backend.settlement import services
 from backend.settlement.flow import notify_settled
 from backend.settlement.reconcile import finish_from_chain
-from relayer import evm
+from backend.settlement.solana import solana_chain
+from relayer import evm, solana
 from relayer.faults import crash_point
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ JOB_LOCK_SECONDS = 15
 JOB_LOCK_KEY = "payintent:relayer:settling:{}"
 # Set by relayer.worker at start-up: the only place relay keys live.
 RELAY_ACCOUNTS: dict[str, list[LocalAccount]] = {}
+SOLANA_RELAYS: dict[str, Keypair] = {}
 
 
 _connections: dict[str, Redis] = {}
@@ -102,6 +105,12 @@ def _settle(settlement_id: str, redis: Redis) -> str:
     if settlement is None or settlement.status not in st.OPEN:
         return "finished"
     network = current_app.extensions["payintent.chains"].get(settlement.network)
+    if network is not None and network.kind == "solana":
+        relay = SOLANA_RELAYS.get(settlement.network)
+        if relay is None:
+            log.error("no relay keypair for %s; settlement %s waits", settlement.network, settlement_id)
+            return "no-relay-account"
+        return solana.settle(solana_chain(network), network, relay, settlement, crash_point)
     accounts = RELAY_ACCOUNTS.get(settlement.network)
     if network is None or not accounts:
         log.error("no relay account for %s; settlement %s waits", settlement.network, settlement_id)
@@ -165,3 +174,22 @@ def _reverted(chain: EvmChain, settlement: st.Settlement, reason: str) -> str:
         return "still-pending"
     services.fail_settlement(settlement.id, "SETTLEMENT_FAILED", reason)
     return "reverted"
+
+
+@app_job
+def create_token_account(network_id: str, owner: str) -> str:
+    """Create a merchant's USDC token account on a Solana network (the relay pays the rent)."""
+    from backend.settlement.solana import PAYEE_READY_KEY
+
+    network = current_app.extensions["payintent.chains"].get(network_id)
+    relay = SOLANA_RELAYS.get(network_id)
+    if network is None or network.kind != "solana" or relay is None:
+        return "no-relay-account"
+    created = solana.ensure_token_account(solana_chain(network), relay, owner, network.usdc_address)
+    redis = _redis()
+    key = PAYEE_READY_KEY.format(network_id, owner)
+    pipe = redis.pipeline()
+    pipe.lpush(key, "1")
+    pipe.expire(key, 60)
+    pipe.execute()
+    return "created" if created else "exists"

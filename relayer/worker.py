@@ -12,7 +12,7 @@ from backend.chains.evm import evm_chain
 from backend.chains.registry import Network
 from backend.queueing import queue, set_job_app
 from relayer import tasks
-from relayer.keys import RelayKeyError, load_relay_accounts
+from relayer.keys import RelayKeyError, load_relay_accounts, load_solana_relays
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +22,10 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False) -> None:
     tasks.RELAY_ACCOUNTS.clear()
     tasks.RELAY_ACCOUNTS.update(accounts)
     registry = app.extensions["payintent.chains"]
+    tasks.SOLANA_RELAYS.clear()
+    tasks.SOLANA_RELAYS.update(load_solana_relays(registry))
+    for network_id, keypair in tasks.SOLANA_RELAYS.items():
+        log.info("relayer: fee payer %s on %s", keypair.pubkey(), network_id)
     for network, loaded in accounts.items():
         check_chain_id(registry.get(network))
         log.info("relayer: %d relay account(s) on %s: %s", len(loaded), network, ", ".join(a.address for a in loaded))

@@ -45,6 +45,7 @@ def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("redis-server" in " ".join(c.cmdline()) for c in children)  # a private, real Redis
         assert sum("anvil" in " ".join(c.cmdline()) for c in children) == 3  # the local devnet
+        assert any("devnet.solana_rpc" in c.cmdline() for c in children)  # and its local Solana RPC
         assert any(c.cmdline()[-1:] == ["relayer"] for c in children)  # settles /pay
         chains = json.loads(Path(demo["chains_file"]).read_text())["networks"]
         assert [b["address"] in banner and b["private_key"] in banner for b in demo["buyers"]] == [True] * 3
@@ -56,7 +57,7 @@ def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
         )
         assert response.status_code == 201
         requirements = response.json()["data"]["payment_requirements"]
-        assert len(requirements) == len(chains) == 3
+        assert len(requirements) == len(chains) == 4  # three EVM chains and Solana devnet (local)
         assert {r["asset"] for r in requirements} == {c["usdc_address"] for c in chains}
 
         # A merchant's local webhook receiver (make run allows private targets).

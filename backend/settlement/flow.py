@@ -24,7 +24,7 @@ from backend.extensions import db
 from backend.intents.models import Intent
 from backend.money import from_atomic
 from backend.settlement import models as st
-from backend.settlement import services
+from backend.settlement import services, solana
 from backend.settlement.services import PaymentSubmission
 from backend.settlement.verify import parse_evm_payload, verify_evm_authorization
 
@@ -82,34 +82,19 @@ def submit_payment(
         services.check_payable(intent, now)
         requirement = services.requirement_for(intent, submission)
         network = services.network_of(registry, submission.network)
-        if network.kind != "evm":
-            raise APIError(400, "UNSUPPORTED_NETWORK", f"Payments on {network.network} are not supported yet")
         if requirement["asset"].lower() != network.usdc_address.lower():
             raise APIError(
                 409,
                 "REQUIREMENT_OUTDATED",
                 f"The USDC contract configured for {network.network} changed since this intent was created",
             )
-        auth = parse_evm_payload(submission.payload)
-        verify_evm_authorization(auth, requirement, int(now.timestamp()))
-        chain = evm_chain(network)
-        try:
-            used = chain.authorization_state(auth.payer, auth.nonce)
-            balance = chain.balance_of(auth.payer)
-            start_block = chain.block_number()
-        except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
-            log.warning("chain %s unreachable during /pay (%s)", network.network, type(exc).__name__)
-            raise APIError(503, "CHAIN_UNAVAILABLE", f"{network.name} cannot be reached right now; try again") from None
-        if used:
-            raise APIError(409, "NONCE_ALREADY_USED", "This authorization's nonce was already used or cancelled")
-        if balance < auth.value:
-            raise APIError(
-                402,
-                "SETTLEMENT_FAILED",
-                "The buyer's USDC balance is too low for this payment",
-                reason=f"insufficient balance: {from_atomic(balance)} USDC available, "
-                f"{from_atomic(auth.value)} USDC required",
+        if network.kind == "solana":
+            auth: Any = solana.check_signed_transaction(
+                intent, requirement, network, submission.payload, redis, queue_name
             )
+            start_block = None
+        else:
+            auth, start_block = _check_evm(submission, requirement, network, now)
         settlement_id = services.claim(intent, network, auth, start_block)
     except APIError as err:
         if err.code not in _NO_FAILURE_EVENT:
@@ -122,6 +107,31 @@ def submit_payment(
     except RedisError as exc:
         log.warning("queue unavailable for settlement %s (the reconciler will send it): %s", settlement_id, exc)
     return settlement_result(settlement_id)
+
+
+def _check_evm(submission: PaymentSubmission, requirement: dict[str, Any], network: Any, now: Any) -> tuple[Any, int]:
+    """EVM: the EIP-3009 authorization offline, then its nonce and the buyer's balance on chain."""
+    auth = parse_evm_payload(submission.payload)
+    verify_evm_authorization(auth, requirement, int(now.timestamp()))
+    chain = evm_chain(network)
+    try:
+        used = chain.authorization_state(auth.payer, auth.nonce)
+        balance = chain.balance_of(auth.payer)
+        start_block = chain.block_number()
+    except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
+        log.warning("chain %s unreachable during /pay (%s)", network.network, type(exc).__name__)
+        raise APIError(503, "CHAIN_UNAVAILABLE", f"{network.name} cannot be reached right now; try again") from None
+    if used:
+        raise APIError(409, "NONCE_ALREADY_USED", "This authorization's nonce was already used or cancelled")
+    if balance < auth.value:
+        raise APIError(
+            402,
+            "SETTLEMENT_FAILED",
+            "The buyer's USDC balance is too low for this payment",
+            reason=f"insufficient balance: {from_atomic(balance)} USDC available, "
+            f"{from_atomic(auth.value)} USDC required",
+        )
+    return auth, start_block
 
 
 def settlement_result(settlement_id: str) -> dict[str, Any]:

@@ -74,7 +74,7 @@ def watch_released(registry: ChainRegistry) -> int:
     found = 0
     for settlement in services.released_but_valid(int(clock.now().timestamp()) - EXPIRY_GRACE_SECONDS):
         network = registry.get(settlement.network)
-        if network is None:
+        if network is None or network.kind != "evm":
             continue
         try:
             outcome, tx_hash = onchain_outcome(evm_chain(network), settlement)
@@ -98,7 +98,14 @@ def reconcile(registry: ChainRegistry, redis: Redis | None, queue_name: str = "r
             counts["errors"] += 1
             continue
         try:
-            if finish_from_chain(evm_chain(network), settlement):
+            if network.kind == "solana":
+                from backend.settlement.solana import finish_from_chain as finish_solana
+                from backend.settlement.solana import solana_chain
+
+                finished = finish_solana(solana_chain(network), settlement)
+            else:
+                finished = finish_from_chain(evm_chain(network), settlement)
+            if finished:
                 counts["finished"] += 1
                 if redis is not None:
                     notify_settled(redis, settlement.id)

@@ -36,3 +36,34 @@ class PaymentResultSchema(StrictSchema):
 
 
 PayEnvelope = envelope(PaymentResultSchema, "PaymentResponse")
+
+
+class SolanaTransactionRequestSchema(StrictSchema):
+    payer = fields.String(
+        required=True,
+        validate=validate.Length(min=32, max=44),
+        metadata={"description": "The buyer's Solana address (base58): owner of the USDC account paying"},
+    )
+    network = fields.String(
+        validate=validate.Length(max=64),
+        metadata={
+            "description": "A solana:<genesis> network of the intent's requirements (default: its only Solana one)"
+        },
+    )
+
+
+class SolanaTransactionSchema(StrictSchema):
+    transaction = fields.String(
+        required=True,
+        metadata={"description": "Base64 version-0 transaction for the buyer to sign (the relay signs at /pay)"},
+    )
+    network = fields.String(required=True)
+    payer = fields.String(required=True)
+    fee_payer = fields.String(required=True, metadata={"description": "The relay: pays the fee, nothing else"})
+    recent_blockhash = fields.String(required=True)
+    last_valid_block_height = fields.Integer(
+        required=True, metadata={"description": "Sign and submit before the chain passes this height (about a minute)"}
+    )
+
+
+SolanaTransactionEnvelope = envelope(SolanaTransactionSchema, "SolanaTransactionResponse")

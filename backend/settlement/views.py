@@ -11,8 +11,14 @@ from backend.errors import APIError
 from backend.http import ApiBlueprint, ok
 from backend.merchants.auth import api_key_required, current_merchant_id
 from backend.queueing import app_redis
-from backend.settlement.flow import submit_payment
-from backend.settlement.schemas import PayEnvelope, PaySchema
+from backend.settlement import solana
+from backend.settlement.flow import load_payable_intent, submit_payment
+from backend.settlement.schemas import (
+    PayEnvelope,
+    PaySchema,
+    SolanaTransactionEnvelope,
+    SolanaTransactionRequestSchema,
+)
 from backend.settlement.services import PaymentSubmission
 
 blp = ApiBlueprint("payments", __name__, url_prefix="/api/v1/x402", description="Settle a signed authorization")
@@ -59,3 +65,28 @@ class Pay(MethodView):
             queue_name=settings.relayer_queue,
         )
         return ok(result)
+
+
+@blp.route("/intents/<string:intent_id>/solana-transaction")
+class SolanaTransaction(MethodView):
+    decorators = [api_key_required]
+
+    @blp.arguments(SolanaTransactionRequestSchema())
+    @blp.alt_response(200, schema=SolanaTransactionEnvelope, success=True, description="The transaction to sign")
+    @blp.errors(400, 401, 402, 404, 409, 410, 415, 503)
+    def post(self, args: dict[str, Any], intent_id: str) -> Any:
+        """Build the Solana transaction a buyer signs to pay an intent
+
+        A version-0 transaction: compute-budget limits, one TransferChecked of exactly the amount
+        from the payer's USDC account to the merchant's, and a memo with the intent id. The relay
+        is the fee payer and signs at /pay, after checking the transaction instruction by
+        instruction. Sign it (signer 2) and send it as payment_signature.payload.transaction.
+        """
+        intent = load_payable_intent(current_merchant_id(), intent_id)
+        registry = current_app.extensions["payintent.chains"]
+        settings = current_app.config["PAYINTENT_SETTINGS"]
+        return ok(
+            solana.prepare_transaction(
+                intent, registry, args["payer"], args.get("network"), app_redis(), settings.relayer_queue
+            )
+        )

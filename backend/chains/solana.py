@@ -1,0 +1,94 @@
+"""Solana JSON-RPC access for the API, relayer and reconciler (standard methods only).
+
+The same code talks to the local devnet RPC (``devnet/solana_rpc.py``), a ``solana-test-validator``
+or Solana devnet by URL. Errors become :class:`SolanaRpcError` (whose text never holds the URL).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+_ids = itertools.count(1)
+
+
+class SolanaRpcError(RuntimeError):
+    """The RPC could not be reached or answered with an error (``code``/``data`` as the node sent them)."""
+
+    def __init__(self, message: str, code: int | None = None, data: Any = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.data = data
+
+
+@dataclass(frozen=True)
+class Blockhash:
+    blockhash: str
+    last_valid_block_height: int
+
+
+@dataclass(frozen=True)
+class Simulation:
+    err: Any
+    logs: list[str]
+    units_consumed: int | None
+
+
+class SolanaChain:
+    def __init__(self, rpc_url: str, timeout: float = 10.0) -> None:
+        self.rpc_url = rpc_url
+        self.timeout = timeout
+        self._session = requests.Session()
+        self._session.trust_env = False
+
+    def call(self, method: str, params: list[Any] | None = None) -> Any:
+        body = {"jsonrpc": "2.0", "id": next(_ids), "method": method, "params": params or []}
+        try:
+            response = self._session.post(self.rpc_url, json=body, timeout=self.timeout)
+            answer = response.json()
+        except (requests.RequestException, ValueError) as exc:
+            raise SolanaRpcError(f"{method}: RPC unreachable or malformed answer ({type(exc).__name__})") from None
+        if not isinstance(answer, dict):
+            raise SolanaRpcError(f"{method}: malformed answer")
+        if answer.get("error"):
+            error = answer["error"] if isinstance(answer["error"], dict) else {"message": str(answer["error"])}
+            raise SolanaRpcError(f"{method}: {error.get('message')}", error.get("code"), error.get("data"))
+        return answer.get("result")
+
+    def latest_blockhash(self) -> Blockhash:
+        value = self.call("getLatestBlockhash", [{"commitment": "confirmed"}])["value"]
+        return Blockhash(value["blockhash"], int(value["lastValidBlockHeight"]))
+
+    def block_height(self) -> int:
+        return int(self.call("getBlockHeight", [{"commitment": "confirmed"}]))
+
+    def account_exists(self, address: str) -> bool:
+        value = self.call("getAccountInfo", [address, {"encoding": "base64", "commitment": "confirmed"}])["value"]
+        return value is not None
+
+    def token_balance(self, token_account: str) -> int | None:
+        """Atomic units in a token account, or None when the account does not exist."""
+        try:
+            value = self.call("getTokenAccountBalance", [token_account, {"commitment": "confirmed"}])["value"]
+        except SolanaRpcError as exc:
+            if exc.code == -32602:  # the node's "could not find account" / "not a token account"
+                return None
+            raise
+        return int(value["amount"])
+
+    def simulate(self, tx_base64: str, *, sig_verify: bool) -> Simulation:
+        options = {"encoding": "base64", "sigVerify": sig_verify, "commitment": "confirmed"}
+        value = self.call("simulateTransaction", [tx_base64, options])["value"]
+        return Simulation(value.get("err"), list(value.get("logs") or []), value.get("unitsConsumed"))
+
+    def send(self, tx_base64: str) -> str:
+        options = {"encoding": "base64", "skipPreflight": False, "preflightCommitment": "confirmed", "maxRetries": 0}
+        return str(self.call("sendTransaction", [tx_base64, options]))
+
+    def signature_status(self, signature: str) -> dict[str, Any] | None:
+        """The node's status of a transaction signature (``err``, ``confirmationStatus``), or None if unknown."""
+        statuses = self.call("getSignatureStatuses", [[signature], {"searchTransactionHistory": True}])["value"]
+        return statuses[0] if statuses else None
