@@ -132,6 +132,11 @@ def _devnet_banner(devnet_info: dict[str, Any] | None, started: bool) -> str:
         lines.append(f"    {network:<17} {chain['rpc_url']:<24} test USDC {chain['usdc_address']}")
     lines.append("  demo buyers    10,000 test USDC each on every chain")
     lines.extend(f"    {b['address']}  key {b['private_key']}" for b in devnet_info["buyers"])
+    solana = devnet_info.get("solana")
+    if solana:
+        lines.append(f"    {solana['network'][:17]:<17} {solana['rpc_url']:<24} test USDC mint {solana['usdc_mint']}")
+        lines.append("  Solana buyers  10,000 test USDC and 1 SOL each")
+        lines.extend(f"    {b['address']}  key {b['secret_key']}" for b in devnet_info.get("solana_buyers", []))
     return "\n".join(lines) + "\n"
 
 
@@ -217,6 +222,8 @@ def run_dev_stack(port: int = 8000) -> None:
                 "chains_file": devnet_info["chains_file"],
                 "networks": devnet_info["networks"],
                 "buyers": devnet_info["buyers"],
+                "solana": devnet_info.get("solana"),
+                "solana_buyers": devnet_info.get("solana_buyers", []),
             }
         demo_file.write_text(json.dumps(saved, indent=2) + "\n")
         payintent = str(Path(sys.executable).with_name("payintent"))

@@ -69,13 +69,14 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "rpc_urls": parse_rpc_urls(rpc_items)
         or {network: chain["rpc_url"] for network, chain in (demo.get("networks") or {}).items()},
     }
+    extra = {"solana_buyers": demo.get("solana_buyers") or []}
     missing = [name for name, value in found.items() if not value]
     if missing:
         raise SystemExit(
             f"agent_pay: missing {', '.join(missing)}: run `make run` first (it writes {path}), "
             "or set PAYINTENT_URL, PAYINTENT_API_KEY, BUYER_PRIVATE_KEY and PAYINTENT_RPC_URLS"
         )
-    return found
+    return found | extra
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,20 +87,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--amount", default="1.00", help="USDC to pay (default 1.00)")
     parser.add_argument("--order-id", default=None, help="the merchant's order reference")
     parser.add_argument("--demo-file", help="default: $PAYINTENT_VAR_DIR/demo.json or var/demo.json")
+    parser.add_argument(
+        "--network",
+        choices=("evm", "solana"),
+        default="evm",
+        help="pay with an EVM key (the chain holding its USDC is chosen at run time) or a Solana keypair "
+        "(SOLANA_BUYER_SECRET_KEY, base58; default: the devnet's first Solana buyer)",
+    )
     args = parser.parse_args(argv)
     try:
         amount = Decimal(args.amount)
     except InvalidOperation:
         parser.error(f"--amount must be a decimal number, not {args.amount!r}")
     found = settings(args)
-    agent = Account.from_key(found["private_key"])
+    agent: Any = Account.from_key(found["private_key"])
+    if args.network == "solana":
+        from solders.keypair import Keypair
+
+        secret = os.environ.get("SOLANA_BUYER_SECRET_KEY") or next(
+            (b["secret_key"] for b in found.get("solana_buyers") or []), None
+        )
+        if not secret:
+            raise SystemExit("agent_pay: no Solana buyer: run `make run` first or set SOLANA_BUYER_SECRET_KEY")
+        agent = Keypair.from_base58_string(secret)
 
     with PayIntentClient(found["url"], found["api_key"], rpc_urls=found["rpc_urls"]) as client:
         try:
             intent = client.create_intent(amount, order_id=args.order_id, description="Paid by an agent")
             networks = ", ".join(r["network"] for r in intent["payment_requirements"])
             print(f"intent {intent['intent_id']}: {amount} USDC, payable on {networks}", file=sys.stderr)
-            payment = client.pay(intent, agent)  # picks the chain where the agent holds the USDC
+            payment = client.pay(intent, agent)  # EVM: picks the chain where the agent holds the USDC
             confirmed = client.get_intent(intent["intent_id"])  # what a merchant checks before fulfilling
         except PayIntentError as err:
             error = {"status": err.status, "code": err.code, "message": err.message}

@@ -93,10 +93,33 @@ def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
         ).json()["data"]
         assert intent["status"] == "paid" and intent["tx_hash"] == summary["tx_hash"]
         assert intent["chain"] == summary["network"] and intent["amount_usdc"] == 1.25
-        (delivered,) = receiver.wait_for(1, timeout=5)
-        verify_signature(delivered.body, delivered.headers["Service-Signature"], hook.json()["data"]["secret"])
-        envelope = json.loads(delivered.body)
-        assert envelope["event"] == "payment.completed" and envelope["data"]["tx_hash"] == summary["tx_hash"]
+        # ... and on the local Solana, with the devnet's Solana buyer.
+        paid_sol = subprocess.run(
+            [sys.executable, str(AGENT_PAY), "--amount", "0.75", "--network", "solana"],
+            env=agent_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert paid_sol.returncode == 0, paid_sol.stderr
+        sol_summary = json.loads(paid_sol.stdout.splitlines()[-1])
+        assert sol_summary["network"].startswith("solana:") and sol_summary["status"] == "paid"
+        assert sol_summary["buyer_address"] == demo["solana_buyers"][0]["address"]
+        assert f"tx_hash {sol_summary['tx_hash']}" in paid_sol.stdout
+        status = requests.post(
+            demo["solana"]["rpc_url"],
+            json={"jsonrpc": "2.0", "id": 1, "method": "getSignatureStatuses",
+                  "params": [[sol_summary["tx_hash"]], {"searchTransactionHistory": True}]},
+            timeout=10,
+        ).json()["result"]["value"][0]  # fmt: skip
+        assert status is not None and status["err"] is None
+
+        deliveries = receiver.wait_for(2, timeout=5)  # payment.completed of both payments
+        for delivered in deliveries:
+            verify_signature(delivered.body, delivered.headers["Service-Signature"], hook.json()["data"]["secret"])
+        envelopes = [json.loads(d.body) for d in deliveries]
+        assert {e["event"] for e in envelopes} == {"payment.completed"}
+        assert {e["data"]["tx_hash"] for e in envelopes} == {summary["tx_hash"], sol_summary["tx_hash"]}
         receiver.close()
     finally:
         proc.send_signal(signal.SIGTERM)

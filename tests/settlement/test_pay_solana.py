@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -10,9 +11,13 @@ from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 
 from backend.chains.solana import SolanaChain
+from backend.extensions import db
 from payintent import solana_tx as stx
+from relayer.faults import CRASH_EXIT_CODE
 from tests.conftest import create_merchant
+from tests.settlement.conftest import stop_process
 from tests.settlement.test_pay import create_intent, events, pay
+from tests.settlement.test_recovery import iso  # noqa: F401  (fixture)
 
 SOLANA = "solana:EtWTRABZaYq6iMfeYKouRu166VU2xqa1"
 
@@ -137,3 +142,57 @@ def test_concurrent_payers_move_money_once(pay_client, sol_shop, devnet, sol):
     assert usdc(sol, devnet, sol_shop.wallet) == 3_000_000
     moved = sum(b - usdc(sol, devnet, str(p.pubkey())) for b, p in zip(before, payers, strict=True))
     assert moved == 3_000_000
+
+
+def test_relayer_killed_after_send_ends_paid_once(iso, devnet, sol):  # noqa: F811
+    shop = create_merchant(iso.app, "sol-crash-1@example.com", {SOLANA: str(Keypair().pubkey())})
+    wallet = shop_wallet(iso.app, shop)
+    intent = create_intent(iso.client, shop, 4)
+    crashing = iso.relayer(fault="after-broadcast")
+    try:
+        payload = signed_payment(iso.client, shop, intent, buyer(devnet, 2))
+        response = pay(iso.client, shop, intent, SOLANA, payload)
+        assert crashing.wait(timeout=30) == CRASH_EXIT_CODE
+    finally:
+        stop_process(crashing)
+    assert response.status_code == 504 and response.get_json()["error"]["code"] == "SETTLEMENT_PENDING"
+    deadline = time.monotonic() + 10
+    while usdc(sol, devnet, wallet) != 4_000_000:  # the chain moved the money ...
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert iso.intent_row(intent["intent_id"]).status == "pending"  # ... but nobody recorded it yet
+    assert iso.reconcile_later()["finished"] == 1
+    row = iso.intent_row(intent["intent_id"])
+    assert row.status == "paid" and row.tx_hash == iso.settlement(intent["intent_id"]).tx_hash
+    assert len(iso.completed_events(intent["intent_id"])) == 1
+    assert iso.reconcile_later()["finished"] == 0
+    assert usdc(sol, devnet, wallet) == 4_000_000
+
+
+def test_relayer_killed_before_send_is_sent_again(iso, devnet, sol):  # noqa: F811
+    shop = create_merchant(iso.app, "sol-crash-2@example.com", {SOLANA: str(Keypair().pubkey())})
+    wallet = shop_wallet(iso.app, shop)
+    intent = create_intent(iso.client, shop, 2)
+    crashing = iso.relayer(fault="after-mark-submitted")
+    try:
+        payload = signed_payment(iso.client, shop, intent, buyer(devnet, 0))
+        assert pay(iso.client, shop, intent, SOLANA, payload).status_code == 504
+        assert crashing.wait(timeout=30) == CRASH_EXIT_CODE
+    finally:
+        stop_process(crashing)
+    assert usdc(sol, devnet, wallet) == 0  # recorded as submitted, never sent
+    healthy = iso.relayer()
+    try:
+        assert iso.reconcile_later()["resent"] == 1
+        row = iso.wait_paid(intent["intent_id"])
+    finally:
+        stop_process(healthy)
+    assert usdc(sol, devnet, wallet) == 2_000_000
+    assert row.tx_hash == iso.settlement(intent["intent_id"]).tx_hash
+    assert len(iso.completed_events(intent["intent_id"])) == 1
+
+
+def shop_wallet(app: Any, shop: Any) -> str:
+    from backend.merchants.models import Wallet
+
+    return db.session.scalars(db.select(Wallet.address).where(Wallet.merchant_id == shop.id)).one()
