@@ -16,7 +16,8 @@ class PaymentSignatureSchema(Schema):
         required=True,
         metadata={
             "description": "EVM: {from, to, value, validAfter, validBefore, nonce, signature}: the buyer's "
-            "EIP-3009 TransferWithAuthorization, values as decimal strings, nonce and signature 0x-hex"
+            "EIP-3009 TransferWithAuthorization, values as decimal strings, nonce and signature 0x-hex. "
+            "Solana: {transaction}: the base64 transaction from /intents/{id}/solana-transaction, signed by the buyer"
         },
     )
 

@@ -46,6 +46,8 @@ class Pay(MethodView):
         INVALID_PAYLOAD / RECIPIENT_MISMATCH / AMOUNT_MISMATCH / AUTHORIZATION_NOT_YET_VALID /
         AUTHORIZATION_EXPIRED / INVALID_SIGNATURE (400), SETTLEMENT_FAILED (402, with `reason`),
         CHAIN_UNAVAILABLE (503), SETTLEMENT_PENDING (504: still settling; read the intent).
+        Solana adds FEE_PAYER_MISMATCH / FEE_PAYER_MISUSED / DISALLOWED_INSTRUCTION / INVALID_TRANSACTION /
+        ASSET_MISMATCH / COMPUTE_BUDGET_TOO_HIGH / BLOCKHASH_EXPIRED (400) and PAYEE_ACCOUNT_PENDING (503).
         """
         signature = args["payment_signature"]
         submission = PaymentSubmission(
