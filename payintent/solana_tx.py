@@ -17,6 +17,7 @@ so its signature pays the fee and authorises nothing else.
 from __future__ import annotations
 
 import base64
+import hashlib
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -137,7 +138,8 @@ class SolanaPayment:
     """What a checked buyer-signed transaction does."""
 
     payer: str
-    buyer_signature: str  # base58; identifies the authorization (settlement "nonce")
+    buyer_signature: str  # base58
+    message_hash: str  # hex sha256 of the signed message: one settlement per message
     recent_blockhash: str
     amount_atomic: int
     unit_limit: int
@@ -155,12 +157,22 @@ def check_payment(
 ) -> SolanaPayment:
     """Check a buyer-signed transaction against the requirement, instruction by instruction."""
     message = tx.message
+    try:
+        tx.sanitize()  # indices in range, signer counts consistent
+    except BaseException as exc:  # solders raises its own exceptions (some are BaseException)
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise SolanaTransactionError("INVALID_TRANSACTION", "the transaction is malformed") from None
     if not isinstance(message, MessageV0) or list(message.address_table_lookups):
         raise SolanaTransactionError("INVALID_TRANSACTION", "use a version-0 message without address lookup tables")
     keys = list(message.account_keys)
     header = message.header
     relay = Pubkey.from_string(fee_payer)
-    if not keys or keys[0] != relay:
+    if len(keys) < 2 or any(ix.program_id_index >= len(keys) for ix in message.instructions):
+        raise SolanaTransactionError("INVALID_TRANSACTION", "the transaction is malformed")
+    if any(i >= len(keys) for ix in message.instructions for i in bytes(ix.accounts)):
+        raise SolanaTransactionError("INVALID_TRANSACTION", "the transaction is malformed")
+    if keys[0] != relay:
         raise SolanaTransactionError("FEE_PAYER_MISMATCH", f"the fee payer must be the relay {fee_payer}")
     if header.num_required_signatures != 2 or len(tx.signatures) != 2:
         raise SolanaTransactionError("INVALID_TRANSACTION", "exactly two signers: the relay (fee payer) and the buyer")
@@ -215,6 +227,8 @@ def check_payment(
         raise SolanaTransactionError("RECIPIENT_MISMATCH", "the destination is not the merchant's USDC account")
     if authority != payer:
         raise SolanaTransactionError("INVALID_TRANSACTION", "the transfer's authority must be the buyer (signer 2)")
+    if str(payer) == requirement["payTo"]:
+        raise SolanaTransactionError("PAYER_IS_RECIPIENT", "the payer is the merchant's own wallet")
     if source != associated_token_address(payer, asset):
         raise SolanaTransactionError("INVALID_TRANSACTION", "the source must be the buyer's USDC account")
     if list(bytes(memo_ix.accounts)) or bytes(memo_ix.data) != intent_id.encode():
@@ -226,6 +240,7 @@ def check_payment(
     return SolanaPayment(
         payer=str(payer),
         buyer_signature=str(buyer_signature),
+        message_hash=hashlib.sha256(to_bytes_versioned(message)).hexdigest(),
         recent_blockhash=str(message.recent_blockhash),
         amount_atomic=int(amount),
         unit_limit=unit_limit,

@@ -30,6 +30,10 @@ CONFIRM_TIMEOUT_SECONDS = 60.0
 _POLL_SECONDS = 0.2
 
 
+def associated_account(owner: str, mint: str) -> Pubkey:
+    return stx.associated_token_address(Pubkey.from_string(owner), Pubkey.from_string(mint))
+
+
 def ensure_token_account(chain: SolanaChain, relay: Keypair, owner: str, mint: str) -> bool:
     """Create ``owner``'s associated USDC account, paid by the relay, if it does not exist yet.
 
@@ -76,8 +80,22 @@ def settle(
     if chain.block_height() > settlement.valid_before:
         finish_from_chain(chain, settlement)
         return "expired"
-    ensure_token_account(chain, relay, settlement.pay_to, settlement.asset)
-    tx = stx.sign_as(stx.decode(settlement.signature), relay)
+    tx = stx.decode(settlement.signature)
+    # The relay signs only what the rules allow, whatever the database holds.
+    expected = {
+        "asset": network.usdc_address,
+        "payTo": settlement.pay_to,
+        "maxAmountRequired": settlement.amount_atomic,
+    }
+    try:
+        stx.check_payment(tx, expected, settlement.intent_id, str(relay.pubkey()))
+    except stx.SolanaTransactionError as exc:
+        log.error("settlement %s: refusing to co-sign (%s)", settlement.id, exc)
+        services.fail_settlement(settlement.id, exc.code, f"the relay refused the transaction: {exc}")
+        return "refused-by-relay"
+    if not chain.account_exists(str(associated_account(settlement.pay_to, network.usdc_address))):
+        return "payee-account-missing"  # the API asks for it before claiming; the reconciler retries
+    tx = stx.sign_as(tx, relay)
     signature = str(tx.signatures[0])
     if settlement.tx_hash != signature:
         services.mark_submitted(settlement.id, signature, str(relay.pubkey()))

@@ -179,13 +179,33 @@ def _reverted(chain: EvmChain, settlement: st.Settlement, reason: str) -> str:
 @app_job
 def create_token_account(network_id: str, owner: str) -> str:
     """Create a merchant's USDC token account on a Solana network (the relay pays the rent)."""
-    from backend.settlement.solana import PAYEE_READY_KEY
+    from sqlalchemy import select, update
+
+    from backend import clock
+    from backend.merchants.models import Wallet
+    from backend.settlement.solana import PAYEE_READY_KEY, token_account_created_before
 
     network = current_app.extensions["payintent.chains"].get(network_id)
     relay = SOLANA_RELAYS.get(network_id)
     if network is None or network.kind != "solana" or relay is None:
         return "no-relay-account"
-    created = solana.ensure_token_account(solana_chain(network), relay, owner, network.usdc_address)
+    registered = db.session.scalar(
+        select(Wallet.id).where(Wallet.network == network_id, Wallet.address == owner).limit(1)
+    )
+    if registered is None:
+        return "not-a-merchant-wallet"  # the relay pays rent only for registered payout wallets
+    chain = solana_chain(network)
+    if token_account_created_before(network_id, owner) and not chain.account_exists(
+        str(solana.associated_account(owner, network.usdc_address))
+    ):
+        return "closed-after-creation"  # never pay the rent twice (a closed account returns it to its owner)
+    created = solana.ensure_token_account(chain, relay, owner, network.usdc_address)
+    db.session.execute(
+        update(Wallet)
+        .where(Wallet.network == network_id, Wallet.address == owner, Wallet.token_account_created_at.is_(None))
+        .values(token_account_created_at=clock.now())
+    )
+    db.session.commit()
     redis = _redis()
     key = PAYEE_READY_KEY.format(network_id, owner)
     pipe = redis.pipeline()

@@ -62,8 +62,11 @@ class SolanaChain:
         value = self.call("getLatestBlockhash", [{"commitment": "confirmed"}])["value"]
         return Blockhash(value["blockhash"], int(value["lastValidBlockHeight"]))
 
-    def block_height(self) -> int:
-        return int(self.call("getBlockHeight", [{"commitment": "confirmed"}]))
+    def block_height(self, commitment: str = "confirmed") -> int:
+        return int(self.call("getBlockHeight", [{"commitment": commitment}]))
+
+    def is_blockhash_valid(self, blockhash: str) -> bool:
+        return bool(self.call("isBlockhashValid", [blockhash, {"commitment": "processed"}])["value"])
 
     def account_exists(self, address: str) -> bool:
         value = self.call("getAccountInfo", [address, {"encoding": "base64", "commitment": "confirmed"}])["value"]

@@ -7,7 +7,7 @@ and simulates it without signature verification (the relay has not signed yet).
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +100,7 @@ def prepare_transaction(
         )
     try:
         if not payee_account_ready(chain, requirement):  # created by the relayer while the buyer signs
+            _refuse_if_closed(network, requirement["payTo"])
             request_payee_account(redis, queue_name, network, requirement["payTo"], 0)
     except SolanaRpcError as exc:
         raise _unavailable(network, exc) from None
@@ -122,6 +123,9 @@ def prepare_transaction(
     }
 
 
+# A blockhash is usable for about 150 blocks; 300 (the size of the node's blockhash queue) leaves
+# room for RPC lag and off-by-one at the edges before the reconciler may call a transaction dead.
+BLOCKHASH_MARGIN = 300
 PAYEE_ACCOUNT_JOB = "relayer.tasks.create_token_account"
 PAYEE_READY_KEY = "payintent:token-account:{}:{}"
 
@@ -133,20 +137,52 @@ def payee_account_ready(chain: SolanaChain, requirement: dict[str, Any]) -> bool
     return chain.account_exists(str(account))
 
 
+def token_account_created_before(network_id: str, owner: str) -> bool:
+    """Whether the relay already created this wallet's USDC account once (it never pays twice)."""
+    from sqlalchemy import select
+
+    from backend.extensions import db
+    from backend.merchants.models import Wallet
+
+    found = db.session.scalar(
+        select(Wallet.id)
+        .where(Wallet.network == network_id, Wallet.address == owner, Wallet.token_account_created_at.is_not(None))
+        .limit(1)
+    )
+    return found is not None
+
+
+def _refuse_if_closed(network: Network, owner: str) -> None:
+    if token_account_created_before(network.network, owner):
+        raise APIError(
+            409,
+            "PAYEE_ACCOUNT_MISSING",
+            "The merchant's USDC account was created once and has since been closed; the merchant must re-create it",
+        )
+
+
 def request_payee_account(redis: Any, queue_name: str, network: Network, owner: str, wait_seconds: float) -> None:
     """Ask the relayer to create ``owner``'s USDC account (it pays the rent); wait up to ``wait_seconds``.
 
     The API holds no key, so the relayer does it, never inside a buyer's transaction.
     """
     from rq import Queue
+    from rq.exceptions import DuplicateJobError
 
     if redis is None:
         return
     key = PAYEE_READY_KEY.format(network.network, owner)
-    Queue(queue_name, connection=redis).enqueue(
-        PAYEE_ACCOUNT_JOB, network.network, owner, job_id=f"token-account-{network.network}-{owner}".replace(":", "-"),
-        result_ttl=60, failure_ttl=24 * 3600, job_timeout=120,
-    )  # fmt: skip
+    with contextlib.suppress(DuplicateJobError):  # already asked: wait for that one
+        Queue(queue_name, connection=redis).enqueue(
+            PAYEE_ACCOUNT_JOB,
+            network.network,
+            owner,
+            job_id=f"token-account-{network.network}-{owner}".replace(":", "-"),
+            unique=True,
+            result_ttl=60,
+            failure_ttl=300,
+            job_timeout=120,
+        )
     if wait_seconds > 0:
         redis.blpop([key], timeout=wait_seconds)
 
@@ -159,8 +195,8 @@ class SolanaAuthorization:
     pay_to: str
     value: int
     valid_after: int
-    valid_before: int  # the last block height at which its blockhash is valid (an upper bound)
-    nonce_hex: str  # sha256 of the buyer's signature: one settlement per signed transaction
+    valid_before: int  # a block height past which its blockhash surely expired (generous upper bound)
+    nonce_hex: str  # sha256 of the signed message: one settlement per transaction
     signature_hex: str  # the buyer-signed transaction, base64
 
 
@@ -186,13 +222,14 @@ def check_signed_transaction(
     chain = solana_chain(network)
     try:
         if not payee_account_ready(chain, requirement):
+            _refuse_if_closed(network, requirement["payTo"])
             request_payee_account(redis, queue_name, network, requirement["payTo"], 15.0)
             if not payee_account_ready(chain, requirement):
                 raise APIError(
                     503, "PAYEE_ACCOUNT_PENDING", "The merchant's USDC account is being created; try again shortly"
                 )
-        height = chain.block_height()
         simulation = chain.simulate(stx.encode(tx), sig_verify=False)
+        height = chain.block_height("processed")  # after the simulation: a blockhash it accepted is older
     except SolanaRpcError as exc:
         raise _unavailable(network, exc) from None
     if simulation.err is not None:
@@ -208,8 +245,8 @@ def check_signed_transaction(
         pay_to=requirement["payTo"],
         value=payment.amount_atomic,
         valid_after=0,
-        valid_before=height + 151,
-        nonce_hex="0x" + hashlib.sha256(payment.buyer_signature.encode()).hexdigest(),
+        valid_before=height + BLOCKHASH_MARGIN,
+        nonce_hex="0x" + payment.message_hash,
         signature_hex=stx.encode(tx),
     )
 
@@ -218,24 +255,31 @@ def finish_from_chain(chain: SolanaChain, settlement: Any) -> bool:
     """Finish a Solana settlement if the chain has decided it; returns whether it is finished.
 
     The relay's signature (the transaction id) is recorded before sending, so a crash after the
-    send still leaves the signature to look up. A transaction that is unknown once its blockhash
-    expired can never execute: the intent is released.
+    send still leaves the signature to look up. Executed (confirmed) → paid; failed (at confirmed
+    or finalized commitment) → failed. The intent is released unexecuted only when the finalized
+    height is past ``valid_before`` and the node no longer accepts the blockhash: then the
+    transaction can never land. The height is read before the status, so a transaction landing
+    in between is seen.
     """
     from backend.settlement import services
 
+    height = chain.block_height("finalized")
     if settlement.tx_hash:
         status = chain.signature_status(settlement.tx_hash)
-        if status is not None:
+        if status is not None and status.get("confirmationStatus") in ("confirmed", "finalized"):
             if status.get("err") is not None:
                 services.fail_settlement(settlement.id, "SETTLEMENT_FAILED", f"transaction failed: {status['err']}")
-                return True
-            if status.get("confirmationStatus") in ("confirmed", "finalized"):
+            else:
                 services.complete_settlement(settlement.id, settlement.tx_hash)
-                return True
-            return False
-    if chain.block_height() > settlement.valid_before:
-        services.fail_settlement(
-            settlement.id, "AUTHORIZATION_EXPIRED", "the transaction's blockhash expired before it executed"
-        )
-        return True
-    return False
+            return True
+        if status is not None:
+            return False  # seen but not yet confirmed
+    if height <= settlement.valid_before:
+        return False
+    blockhash = str(stx.decode(settlement.signature).message.recent_blockhash)
+    if chain.is_blockhash_valid(blockhash):
+        return False
+    services.fail_settlement(
+        settlement.id, "AUTHORIZATION_EXPIRED", "the transaction's blockhash expired before it executed"
+    )
+    return True

@@ -170,3 +170,32 @@ def test_memo_must_be_the_intent():
         check(compile_signed(instructions))
     assert struct.calcsize("<BQB") == 10
     assert isinstance(Pubkey.default(), Pubkey)
+
+
+def test_out_of_range_indices_are_invalid_not_a_crash():
+    from solders.instruction import CompiledInstruction
+    from solders.message import MessageHeader
+
+    good = stx.sign_as(unsigned(), BUYER).message
+    bad_ix = CompiledInstruction(99, bytes(good.instructions[3].data), bytes([]))
+    message = MessageV0(MessageHeader(2, 1, 4), list(good.account_keys), good.recent_blockhash,
+                        [*list(good.instructions)[:3], bad_ix], [])  # fmt: skip
+    tx = VersionedTransaction.populate(message, [Signature.default(), Signature.default()])
+    with pytest.raises(stx.SolanaTransactionError) as err:
+        check(tx)
+    assert err.value.code in {"INVALID_TRANSACTION", "INVALID_PAYLOAD"}
+
+
+def test_paying_yourself_is_refused():
+    requirement = {**REQUIREMENT, "payTo": str(BUYER.pubkey())}
+    tx = stx.sign_as(unsigned(pay_to=str(BUYER.pubkey())), BUYER)
+    with pytest.raises(stx.SolanaTransactionError) as err:
+        stx.check_payment(tx, requirement, INTENT, str(RELAY.pubkey()))
+    assert err.value.code == "PAYER_IS_RECIPIENT"
+
+
+def test_one_message_is_one_settlement_whatever_its_signature():
+    tx = stx.sign_as(unsigned(), BUYER)
+    payment = check(tx)
+    again = check(stx.sign_as(unsigned(), BUYER))  # the same message, signed again
+    assert payment.message_hash == again.message_hash

@@ -30,9 +30,11 @@ def sol(devnet) -> SolanaChain:
 @pytest.fixture
 def sol_shop(pay_app: Any, devnet: Any) -> Any:
     """A merchant paid on Solana to a fresh wallet (its USDC account does not exist yet)."""
-    wallet = Keypair().pubkey()
+    keypair = Keypair()
+    wallet = keypair.pubkey()
     handle = create_merchant(pay_app, f"sol-{str(wallet)[:8].lower()}@example.com", {SOLANA: str(wallet)})
     handle.wallet = str(wallet)  # type: ignore[attr-defined]
+    handle.keypair = keypair  # type: ignore[attr-defined]
     return handle
 
 
@@ -196,3 +198,94 @@ def shop_wallet(app: Any, shop: Any) -> str:
     from backend.merchants.models import Wallet
 
     return db.session.scalars(db.select(Wallet.address).where(Wallet.merchant_id == shop.id)).one()
+
+
+def relay_keypair(devnet: Any) -> Keypair:
+    import json
+    from pathlib import Path
+
+    keys = json.loads(Path(devnet.info["relay_keys_file"]).read_text())
+    return Keypair.from_base58_string(keys[SOLANA][0])
+
+
+def test_the_relay_never_cosigns_a_tampered_stored_transaction(pay_app, pay_client, sol_shop, devnet, sol):
+    """Even if the database were altered, the relayer checks the transaction again before signing."""
+    from solders.system_program import TransferParams, transfer
+
+    from backend.settlement.models import Settlement
+    from relayer import solana as relayer_solana
+
+    payer = buyer(devnet, 2)
+    intent = create_intent(pay_client, sol_shop, 1)
+    good = stx.decode(signed_payment(pay_client, sol_shop, intent, payer)["transaction"])
+    relay = relay_keypair(devnet)
+    thief = Keypair().pubkey()
+    # A transaction that would move the relay's SOL, stored as if it were the buyer's.
+    from solders.hash import Hash
+    from solders.message import MessageV0
+    from solders.signature import Signature
+    from solders.transaction import VersionedTransaction
+
+    evil_message = MessageV0.try_compile(
+        relay.pubkey(), [transfer(TransferParams(from_pubkey=relay.pubkey(), to_pubkey=thief, lamports=10**9))], [],
+        Hash.from_string(str(good.message.recent_blockhash)),
+    )  # fmt: skip
+    evil = VersionedTransaction.populate(evil_message, [Signature.default()])
+    network = devnet.chains.get(SOLANA)
+    row = Settlement(
+        id="stl_tampered", intent_id=intent["intent_id"], merchant_id=sol_shop.id, network=SOLANA,
+        asset=network.usdc_address, payer=str(payer.pubkey()), pay_to=sol_shop.wallet, amount_atomic=1_000_000,
+        valid_after=0, valid_before=10**9, nonce="0x" + "ab" * 32, signature=stx.encode(evil), status="pending",
+        created_at=__import__("backend.clock", fromlist=["now"]).now(),
+        updated_at=__import__("backend.clock", fromlist=["now"]).now(),
+    )  # fmt: skip
+    db.session.add(row)
+    db.session.commit()
+    outcome = relayer_solana.settle(sol, network, relay, row, lambda _: None)
+    assert outcome == "refused-by-relay"
+    assert lamports(sol, str(thief)) == 0
+    db.session.expire_all()
+    assert db.session.get(Settlement, "stl_tampered").status == "failed"
+
+
+def test_the_relay_pays_a_merchants_account_rent_once(pay_client, sol_shop, devnet, sol):
+    """A merchant who closes its USDC account (taking the rent back) cannot make the relay pay again."""
+    from solders.hash import Hash
+    from solders.instruction import AccountMeta, Instruction
+    from solders.message import MessageV0
+    from solders.transaction import VersionedTransaction
+
+    from backend.merchants.models import Wallet
+
+    payer = buyer(devnet, 0)
+    intent = create_intent(pay_client, sol_shop, 1)
+    payload = signed_payment(pay_client, sol_shop, intent, payer)
+    assert pay(pay_client, sol_shop, intent, SOLANA, payload).status_code == 200
+    db.session.expire_all()
+    wallet = db.session.scalars(db.select(Wallet).where(Wallet.merchant_id == sol_shop.id)).one()
+    assert wallet.token_account_created_at is not None
+    # The merchant empties and closes its account (its own key), getting the rent back.
+    owner = sol_shop.keypair
+    mint = Pubkey.from_string(devnet.info["solana"]["usdc_mint"])
+    account = stx.associated_token_address(owner.pubkey(), mint)
+    payer_ata = stx.associated_token_address(payer.pubkey(), mint)
+    back = stx.transfer_checked(account, mint, payer_ata, owner.pubkey(), 1_000_000)
+    close_accounts = [AccountMeta(account, False, True), AccountMeta(payer.pubkey(), False, True),
+                      AccountMeta(owner.pubkey(), True, False)]  # fmt: skip
+    close = Instruction(stx.TOKEN_PROGRAM, bytes([9]), close_accounts)
+    blockhash = sol.latest_blockhash().blockhash
+    message = MessageV0.try_compile(payer.pubkey(), [back, close], [], Hash.from_string(blockhash))
+    sol.send(stx.encode(VersionedTransaction(message, [payer, owner])))
+    deadline = time.monotonic() + 10
+    while sol.account_exists(str(account)):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    second = create_intent(pay_client, sol_shop, 1)
+    response = pay_client.post(
+        f"/api/v1/x402/intents/{second['intent_id']}/solana-transaction",
+        json={"payer": str(payer.pubkey())},
+        headers=sol_shop.headers,
+    )
+    assert response.status_code == 409
+    assert response.get_json()["error"]["code"] == "PAYEE_ACCOUNT_MISSING"
+    assert not sol.account_exists(str(account))

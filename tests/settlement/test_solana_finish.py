@@ -1,0 +1,105 @@
+"""How a Solana settlement is decided from the chain, on states the local RPC cannot produce
+(RPC lag, a transaction landing between two reads, a failure seen only at `processed`).
+
+The chain is a stand-in (those states cannot be made on one in-process SVM); the decisions are real.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from solders.hash import Hash
+from solders.keypair import Keypair
+
+from backend.settlement import services
+from backend.settlement import solana as settlement_solana
+from payintent import solana_tx as stx
+
+
+@dataclass
+class FakeChain:
+    heights: list[int]
+    statuses: list[dict[str, Any] | None]
+    blockhash_valid: bool = False
+    calls: list[str] = field(default_factory=list)
+
+    def block_height(self, commitment: str = "confirmed") -> int:
+        self.calls.append(f"height:{commitment}")
+        return self.heights.pop(0) if len(self.heights) > 1 else self.heights[0]
+
+    def signature_status(self, signature: str) -> dict[str, Any] | None:
+        self.calls.append("status")
+        return self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+
+    def is_blockhash_valid(self, blockhash: str) -> bool:
+        self.calls.append("blockhash")
+        return self.blockhash_valid
+
+
+@dataclass
+class Row:
+    id: str = "stl_1"
+    tx_hash: str | None = "5sig"
+    valid_before: int = 1000
+    signature: str = field(
+        default_factory=lambda: stx.encode(
+            stx.build_payment(
+                fee_payer=str(Keypair().pubkey()),
+                payer=str(Keypair().pubkey()),
+                mint=str(Keypair().pubkey()),
+                pay_to=str(Keypair().pubkey()),
+                amount_atomic=1,
+                intent_id="i",
+                recent_blockhash=str(Hash.new_unique()),
+            )
+        )
+    )
+
+
+@pytest.fixture
+def decided(monkeypatch) -> list[tuple[str, ...]]:
+    calls: list[tuple[str, ...]] = []
+    monkeypatch.setattr(services, "complete_settlement", lambda sid, tx: calls.append(("paid", sid, tx)) or True)
+    monkeypatch.setattr(
+        services, "fail_settlement", lambda sid, code, reason: calls.append(("failed", sid, code)) or True
+    )
+    return calls
+
+
+def test_height_is_read_before_status_so_a_late_landing_is_seen(decided):
+    chain = FakeChain(heights=[1001], statuses=[{"confirmationStatus": "confirmed", "err": None}])
+    assert settlement_solana.finish_from_chain(chain, Row()) is True
+    assert chain.calls[:2] == ["height:finalized", "status"]
+    assert decided == [("paid", "stl_1", "5sig")]
+
+
+def test_not_released_while_the_node_still_accepts_the_blockhash(decided):
+    chain = FakeChain(heights=[5000], statuses=[None], blockhash_valid=True)
+    assert settlement_solana.finish_from_chain(chain, Row()) is False
+    assert decided == []
+
+
+def test_not_released_before_the_margin_even_if_unknown(decided):
+    chain = FakeChain(heights=[1000], statuses=[None])
+    assert settlement_solana.finish_from_chain(chain, Row()) is False
+    assert decided == []
+
+
+def test_released_only_when_past_the_margin_and_the_blockhash_is_dead(decided):
+    chain = FakeChain(heights=[1001], statuses=[None], blockhash_valid=False)
+    assert settlement_solana.finish_from_chain(chain, Row()) is True
+    assert decided == [("failed", "stl_1", "AUTHORIZATION_EXPIRED")]
+
+
+def test_a_failure_seen_only_at_processed_decides_nothing(decided):
+    chain = FakeChain(heights=[5000], statuses=[{"confirmationStatus": "processed", "err": {"InstructionError": []}}])
+    assert settlement_solana.finish_from_chain(chain, Row()) is False
+    assert decided == []
+
+
+def test_a_confirmed_failure_fails_the_settlement(decided):
+    chain = FakeChain(heights=[10], statuses=[{"confirmationStatus": "confirmed", "err": {"InstructionError": []}}])
+    assert settlement_solana.finish_from_chain(chain, Row()) is True
+    assert decided == [("failed", "stl_1", "SETTLEMENT_FAILED")]
