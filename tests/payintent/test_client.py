@@ -304,3 +304,27 @@ def test_4xx_is_raised_and_a_cancelled_intent_is_not_paid(api_url, shop, devnet)
             client.pay(intent["intent_id"], devnet.buyer(0))
         assert read.value.code == "INTENT_CANCELLED" and len(adapter.pays) == 1
     assert balances(devnet, shop.payout) == dict.fromkeys(devnet.networks, 0)
+
+
+def test_pay_with_a_solana_keypair(api_url, pay_app, devnet):
+    from solders.keypair import Keypair
+    from solders.pubkey import Pubkey
+
+    from backend.chains.solana import SolanaChain
+    from payintent import solana_tx
+    from tests.conftest import create_merchant
+
+    network = devnet.info["solana"]["network"]
+    wallet = Keypair().pubkey()
+    shop = create_merchant(pay_app, f"client-sol-{uuid.uuid4().hex[:6]}@example.com", {network: str(wallet)})
+    buyer = Keypair.from_base58_string(devnet.info["solana_buyers"][1]["secret_key"])
+    chain = SolanaChain(devnet.info["solana"]["rpc_url"])
+    mint_key = Pubkey.from_string(devnet.info["solana"]["usdc_mint"])
+    merchant_account = str(solana_tx.associated_token_address(wallet, mint_key))
+    with PayIntentClient(api_url, shop.api_key) as client:
+        intent = client.create_intent(Decimal("1.25"), order_id="sol-agent")
+        result = client.pay(intent, buyer)
+        assert client.get_intent(intent["intent_id"])["status"] == "paid"
+    assert result["network"] == network and result["buyer_address"] == str(buyer.pubkey())
+    assert chain.token_balance(merchant_account) == 1_250_000
+    assert chain.signature_status(result["tx_hash"])["err"] is None
