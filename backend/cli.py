@@ -266,7 +266,10 @@ def relayer(burst: bool, processes: int) -> None:
     _emit({"relayer": "stopped"})
 
 
-@cli.group(help="Local Anvil chains (Base Sepolia, Ethereum Sepolia, Arc ids) with a test USDC, for development.")
+@cli.group(
+    help="Local chains for development: three Anvils (Base Sepolia, Ethereum Sepolia, Arc ids) with a test USDC, "
+    "and a local Solana RPC over LiteSVM with a USDC-like mint."
+)
 def devnet() -> None:
     pass
 
@@ -282,14 +285,16 @@ def _devnet_call(fn, *args: Any) -> Any:  # type: ignore[no-untyped-def]
 
 @devnet.command(
     "up",
-    help="Start three Anvil chains, deploy a test USDC on each, fund demo buyers and relay accounts, "
-    "write var/devnet/chains.json (for CHAINS_FILE) and relay_keys.json. Does nothing if already running.",
+    help="Start three Anvil chains and the local Solana RPC, deploy a test USDC on each, fund demo buyers and "
+    "relay accounts, write var/devnet/chains.json (for CHAINS_FILE) and relay_keys.json. "
+    "Does nothing if already running.",
 )
 @click.option(
     "--port-base",
     type=click.IntRange(1, 65533),
     default=None,
-    help="RPC ports are this and the next two (default: PAYINTENT_DEVNET_PORT_BASE or 8545).",
+    help="Anvil RPC ports are this and the next two, the Solana RPC the one after "
+    "(default: PAYINTENT_DEVNET_PORT_BASE or 8545).",
 )
 def devnet_up(port_base: int | None) -> None:
     import devnet as local_devnet
@@ -298,7 +303,7 @@ def devnet_up(port_base: int | None) -> None:
     _emit(info)
 
 
-@devnet.command("down", help="Stop the Anvil processes `devnet up` started.")
+@devnet.command("down", help="Stop the Anvil and Solana RPC processes `devnet up` started.")
 def devnet_down() -> None:
     import devnet as local_devnet
 
