@@ -61,6 +61,7 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
     api.register_field(HttpUrl, "string", "uri")
     api.register_field(FlatMetadata, "object", None)
 
+    from backend.checkout.views import blp as checkout_blp
     from backend.intents.views import blp as intents_blp
     from backend.settlement.views import blp as payments_blp
     from backend.webhooks.views import blp as webhooks_blp
@@ -68,6 +69,7 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
     api.register_blueprint(intents_blp)
     api.register_blueprint(payments_blp)
     api.register_blueprint(webhooks_blp)
+    api.register_blueprint(checkout_blp)
     register_error_handlers(app)
 
     @app.before_request

@@ -1,0 +1,86 @@
+"""The public checkout API (no merchant key): read one intent, get the Solana transaction, pay.
+
+The intent id (a random UUID4) is the capability; every route is rate-limited per client IP and
+shows only what a buyer needs. Payments go through the same settlement code as /api/v1/x402/pay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import current_app
+from flask.views import MethodView
+
+from backend.checkout import services
+from backend.checkout.schemas import CheckoutIntentEnvelope, CheckoutPaySchema
+from backend.http import ApiBlueprint, ok
+from backend.queueing import app_redis
+from backend.settlement import solana
+from backend.settlement.flow import submit_payment
+from backend.settlement.schemas import PayEnvelope, SolanaTransactionEnvelope, SolanaTransactionRequestSchema
+from backend.settlement.services import PaymentSubmission
+from backend.settlement.views import api_redis
+
+blp = ApiBlueprint(
+    "checkout", __name__, url_prefix="/api/v1/checkout", description="Public checkout API for one intent (no key)"
+)
+
+
+@blp.route("/intents/<string:intent_id>")
+class CheckoutIntent(MethodView):
+    @blp.alt_response(200, schema=CheckoutIntentEnvelope, success=True, description="The buyer's view of the intent")
+    @blp.errors(404, 429)
+    @blp.doc(security=[])
+    def get(self, intent_id: str) -> Any:
+        """Read an intent as its buyer sees it (no metadata, no keys)"""
+        services.limit("read")
+        return ok(services.public_view(services.load_intent(intent_id)))
+
+
+@blp.route("/intents/<string:intent_id>/solana-transaction")
+class CheckoutSolanaTransaction(MethodView):
+    @blp.arguments(SolanaTransactionRequestSchema())
+    @blp.alt_response(200, schema=SolanaTransactionEnvelope, success=True, description="The transaction to sign")
+    @blp.errors(400, 402, 404, 409, 410, 415, 429, 503)
+    @blp.doc(security=[])
+    def post(self, args: dict[str, Any], intent_id: str) -> Any:
+        """Build the Solana transaction the buyer signs (as /api/v1/x402/intents/{id}/solana-transaction)"""
+        services.limit("write")
+        intent = services.load_intent(intent_id)
+        settings = current_app.config["PAYINTENT_SETTINGS"]
+        registry = current_app.extensions["payintent.chains"]
+        return ok(
+            solana.prepare_transaction(
+                intent, registry, args["payer"], args.get("network"), app_redis(), settings.relayer_queue
+            )
+        )
+
+
+@blp.route("/intents/<string:intent_id>/pay")
+class CheckoutPay(MethodView):
+    @blp.arguments(CheckoutPaySchema())
+    @blp.alt_response(200, schema=PayEnvelope, success=True, description="Settled on chain")
+    @blp.errors(400, 402, 404, 409, 410, 415, 429, 503, 504)
+    @blp.doc(security=[])
+    def post(self, args: dict[str, Any], intent_id: str) -> Any:
+        """Pay the intent with the buyer's signed payload (same rules and errors as /api/v1/x402/pay)"""
+        services.limit("write")
+        services.load_intent(intent_id)
+        signature = args["payment_signature"]
+        submission = PaymentSubmission(
+            intent_id=intent_id,
+            scheme=signature["scheme"],
+            network=signature["network"],
+            x402_version=signature["x402Version"],
+            payload=signature["payload"],
+        )
+        settings = current_app.config["PAYINTENT_SETTINGS"]
+        result = submit_payment(
+            None,
+            submission,
+            current_app.extensions["payintent.chains"],
+            api_redis(),
+            wait_seconds=settings.pay_wait_seconds,
+            queue_name=settings.relayer_queue,
+        )
+        return ok(result)
