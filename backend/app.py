@@ -72,6 +72,10 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
     api.register_blueprint(checkout_blp)
     register_error_handlers(app)
 
+    from backend.dashboard import init_app as init_dashboard
+
+    init_dashboard(app)
+
     @app.before_request
     def refuse_nul_characters() -> None:
         # No identifier or filter contains NUL; PostgreSQL cannot even compare with one.

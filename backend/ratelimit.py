@@ -1,40 +1,19 @@
-"""Fixed-window rate limits: the one place requests are counted per client.
+"""Rate limits: the one place requests are counted per client (public checkout API, dashboard logins).
 
-Counts live in Redis when it is configured (shared by every API process); without Redis (tests,
-a single-process setup) an in-process counter is used instead, which limits per process only.
+A fixed window that starts at the first request; counts live in ``backend.ephemeral`` (Redis when
+configured and shared by every API process, else per process).
 """
 
 from __future__ import annotations
 
-import threading
-import time
-
-from backend.queueing import app_redis
-
-_local: dict[str, tuple[int, float]] = {}
-_lock = threading.Lock()
+from backend.ephemeral import store
 
 
 def hit(key: str, limit: int, window_seconds: int) -> int | None:
     """Count one request for ``key``; None if allowed, else the seconds until the window resets."""
-    now = time.time()
-    window = int(now // window_seconds)
-    name = f"payintent:rl:{key}:{window}"
-    retry_after = max(1, int((window + 1) * window_seconds - now))
-    redis = app_redis(fast=True)
-    if redis is not None:
-        try:
-            pipe = redis.pipeline()
-            pipe.incr(name)
-            pipe.expire(name, window_seconds + 1)
-            count = int(pipe.execute()[0])
-            return None if count <= limit else retry_after
-        except Exception:  # Redis trouble must not take the API down: fall back to counting here
-            pass
-    with _lock:
-        count, expires = _local.get(name, (0, now + window_seconds))
-        if len(_local) > 10_000:
-            for stale in [k for k, (_, exp) in _local.items() if exp < now]:
-                del _local[stale]
-        _local[name] = (count + 1, expires)
-    return None if count + 1 <= limit else retry_after
+    counters = store()
+    name = f"rl:{key}"
+    if counters.incr(name, window_seconds) <= limit:
+        return None
+    _, resets_in = counters.count(name)
+    return max(1, resets_in)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 
-from backend import ratelimit
 from backend.checkout import services
 from tests.intents.helpers import URL, create
 from tests.test_openapi import check, spec  # noqa: F401  (fixture)
@@ -47,7 +46,6 @@ def test_cancelled_and_expired_show_their_status(client, merchant, clock):
 def test_clients_are_rate_limited_with_retry_after(client, merchant, monkeypatch):
     intent = create(client, merchant)
     monkeypatch.setattr(services, "READS_PER_MINUTE", 3)
-    monkeypatch.setattr(ratelimit, "_local", {})  # a fresh count (no Redis in this app)
     codes = [client.get(f"{CHECKOUT}/{intent['intent_id']}").status_code for _ in range(5)]
     assert codes[:3] == [200, 200, 200] and codes[3:] == [429, 429]
     limited = client.get(f"{CHECKOUT}/{intent['intent_id']}")

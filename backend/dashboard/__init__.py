@@ -1,0 +1,32 @@
+"""The merchant dashboard: server-rendered pages at ``/dashboard`` (see ``views``)."""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Flask
+
+log = logging.getLogger(__name__)
+
+_DEV_SECRET_KEY = "dev-only-insecure-secret-key"  # backend.config's default
+
+
+def init_app(app: Flask) -> None:
+    """Register the dashboard and configure the session cookie it logs merchants in with.
+
+    Sessions are used by the dashboard only: HttpOnly, SameSite=Lax, Secure on https requests,
+    signed with SECRET_KEY, valid 12 hours after log-in.
+    """
+    from backend.dashboard.security import SESSION_MAX_AGE, DashboardSessionInterface
+    from backend.dashboard.views import bp
+
+    app.config.update(
+        SESSION_COOKIE_NAME="payintent_session",
+        SESSION_COOKIE_HTTPONLY=True,
+        SESSION_COOKIE_SAMESITE="Lax",
+        PERMANENT_SESSION_LIFETIME=SESSION_MAX_AGE,
+    )
+    app.session_interface = DashboardSessionInterface()
+    app.register_blueprint(bp)
+    if app.config.get("SECRET_KEY") == _DEV_SECRET_KEY:
+        log.warning("SECRET_KEY is the development default: set SECRET_KEY before exposing the dashboard")

@@ -1,0 +1,182 @@
+"""Short-lived counters and flags: rate limits (login throttling, the public checkout API) and
+logged-out dashboard sessions.
+
+Backed by Redis (``backend.queueing.app_redis()``) when REDIS_URL is configured, so every API
+process shares them. Without Redis an in-process fallback is used, which is per process: with
+several gunicorn workers and no Redis, each worker counts login failures on its own (the limit
+becomes "5 per worker") and a logout is only remembered by the worker that served it. A Redis
+error falls back to the in-process store for that call (logged), so the dashboard keeps working.
+Nothing here is durable: losing it only resets throttles early.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Protocol
+
+from flask import current_app
+from redis import Redis, RedisError
+
+from backend import clock
+from backend.queueing import app_redis
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "payintent:ephemeral:"
+_EXTENSION = "payintent.ephemeral.memory_store"
+
+
+class EphemeralStore(Protocol):
+    def incr(self, key: str, ttl_seconds: int) -> int:
+        """Add one to a counter that lives ``ttl_seconds`` from its first increment; return the new value."""
+        ...
+
+    def count(self, key: str) -> tuple[int, int]:
+        """(value, seconds until it resets); (0, 0) when absent."""
+        ...
+
+    def delete(self, key: str) -> None: ...
+
+    def set_flag(self, key: str, ttl_seconds: int) -> None: ...
+
+    def has_flag(self, key: str) -> bool: ...
+
+
+class MemoryStore:
+    """The in-process fallback: a dict of (value, expires_at) guarded by a lock.
+
+    Times come from ``backend.clock`` so tests can move them.
+    """
+
+    MAX_ENTRIES = 100_000
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, tuple[int, float]] = {}
+
+    @staticmethod
+    def _now() -> float:
+        return clock.now().timestamp()
+
+    def _live(self, key: str, now: float) -> tuple[int, float] | None:
+        entry = self._data.get(key)
+        if entry is not None and entry[1] <= now:
+            del self._data[key]
+            return None
+        return entry
+
+    def _prune(self, now: float) -> None:
+        if len(self._data) < self.MAX_ENTRIES:
+            return
+        for key in [k for k, (_, expires) in self._data.items() if expires <= now]:
+            del self._data[key]
+        while len(self._data) >= self.MAX_ENTRIES:  # still full: forget the entries closest to expiry
+            del self._data[min(self._data, key=lambda k: self._data[k][1])]
+
+    def incr(self, key: str, ttl_seconds: int) -> int:
+        with self._lock:
+            now = self._now()
+            entry = self._live(key, now)
+            if entry is None:
+                self._prune(now)
+                entry = (0, now + ttl_seconds)
+            value = entry[0] + 1
+            self._data[key] = (value, entry[1])
+            return value
+
+    def count(self, key: str) -> tuple[int, int]:
+        with self._lock:
+            now = self._now()
+            entry = self._live(key, now)
+            if entry is None:
+                return 0, 0
+            return entry[0], max(1, math.ceil(entry[1] - now))
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._data.pop(key, None)
+
+    def set_flag(self, key: str, ttl_seconds: int) -> None:
+        with self._lock:
+            now = self._now()
+            self._prune(now)
+            self._data[key] = (1, now + ttl_seconds)
+
+    def has_flag(self, key: str) -> bool:
+        with self._lock:
+            return self._live(key, self._now()) is not None
+
+
+class RedisStore:
+    """The shared store: plain keys with a TTL under ``payintent:dashboard:``."""
+
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+
+    def incr(self, key: str, ttl_seconds: int) -> int:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.set(_PREFIX + key, 0, ex=ttl_seconds, nx=True)  # starts the window; INCR keeps the TTL
+        pipe.incr(_PREFIX + key)
+        return int(pipe.execute()[1])
+
+    def count(self, key: str) -> tuple[int, int]:
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.get(_PREFIX + key)
+        pipe.ttl(_PREFIX + key)
+        value, ttl = pipe.execute()
+        if value is None:
+            return 0, 0
+        return int(value), max(1, int(ttl))
+
+    def delete(self, key: str) -> None:
+        self._redis.delete(_PREFIX + key)
+
+    def set_flag(self, key: str, ttl_seconds: int) -> None:
+        self._redis.set(_PREFIX + key, 1, ex=ttl_seconds)
+
+    def has_flag(self, key: str) -> bool:
+        return bool(self._redis.exists(_PREFIX + key))
+
+
+def memory_store() -> MemoryStore:
+    """The current app's in-process store (one per app, so tests never share one)."""
+    store = current_app.extensions.get(_EXTENSION)
+    if store is None:
+        store = current_app.extensions[_EXTENSION] = MemoryStore()
+    return store
+
+
+class _FallbackStore:
+    """Redis when configured, the in-process store when not or when Redis fails."""
+
+    def __init__(self, redis: Redis | None) -> None:
+        self._primary = RedisStore(redis) if redis is not None else None
+
+    def _call(self, name: str, *args: object) -> object:
+        if self._primary is not None:
+            try:
+                return getattr(self._primary, name)(*args)
+            except RedisError as exc:
+                log.warning("ephemeral store: Redis failed (%s); using the in-process store", type(exc).__name__)
+        return getattr(memory_store(), name)(*args)
+
+    def incr(self, key: str, ttl_seconds: int) -> int:
+        return self._call("incr", key, ttl_seconds)  # type: ignore[return-value]
+
+    def count(self, key: str) -> tuple[int, int]:
+        return self._call("count", key)  # type: ignore[return-value]
+
+    def delete(self, key: str) -> None:
+        self._call("delete", key)
+
+    def set_flag(self, key: str, ttl_seconds: int) -> None:
+        self._call("set_flag", key, ttl_seconds)
+
+    def has_flag(self, key: str) -> bool:
+        return bool(self._call("has_flag", key))
+
+
+def store() -> EphemeralStore:
+    return _FallbackStore(app_redis(fast=True))

@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import MerchantHandle
+from tests.dashboard.helpers import log_in
+
+
+@pytest.fixture
+def dashboard(client: Any, merchant: MerchantHandle) -> Any:
+    """A test client logged in to the dashboard as ``merchant``."""
+    response = log_in(client, "shop@example.com")
+    assert response.status_code == 302, response.data
+    return client
