@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -172,11 +173,21 @@ Ctrl-C stops everything.
 """
 
 
+def _local_secret_key(workdir: Path) -> str:
+    """A random SECRET_KEY for this var dir, made once (dashboard sessions survive restarts)."""
+    path = workdir / "secret_key"
+    if not path.exists():
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_hex(32))
+    return path.read_text().strip()
+
+
 def run_dev_stack(port: int = 8000) -> None:
     workdir = var_dir()
     base_url = f"http://127.0.0.1:{port}"
     os.environ.setdefault("CHECKOUT_HOST", base_url)
     os.environ.setdefault("WEBHOOK_ALLOW_PRIVATE_TARGETS", "1")
+    os.environ.setdefault("SECRET_KEY", _local_secret_key(workdir))
     procs: list[subprocess.Popen[bytes]] = []
     devnet_info: dict[str, Any] | None = None
     devnet_started = False

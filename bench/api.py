@@ -27,7 +27,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -39,11 +38,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from _common import (
+    DOC,
+    HOST,
+    ROOT,
+    BenchError,
+    CpuGroups,
+    ProcessSet,
+    argument_parser,
+    create_merchant,
+    git_commit,
+    machine,
+    package_version,
+    payintent,
+    process_tree,
+    service_env,
+    stop_on_signals,
+    wait_for_quiet,
+    write_section,
+)
+
 BENCH_DIR = ROOT / "bench"
-DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## API throughput (bench/api.py)"
-HOST = "127.0.0.1"
 WALLET_NETWORK = "eip155:84532"
 WALLET_ADDRESS = "0x70997970C51812dc3A010C7d01b50e0d17dc79C8"
 INTENTS = "/api/v1/x402/intents"
@@ -51,10 +67,6 @@ ENGINES = ("sqlite", "postgresql")
 ENDPOINTS = ("get", "list", "create")  # create last: it grows the table the others read
 AIMS = {"create": 40.0, "get": 65.0}  # % of bare req/s on PostgreSQL
 WRK_INSTALL = "apt-get update && apt-get install -y wrk   (Debian/Ubuntu; macOS: brew install wrk)"
-
-
-class BenchError(RuntimeError):
-    """The run is broken (not slow): a server failed, a status was wrong, wrk reported errors."""
 
 
 # --- wrk -----------------------------------------------------------------------------------------
@@ -179,38 +191,7 @@ def run_wrk(url: str, script: Path, seconds: int, load: LoadSettings, procs: Pro
 # --- processes -----------------------------------------------------------------------------------
 
 
-class ProcessSet:
-    """Every child started by the benchmark, each in its own session, so that all can be stopped."""
-
-    def __init__(self) -> None:
-        self._procs: list[subprocess.Popen[Any]] = []
-
-    def start(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
-        proc = subprocess.Popen(argv, start_new_session=True, **kwargs)
-        self._procs.append(proc)
-        return proc
-
-    def stop(self, proc: subprocess.Popen[Any], grace: float = 10.0) -> None:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)  # gunicorn's master stops its workers on TERM
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        with contextlib.suppress(ProcessLookupError):  # any worker left behind in the group
-            os.killpg(proc.pid, signal.SIGKILL)
-        if proc in self._procs:
-            self._procs.remove(proc)
-
-    def stop_all(self) -> None:
-        for proc in list(reversed(self._procs)):
-            self.stop(proc)
-
-
-class CpuMeter:
+class CpuMeter(CpuGroups):
     """CPU seconds spent during a cell, split into the app server, PostgreSQL, wrk and everything else.
 
     The machine may be shared: "other" is the busy time of processes that are not ours, so that a cell
@@ -218,68 +199,13 @@ class CpuMeter:
     """
 
     def __init__(self, server_pid: int, db_pids: Callable[[], set[int]]) -> None:
-        self.server_pid = server_pid
-        self.db_pids = db_pids
-        self._before: dict[str, float] = {}
-
-    @staticmethod
-    def _machine_busy() -> float:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _tree(pid: int) -> set[int]:
-        import psutil
-
-        try:
-            root = psutil.Process(pid)
-            return {pid, *(p.pid for p in root.children(recursive=True))}
-        except psutil.Error:
-            return set()
-
-    @staticmethod
-    def _cpu(pids: set[int]) -> float:
-        import psutil
-
-        total = 0.0
-        for pid in pids:
-            with contextlib.suppress(psutil.Error):
-                times = psutil.Process(pid).cpu_times()
-                total += times.user + times.system
-        return total
+        super().__init__({"app": lambda: process_tree(server_pid), "db": db_pids}, "self")
 
     def _snapshot(self) -> dict[str, float]:
+        snap = super()._snapshot()
         me = os.times()
-        return {
-            "machine": self._machine_busy(),
-            "app": self._cpu(self._tree(self.server_pid)),
-            "db": self._cpu(self.db_pids()),
-            "wrk": me.children_user + me.children_system,  # wrk is reaped before the second snapshot
-            "self": me.user + me.system,
-        }
-
-    def start(self) -> None:
-        self._before = self._snapshot()
-
-    def stop(self) -> dict[str, float]:
-        after = self._snapshot()
-        used = {k: max(0.0, after[k] - self._before[k]) for k in after}
-        used["other"] = max(0.0, used["machine"] - used["app"] - used["db"] - used["wrk"] - used["self"])
-        return used
-
-
-def wait_for_quiet(max_wait: float, threshold: float = 0.15) -> float:
-    """Wait (up to max_wait s) until the machine is idle; returns the busy share of the last second."""
-    deadline = time.monotonic() + max_wait
-    cores = os.cpu_count() or 1
-    while True:
-        before = CpuMeter._machine_busy()
-        time.sleep(1.0)
-        busy = (CpuMeter._machine_busy() - before) / cores
-        if busy <= threshold or time.monotonic() >= deadline:
-            return busy
-        print(f"  machine is {100 * busy:.0f}% busy with other work; waiting for it to calm down", flush=True)
+        snap["wrk"] = me.children_user + me.children_system  # wrk is reaped before the second snapshot
+        return snap
 
 
 def free_port() -> int:
@@ -384,7 +310,7 @@ def _postgres_processes(postmaster: int | None) -> Callable[[], set[int]]:
         import psutil
 
         if postmaster is not None:
-            return CpuMeter._tree(postmaster)
+            return process_tree(postmaster)
         return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in ("postgres", "postmaster")}
 
     return pids
@@ -455,18 +381,9 @@ def _fs_of(path: Path) -> str:
     return lines[-1] if out.returncode == 0 and len(lines) > 1 else "disk"
 
 
-def payintent(env: dict[str, str], *args: str) -> dict[str, Any]:
-    exe = Path(sys.executable).with_name("payintent")
-    out = subprocess.run([str(exe), *args], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise BenchError(f"payintent {' '.join(args[:2])} failed ({out.returncode}): {out.stdout} {out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
-
-
 def prepare(env: dict[str, str]) -> tuple[str, str]:
     """Migrate, and create one merchant with a wallet; returns (merchant_id, api_key)."""
-    payintent(env, "db", "upgrade")
-    created = payintent(env, "merchant", "create", "--email", "bench@example.com", "--password", "bench-password")
+    created = create_merchant(env, "bench@example.com")
     payintent(env, "wallet", "set", "--merchant", created["merchant_id"], "--network", WALLET_NETWORK,
               "--address", WALLET_ADDRESS)  # fmt: skip
     return created["merchant_id"], created["api_key"]
@@ -488,11 +405,6 @@ class Run:
     cells: list[Cell] = field(default_factory=list)
     databases: list[Database] = field(default_factory=list)
     quiet_before: float = 0.0
-
-    def base_env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "CHAINS_FILE")}
-        env.update(LOG_LEVEL="WARNING", PAYINTENT_VAR_DIR=str(self.workdir / "var"), PYTHONUNBUFFERED="1")
-        return env
 
     def measure(
         self, server: str, endpoint: str, port: int, pid: int, script: Path, db_pids: Callable[[], set[int]]
@@ -546,7 +458,7 @@ class Run:
 
     def run_bare(self) -> None:
         script = write_lua(self.workdir, "bare")
-        env = self.base_env()
+        env = service_env(self.workdir)
         with serve("bare_app:create_app()", self.gunicorn, env, "/bare", self.workdir, self.procs) as (port, pid):
             expect(200, request(port, "GET", "/bare"), "GET /bare")
             cell, _ = self.measure("bare", "bare", port, pid, script, set)
@@ -554,7 +466,7 @@ class Run:
 
     def run_engine(self, database: Database) -> None:
         self.databases.append(database)
-        env = self.base_env()
+        env = service_env(self.workdir)
         env["DATABASE_URL"] = database.url
         _, token = prepare(env)
         with serve(self.app, self.gunicorn, env, "/healthz", self.workdir, self.procs) as (port, pid):
@@ -642,41 +554,17 @@ def aims(cells: list[Cell]) -> list[str]:
     return lines
 
 
-def _git(*args: str) -> str:
-    out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
-    return out.stdout.strip() if out.returncode == 0 else ""
-
-
-def _version(module: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(module)
-    except PackageNotFoundError:
-        return "?"
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
 def settings_lines(run: Run, started: dt.datetime, argv: list[str]) -> list[str]:
-    commit = _git("rev-parse", "--short=12", "HEAD") or "unknown"
-    if _git("status", "--porcelain", "--untracked-files=no"):
-        commit += " (with uncommitted changes)"
+    commit = git_commit()
     bare_runs = ", ".join(f"{c.rps:.0f}" for c in run.cells if c.server == "bare")
     retried = [f"{c.server} {c.endpoint} ({c.attempts})" for c in run.cells if c.attempts > 1]
     load = run.load
     lines = [
         f"- date: {started:%Y-%m-%d %H:%M} UTC; git commit: {commit}",
-        f"- machine: nproc {os.cpu_count()}, {_cpu_model()}, {platform.system()} {platform.release()}",
-        f"- software: Python {platform.python_version()}, gunicorn {_version('gunicorn')}, "
-        f"Flask {_version('flask')}, flask-smorest {_version('flask-smorest')}, "
-        f"SQLAlchemy {_version('sqlalchemy')}, psycopg2 {_version('psycopg2-binary')}",
+        f"- machine: {machine()}",
+        f"- software: Python {platform.python_version()}, gunicorn {package_version('gunicorn')}, "
+        f"Flask {package_version('flask')}, flask-smorest {package_version('flask-smorest')}, "
+        f"SQLAlchemy {package_version('sqlalchemy')}, psycopg2 {package_version('psycopg2-binary')}",
         f"- gunicorn, identical for the API (`{run.app}`) and the bare app "
         f"(`bench/bare_app.py`): `{run.gunicorn.describe()}`; sync workers close the connection "
         f"after every response, so each request is a new TCP connection for both",
@@ -733,30 +621,9 @@ def section(run: Run, started: dt.datetime, argv: list[str]) -> str:
     return "\n".join(parts)
 
 
-def write_section(text: str, doc: Path = DOC, heading: str = SECTION) -> None:
-    """Replace one benchmark's section of the doc (``heading`` up to the next ``## ``), keeping the rest."""
-    current = doc.read_text() if doc.exists() else "# Benchmarks\n\n"
-    lines = current.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == heading), None)
-    new = text.rstrip("\n") + "\n"
-    if start is None:
-        head = current.rstrip("\n") + "\n\n" if current.strip() else ""
-        doc.parent.mkdir(parents=True, exist_ok=True)
-        doc.write_text(head + new)
-        return
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    tail = "".join(lines[end:])
-    doc.write_text("".join(lines[:start]) + new + ("\n" + tail if tail else ""))
-
-
-def _raise_interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     cores = os.cpu_count() or 1
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", action="store_true", help=f"replace the section '{SECTION}' in docs/benchmarks.md")
+    parser = argument_parser(__doc__, SECTION)
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: sqlite,postgresql")
     parser.add_argument("--pg-url", default=None, help="use this PostgreSQL server (a private database is made)")
     parser.add_argument("--workers", type=int, default=2 * cores, help="gunicorn workers (default: 2 x nproc)")
@@ -784,9 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     wrk_path()
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGHUP, _raise_interrupt)
+    stop_on_signals()
     started = dt.datetime.now(dt.UTC)
     load = LoadSettings(args.threads, args.connections, args.duration, args.warmup)
     procs = ProcessSet()
@@ -824,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in broken:
         print(f"errors in {c.server} {c.endpoint}: {c.errors}", file=sys.stderr)
     if args.write:
-        write_section(section(run, started, argv))
+        write_section(section(run, started, argv), SECTION)
         print(f"\nwrote the section '{SECTION}' of {DOC.relative_to(ROOT)}")
     return 1 if broken else 0
 

