@@ -8,18 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import current_app
 from flask.views import MethodView
 
 from backend.checkout import services
 from backend.checkout.schemas import CheckoutIntentEnvelope, CheckoutPaySchema
 from backend.http import ApiBlueprint, ok
-from backend.queueing import app_redis
-from backend.settlement import solana
-from backend.settlement.flow import submit_payment
 from backend.settlement.schemas import PayEnvelope, SolanaTransactionEnvelope, SolanaTransactionRequestSchema
-from backend.settlement.services import PaymentSubmission
-from backend.settlement.views import api_redis
+from backend.settlement.views import pay_intent, solana_transaction
 
 blp = ApiBlueprint(
     "checkout", __name__, url_prefix="/api/v1/checkout", description="Public checkout API for one intent (no key)"
@@ -46,14 +41,7 @@ class CheckoutSolanaTransaction(MethodView):
     def post(self, args: dict[str, Any], intent_id: str) -> Any:
         """Build the Solana transaction the buyer signs (as /api/v1/x402/intents/{id}/solana-transaction)"""
         services.limit("write")
-        intent = services.load_intent(intent_id)
-        settings = current_app.config["PAYINTENT_SETTINGS"]
-        registry = current_app.extensions["payintent.chains"]
-        return ok(
-            solana.prepare_transaction(
-                intent, registry, args["payer"], args.get("network"), app_redis(), settings.relayer_queue
-            )
-        )
+        return ok(solana_transaction(services.load_intent(intent_id), args))
 
 
 @blp.route("/intents/<string:intent_id>/pay")
@@ -66,21 +54,4 @@ class CheckoutPay(MethodView):
         """Pay the intent with the buyer's signed payload (same rules and errors as /api/v1/x402/pay)"""
         services.limit("write")
         services.load_intent(intent_id)
-        signature = args["payment_signature"]
-        submission = PaymentSubmission(
-            intent_id=intent_id,
-            scheme=signature["scheme"],
-            network=signature["network"],
-            x402_version=signature["x402Version"],
-            payload=signature["payload"],
-        )
-        settings = current_app.config["PAYINTENT_SETTINGS"]
-        result = submit_payment(
-            None,
-            submission,
-            current_app.extensions["payintent.chains"],
-            api_redis(),
-            wait_seconds=settings.pay_wait_seconds,
-            queue_name=settings.relayer_queue,
-        )
-        return ok(result)
+        return ok(pay_intent(None, intent_id, args["payment_signature"]))

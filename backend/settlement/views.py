@@ -31,6 +31,35 @@ def api_redis() -> Any:
     return redis
 
 
+def pay_intent(merchant_id: str | None, intent_id: str, signature: dict[str, Any]) -> dict[str, Any]:
+    """A parsed payment_signature through settlement (the keyed /pay and the public checkout share it)."""
+    submission = PaymentSubmission(
+        intent_id=intent_id,
+        scheme=signature["scheme"],
+        network=signature["network"],
+        x402_version=signature["x402Version"],
+        payload=signature["payload"],
+    )
+    settings = current_app.config["PAYINTENT_SETTINGS"]
+    return submit_payment(
+        merchant_id,
+        submission,
+        current_app.extensions["payintent.chains"],
+        api_redis(),
+        wait_seconds=settings.pay_wait_seconds,
+        queue_name=settings.relayer_queue,
+    )
+
+
+def solana_transaction(intent: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """The unsigned Solana transaction for a parsed request (keyed and public endpoints share it)."""
+    settings = current_app.config["PAYINTENT_SETTINGS"]
+    registry = current_app.extensions["payintent.chains"]
+    return solana.prepare_transaction(
+        intent, registry, args["payer"], args.get("network"), app_redis(), settings.relayer_queue
+    )
+
+
 @blp.route("/pay")
 class Pay(MethodView):
     decorators = [api_key_required]
@@ -49,24 +78,7 @@ class Pay(MethodView):
         Solana adds FEE_PAYER_MISMATCH / FEE_PAYER_MISUSED / DISALLOWED_INSTRUCTION / INVALID_TRANSACTION /
         ASSET_MISMATCH / COMPUTE_BUDGET_TOO_HIGH / BLOCKHASH_EXPIRED (400) and PAYEE_ACCOUNT_PENDING (503).
         """
-        signature = args["payment_signature"]
-        submission = PaymentSubmission(
-            intent_id=args["intent_id"],
-            scheme=signature["scheme"],
-            network=signature["network"],
-            x402_version=signature["x402Version"],
-            payload=signature["payload"],
-        )
-        settings = current_app.config["PAYINTENT_SETTINGS"]
-        result = submit_payment(
-            current_merchant_id(),
-            submission,
-            current_app.extensions["payintent.chains"],
-            api_redis(),
-            wait_seconds=settings.pay_wait_seconds,
-            queue_name=settings.relayer_queue,
-        )
-        return ok(result)
+        return ok(pay_intent(current_merchant_id(), args["intent_id"], args["payment_signature"]))
 
 
 @blp.route("/intents/<string:intent_id>/solana-transaction")
@@ -84,11 +96,4 @@ class SolanaTransaction(MethodView):
         is the fee payer and signs at /pay, after checking the transaction instruction by
         instruction. Sign it (signer 2) and send it as payment_signature.payload.transaction.
         """
-        intent = load_payable_intent(current_merchant_id(), intent_id)
-        registry = current_app.extensions["payintent.chains"]
-        settings = current_app.config["PAYINTENT_SETTINGS"]
-        return ok(
-            solana.prepare_transaction(
-                intent, registry, args["payer"], args.get("network"), app_redis(), settings.relayer_queue
-            )
-        )
+        return ok(solana_transaction(load_payable_intent(current_merchant_id(), intent_id), args))
