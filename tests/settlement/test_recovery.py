@@ -191,6 +191,10 @@ def test_api_killed_while_waiting_ends_paid_once(iso, db_url, redis_server_url, 
         api.wait()
     relayer = iso.relayer()
     try:
+        # The API may have died between its claim and enqueueing the relayer job: the worker's
+        # reconciler (run here as it would run every 15 s) re-sends whatever was left open.
+        if iso.intent_row(intent["intent_id"]).status != "paid":
+            iso.reconcile_later()
         row = iso.wait_paid(intent["intent_id"])
     finally:
         stop_process(relayer)
