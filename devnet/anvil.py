@@ -128,17 +128,23 @@ def is_alive(pid: int) -> bool:
         return False
 
 
-def is_our_anvil(pid: int, create_time: float | None, port: int) -> bool:
-    """True if ``pid`` is still the Anvil we started (not a recycled pid running something else)."""
+def started_cmdline(pid: int, create_time: float | None) -> list[str] | None:
+    """The command line of ``pid`` if it is still the process we started (not a recycled pid), else None."""
     if not is_alive(pid):
-        return False
+        return None
     try:
         proc = psutil.Process(pid)
         cmdline = proc.cmdline()
         if create_time and abs(proc.create_time() - create_time) > 1.0:
-            return False
+            return None
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return False
+        return None
+    return cmdline
+
+
+def is_our_anvil(pid: int, create_time: float | None, port: int) -> bool:
+    """True if ``pid`` is still the Anvil we started (not a recycled pid running something else)."""
+    cmdline = started_cmdline(pid, create_time)
     if not cmdline or "anvil" not in os.path.basename(cmdline[0]):
         return False
     return "--port" in cmdline and str(port) in cmdline

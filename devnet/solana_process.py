@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import requests
 
 from devnet import anvil
@@ -64,13 +63,5 @@ def wait_ready(url: str, pid: int, mint: str, log_file: Path, timeout: float = 3
 
 def is_ours(pid: int, create_time: float | None, port: int) -> bool:
     """True if ``pid`` is still the Solana RPC we started (not a recycled pid running something else)."""
-    if not anvil.is_alive(pid):
-        return False
-    try:
-        proc = psutil.Process(pid)
-        cmdline = proc.cmdline()
-        if create_time and abs(proc.create_time() - create_time) > 1.0:
-            return False
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return False
+    cmdline = anvil.started_cmdline(pid, create_time) or []
     return MODULE in cmdline and "--port" in cmdline and str(port) in cmdline

@@ -26,7 +26,7 @@ from solders.keypair import Keypair
 from backend.chains.evm import EvmChain, evm_chain
 from backend.extensions import db
 from backend.intents.models import PAID, Intent
-from backend.queueing import app_job, redis_from_url
+from backend.queueing import RedisNotConfigured, app_job, app_redis
 from backend.settlement import models as st
 from backend.settlement import services
 from backend.settlement.flow import notify_settled
@@ -47,15 +47,12 @@ RELAY_ACCOUNTS: dict[str, list[LocalAccount]] = {}
 SOLANA_RELAYS: dict[str, Keypair] = {}
 
 
-_connections: dict[str, Redis] = {}
-
-
 def _redis() -> Redis:
-    """One connection per relayer process (a job runs many commands)."""
-    url = current_app.config["PAYINTENT_SETTINGS"].redis_url
-    if url not in _connections:
-        _connections[url] = redis_from_url(url)
-    return _connections[url]
+    """The relayer's Redis connection (one per process: ``app_redis`` keeps it on the app)."""
+    redis = app_redis()
+    if redis is None:
+        raise RedisNotConfigured("the relayer needs REDIS_URL")
+    return redis
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ from typing import Any
 from flask import request
 
 from backend import clock
-from backend.errors import APIError, not_found
+from backend.errors import APIError
 from backend.extensions import db
 from backend.intents.models import Intent
 from backend.intents.services import effective_status
@@ -28,17 +28,6 @@ def limit(kind: str) -> None:
         raise APIError(
             429, "RATE_LIMITED", "Too many requests; try again shortly", headers={"Retry-After": str(retry_after)}
         )
-
-
-def load_intent(intent_id: str) -> Intent:
-    intent = db.session.get(Intent, intent_id, populate_existing=True) if _uuid_like(intent_id) else None
-    if intent is None:
-        raise not_found("Intent")
-    return intent
-
-
-def _uuid_like(value: str) -> bool:
-    return len(value) == 36 and all(c in "0123456789abcdef-" for c in value.lower())
 
 
 def public_view(intent: Intent) -> dict[str, Any]:

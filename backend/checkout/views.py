@@ -13,6 +13,7 @@ from flask.views import MethodView
 from backend.checkout import services
 from backend.checkout.schemas import CheckoutIntentEnvelope, CheckoutPaySchema
 from backend.http import ApiBlueprint, ok
+from backend.settlement.flow import load_payable_intent
 from backend.settlement.schemas import PayEnvelope, SolanaTransactionEnvelope, SolanaTransactionRequestSchema
 from backend.settlement.views import pay_intent, solana_transaction
 
@@ -29,7 +30,7 @@ class CheckoutIntent(MethodView):
     def get(self, intent_id: str) -> Any:
         """Read an intent as its buyer sees it (no metadata, no keys)"""
         services.limit("read")
-        return ok(services.public_view(services.load_intent(intent_id)))
+        return ok(services.public_view(load_payable_intent(None, intent_id)))
 
 
 @blp.route("/intents/<string:intent_id>/solana-transaction")
@@ -41,7 +42,7 @@ class CheckoutSolanaTransaction(MethodView):
     def post(self, args: dict[str, Any], intent_id: str) -> Any:
         """Build the Solana transaction the buyer signs (as /api/v1/x402/intents/{id}/solana-transaction)"""
         services.limit("write")
-        return ok(solana_transaction(services.load_intent(intent_id), args))
+        return ok(solana_transaction(load_payable_intent(None, intent_id), args))
 
 
 @blp.route("/intents/<string:intent_id>/pay")
@@ -53,5 +54,5 @@ class CheckoutPay(MethodView):
     def post(self, args: dict[str, Any], intent_id: str) -> Any:
         """Pay the intent with the buyer's signed payload (same rules and errors as /api/v1/x402/pay)"""
         services.limit("write")
-        services.load_intent(intent_id)
+        load_payable_intent(None, intent_id)
         return ok(pay_intent(None, intent_id, args["payment_signature"]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flask import current_app
 
-from backend.queueing import app_job, redis_from_url
+from backend.queueing import app_job, app_redis
 from backend.settlement.reconcile import reconcile
 
 
@@ -12,5 +12,4 @@ from backend.settlement.reconcile import reconcile
 def reconcile_settlements() -> dict[str, int]:
     """Periodic: finish settlements left open by crashes, timeouts or lost jobs."""
     settings = current_app.config["PAYINTENT_SETTINGS"]
-    redis = redis_from_url(settings.redis_url) if settings.redis_url else None
-    return reconcile(current_app.extensions["payintent.chains"], redis, settings.relayer_queue)
+    return reconcile(current_app.extensions["payintent.chains"], app_redis(), settings.relayer_queue)
