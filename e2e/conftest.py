@@ -66,10 +66,10 @@ class Stack:
     """A running ``payintent dev``: its URL, its demo data and a client for its API."""
 
     base_url: str
-    demo: dict[str, Any]
+    demo: dict[str, Any] = field(repr=False)
     var_dir: Path
-    process: subprocess.Popen[str]
-    output: list[str] = field(default_factory=list)
+    process: subprocess.Popen[str] = field(repr=False)
+    output: list[str] = field(default_factory=list, repr=False)
 
     @property
     def api_key(self) -> str:
@@ -200,7 +200,8 @@ _SAFE = re.compile(r"[^\w.-]+")
 
 
 def _file_name(request: pytest.FixtureRequest) -> str:
-    name = re.sub(r"\[chromium\]$|-chromium(?=\])", "", request.node.name)
+    name = re.sub(r"\[chromium\]$", "", request.node.name)  # the only browser: not worth a name part
+    name = name.replace("[chromium-", "[").replace("-chromium]", "]")
     return _SAFE.sub("_", name).strip("_")
 
 
