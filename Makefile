@@ -6,10 +6,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NODE_STAMP := node_modules/.installed
+CHECKOUT := checkout-ui/dist/index.html
 
-.PHONY: install run test test-db lint fmt bench contracts clean
+.PHONY: install browser run test test-db lint fmt bench contracts clean
 
-install: $(STAMP) $(NODE_STAMP)
+install: $(STAMP) $(NODE_STAMP) $(CHECKOUT)
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
@@ -24,6 +25,20 @@ $(NODE_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $(NODE_STAMP)
 
+# The hosted checkout page (checkout-ui/): a static bundle under checkout-ui/dist/, served at /pay/<intent_id>.
+$(CHECKOUT): checkout-ui/package.json checkout-ui/package-lock.json checkout-ui/index.html checkout-ui/vite.config.ts checkout-ui/tsconfig.json $(wildcard checkout-ui/src/*)
+	@command -v npm >/dev/null || { echo "Node 20+ with npm is required (https://nodejs.org)"; exit 1; }
+	cd checkout-ui && npm ci --no-audit --no-fund --loglevel=error && npm run build --silent
+
+# The e2e suite drives headless Chromium: found on PATH (or CHROMIUM=...), else installed from Debian's packages.
+browser:
+	@if [ -n "$$CHROMIUM" ] || command -v chromium >/dev/null; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; \
+	else \
+		echo "The e2e tests need Chromium: install it (Debian: sudo apt-get install chromium) or set CHROMIUM=/path/to/chrome"; exit 1; \
+	fi
+
 # Rebuild devnet/artifacts/TestUSDC.json from devnet/contracts/ (the artifact is committed).
 contracts: $(NODE_STAMP)
 	node devnet/build_contract.mjs
@@ -31,7 +46,7 @@ contracts: $(NODE_STAMP)
 run: install
 	$(BIN)/payintent dev
 
-test: install
+test: install browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Only the tests that touch a database or Redis (.ci/run points them at the machine's servers).
@@ -51,4 +66,4 @@ bench: install
 	$(BIN)/python bench/webhooks.py
 
 clean:
-	rm -rf $(VENV) node_modules var .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) node_modules checkout-ui/node_modules checkout-ui/dist var .pytest_cache .ruff_cache *.egg-info

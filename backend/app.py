@@ -72,7 +72,10 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
     api.register_blueprint(checkout_blp)
     register_error_handlers(app)
 
+    from backend.checkout.pages import bp as checkout_page_bp
     from backend.dashboard import init_app as init_dashboard
+
+    app.register_blueprint(checkout_page_bp)
 
     init_dashboard(app)
 

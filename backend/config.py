@@ -51,6 +51,8 @@ class Settings:
     webhook_concurrency: int = 8
     # The spec's response deadline; not read from the environment (tests shorten it).
     webhook_timeout_seconds: float = 10.0
+    # The built checkout page (make install runs `npm run build` in checkout-ui/).
+    checkout_dist_dir: str = str(Path(__file__).resolve().parents[1] / "checkout-ui" / "dist")
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -67,4 +69,5 @@ class Settings:
             pay_wait_seconds=float(_env("PAY_WAIT_SECONDS", "30")),
             relayer_queue=_env("RELAYER_QUEUE", "relayer"),
             webhook_concurrency=max(1, int(_env("WEBHOOK_CONCURRENCY", "8"))),
+            checkout_dist_dir=_env("CHECKOUT_DIST_DIR", "") or cls.checkout_dist_dir,
         )

@@ -96,6 +96,18 @@ def _wait_healthy(base_url: str, procs: list[subprocess.Popen[bytes]], timeout: 
     raise RuntimeError(f"the API did not answer on {base_url} within {timeout:.0f}s")
 
 
+def create_demo_intent(base_url: str, api_key: str) -> str:
+    """A pending intent for the banner's checkout link (made through the API, like a merchant would)."""
+    response = requests.post(
+        f"{base_url}/api/v1/x402/intents",
+        json={"amount_usdc": 5, "description": "Demo order: pay me with a browser wallet"},
+        headers={"Authorization": f"Bearer {api_key}"},
+        timeout=10,
+    )
+    response.raise_for_status()
+    return str(response.json()["data"]["checkout_url"])
+
+
 def relay_keys_configured() -> bool:
     """Whether ``payintent relayer`` can find relay keys (see relayer.keys); it never reads them here."""
     from backend.chains.registry import ChainRegistry
@@ -148,6 +160,7 @@ def _banner(
     devnet_info: dict[str, Any] | None = None,
     devnet_started: bool = False,
     relayer_running: bool = False,
+    checkout_url: str | None = None,
 ) -> str:
     key = demo["api_key"]
     relayer = (
@@ -156,10 +169,20 @@ def _banner(
         else "not started: no relay keys (RELAY_KEYS, RELAY_KEYS_FILE or relay_keys_file in CHAINS_FILE)"
     )
     agent = "\nPay as an agent (creates an intent, pays it on the devnet):\n  .venv/bin/python examples/agent_pay.py\n"
+    browser = (
+        f"""
+Pay in a browser (a 5 USDC demo intent, open for 30 minutes):
+  {checkout_url}
+  Import a demo buyer's key above into your wallet (MetaMask, Phantom...); the page adds the chain.
+"""
+        if checkout_url
+        else ""
+    )
     return f"""
 payintent is running
   API            {base_url}/api/v1   (docs: {base_url}/api/v1/docs)
-  demo merchant  {demo["merchant_id"]}  ({demo["email"]} / {demo["password"]})
+  dashboard      {base_url}/dashboard   (log in as {demo["email"]} / {demo["password"]})
+  demo merchant  {demo["merchant_id"]}
   demo API key   {key}
   relayer        {relayer}
 {_devnet_banner(devnet_info, devnet_started)}  saved to       {demo_file}
@@ -168,7 +191,7 @@ Try it:
   curl -s -X POST {base_url}/api/v1/x402/intents \\
     -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\
     -d '{{"amount_usdc": 10.5, "order_id": "order-1", "description": "Demo order"}}'
-{agent if relayer_running and devnet_info is not None else ""}
+{agent if relayer_running and devnet_info is not None else ""}{browser}
 Ctrl-C stops everything.
 """
 
@@ -252,7 +275,11 @@ def run_dev_stack(port: int = 8000) -> None:
         _wait_healthy(base_url, children)
         if relayer is not None:
             _wait_relayer(relayer, os.environ["REDIS_URL"])
-        banner = _banner(base_url, demo, demo_file, devnet_info, devnet_started, relayer_running=relayer is not None)
+        checkout_url = create_demo_intent(base_url, demo["api_key"])
+        demo_file.write_text(json.dumps({**saved, "checkout_url": checkout_url}, indent=2) + "\n")
+        banner = _banner(
+            base_url, demo, demo_file, devnet_info, devnet_started, relayer is not None, checkout_url=checkout_url
+        )
         print(banner, flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)

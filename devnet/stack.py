@@ -384,6 +384,7 @@ def _chains_document(state: dict[str, Any], relays: list[LocalAccount]) -> dict[
                 "name": entry["name"],
                 "kind": "evm",
                 "rpc_url": entry["rpc_url"],
+                "wallet_rpc_url": entry["rpc_url"],
                 "usdc_address": entry["usdc_address"],
                 "usdc_domain_name": "USDC",
                 "usdc_domain_version": "2",
@@ -400,6 +401,7 @@ def _chains_document(state: dict[str, Any], relays: list[LocalAccount]) -> dict[
                 "rpc_url": solana["rpc_url"],
                 "usdc_address": solana["usdc_mint"],
                 "fee_payer": solana["fee_payer"],
+                "wallet_chain": "solana:localnet",
                 "confirmations": 1,
             }
         ],

@@ -41,6 +41,10 @@ def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
             banner += proc.stdout.readline()
         demo = json.loads((tmp_path / "var" / "demo.json").read_text())
         assert demo["api_key"] in banner and "curl" in banner
+        # A checkout link to open in a browser, for a demo intent made at start-up.
+        assert demo["checkout_url"] in banner and demo["checkout_url"].startswith(f"http://127.0.0.1:{port}/pay/")
+        checkout_page = requests.get(demo["checkout_url"], timeout=10)
+        assert checkout_page.status_code == 200 and 'src="/pay/assets/' in checkout_page.text
         assert (tmp_path / "var" / "payintent.db").exists()  # SQLite under var/ by default
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("redis-server" in " ".join(c.cmdline()) for c in children)  # a private, real Redis

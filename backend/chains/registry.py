@@ -40,6 +40,10 @@ class Network:
     explorer_tx_url: str | None = None
     fee_payer: str | None = None  # Solana: the relay account that pays fees
     relay_addresses: tuple[str, ...] = ()  # EVM: the accounts that submit settlements and pay gas
+    # For buyers' wallets (never the relayer's rpc_url, which may embed a provider key):
+    wallet_rpc_url: str | None = None  # EVM: offered in wallet_addEthereumChain
+    native_currency: tuple[str, str, int] = ("Ether", "ETH", 18)  # EVM: (name, symbol, decimals) of the gas coin
+    wallet_chain: str | None = None  # Solana: the Wallet Standard chain, e.g. "solana:devnet"
 
     @property
     def chain_id(self) -> int | None:
@@ -57,6 +61,20 @@ class Network:
             "asset": self.usdc_address,
             "usdcDomainName": self.usdc_domain_name,
             "decimals": self.decimals,
+        }
+
+    def for_wallets(self) -> dict[str, Any]:
+        """What a buyer's browser needs to reach this network in a wallet (the checkout page)."""
+        name, symbol, decimals = self.native_currency
+        return {
+            "network": self.network,
+            "name": self.name,
+            "kind": self.kind,
+            "chain_id": self.chain_id,
+            "wallet_rpc_url": self.wallet_rpc_url,
+            "native_currency": {"name": name, "symbol": symbol, "decimals": decimals} if self.kind == "evm" else None,
+            "wallet_chain": self.wallet_chain,
+            "explorer_tx_url": self.explorer_tx_url,
         }
 
 
@@ -85,6 +103,9 @@ def _parse_network(raw: dict[str, Any], source: str) -> Network:
             raise ChainConfigError(f"{source}: {network_id}: USDC must have 6 decimals")
         return Network(
             network=network_id,
+            wallet_rpc_url=raw.get("wallet_rpc_url"),
+            native_currency=_parse_native_currency(raw.get("native_currency"), network_id, source),
+            wallet_chain=raw.get("wallet_chain") or (_WALLET_CHAINS.get(network_id) if kind == "solana" else None),
             name=str(raw.get("name") or network_id),
             kind=kind,
             rpc_url=rpc_url,
@@ -101,6 +122,23 @@ def _parse_network(raw: dict[str, Any], source: str) -> Network:
         raise ChainConfigError(f"{source}: a network lacks {exc.args[0]!r}") from None
     except AddressError as exc:
         raise ChainConfigError(f"{source}: {raw.get('network')}: usdc_address {exc}") from None
+
+
+# Wallet Standard names of the public Solana clusters, by genesis hash (CAIP-2 reference).
+_WALLET_CHAINS = {
+    "solana:5eykt4UsFv8P8NJdTREpY1vzqKqZKvdp": "solana:mainnet",
+    "solana:EtWTRABZaYq6iMfeYKouRu166VU2xqa1": "solana:devnet",
+    "solana:4uhcVJyU9pJkvQyS88uRDiswHXSCkY3z": "solana:testnet",
+}
+
+
+def _parse_native_currency(raw: Any, network_id: str, source: str) -> tuple[str, str, int]:
+    if raw is None:
+        return ("Ether", "ETH", 18)
+    try:
+        return (str(raw["name"]), str(raw["symbol"]), int(raw["decimals"]))
+    except (TypeError, KeyError, ValueError):
+        raise ChainConfigError(f"{source}: {network_id}: native_currency is {{name, symbol, decimals}}") from None
 
 
 def _parse_relay_addresses(raw: Any, kind: str, network_id: str, source: str) -> tuple[str, ...]:

@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
-from marshmallow import fields
+from marshmallow import fields, validate
 
 from backend.intents.schemas import PaymentRequirementSchema
 from backend.schemas import StrictSchema, envelope
 from backend.settlement.schemas import PaymentSignatureSchema
+
+
+class NativeCurrencySchema(StrictSchema):
+    name = fields.String(required=True)
+    symbol = fields.String(required=True)
+    decimals = fields.Integer(required=True)
+
+
+class WalletNetworkSchema(StrictSchema):
+    network = fields.String(required=True, metadata={"description": "CAIP-2 id, as in payment_requirements"})
+    name = fields.String(required=True)
+    kind = fields.String(required=True, metadata={"enum": ["evm", "solana"]})
+    chain_id = fields.Integer(required=True, allow_none=True, metadata={"description": "EVM chain id"})
+    wallet_rpc_url = fields.String(
+        required=True, allow_none=True, metadata={"description": "EVM: public RPC offered in wallet_addEthereumChain"}
+    )
+    native_currency = fields.Nested(NativeCurrencySchema, required=True, allow_none=True)
+    wallet_chain = fields.String(
+        required=True, allow_none=True, metadata={"description": "Solana: Wallet Standard chain, e.g. solana:devnet"}
+    )
+    explorer_tx_url = fields.String(
+        required=True, allow_none=True, metadata={"description": "Template with {tx} for the transaction's page"}
+    )
 
 
 class CheckoutIntentSchema(StrictSchema):
@@ -22,6 +45,23 @@ class CheckoutIntentSchema(StrictSchema):
     tx_hash = fields.String(required=True, allow_none=True)
     chain = fields.String(required=True, allow_none=True)
     paid_at = fields.String(required=True, allow_none=True, metadata={"format": "date-time"})
+    networks = fields.List(fields.Nested(WalletNetworkSchema), required=True)
+    server_time = fields.String(
+        required=True, metadata={"format": "date-time", "description": "Now, by the service's clock"}
+    )
+
+
+class BalanceQuerySchema(StrictSchema):
+    network = fields.String(required=True, validate=validate.Length(max=64), metadata={"example": "eip155:84532"})
+    address = fields.String(required=True, validate=validate.Length(min=32, max=44), metadata={"description": "Buyer"})
+
+
+class BalanceSchema(StrictSchema):
+    network = fields.String(required=True)
+    address = fields.String(required=True)
+    balance_usdc = fields.Decimal(required=True, metadata={"type": "number"})
+    balance_atomic = fields.String(required=True, metadata={"description": "Atomic units (6 decimals)"})
+    required_atomic = fields.String(required=True, metadata={"description": "What the intent asks, atomic units"})
 
 
 class CheckoutPaySchema(StrictSchema):
@@ -29,3 +69,4 @@ class CheckoutPaySchema(StrictSchema):
 
 
 CheckoutIntentEnvelope = envelope(CheckoutIntentSchema, "CheckoutIntentResponse")
+BalanceEnvelope = envelope(BalanceSchema, "CheckoutBalanceResponse")

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from flask import request
+from flask import current_app, request
+from solders.pubkey import Pubkey
 
 from backend import clock
+from backend.chains.evm import evm_chain
+from backend.chains.registry import ChainRegistry
 from backend.errors import APIError
 from backend.extensions import db
 from backend.intents.models import Intent
 from backend.intents.services import effective_status
+from backend.merchants.addresses import AddressError, normalize_address
 from backend.merchants.models import Merchant
 from backend.money import from_atomic
 from backend.ratelimit import hit
+from backend.settlement.solana import solana_chain
+from payintent import solana_tx as stx
+
+log = logging.getLogger(__name__)
 
 # Per client IP: reads are polled every few seconds by an open page; payments are rare.
 READS_PER_MINUTE = 120
@@ -30,9 +39,16 @@ def limit(kind: str) -> None:
         )
 
 
+def _registry() -> ChainRegistry:
+    return current_app.extensions["payintent.chains"]  # type: ignore[no-any-return]
+
+
 def public_view(intent: Intent) -> dict[str, Any]:
-    """The buyer's view of an intent."""
+    """The buyer's view of an intent, with what a wallet needs to reach each of its networks."""
     merchant = db.session.get(Merchant, intent.merchant_id)
+    registry = _registry()
+    requirements = intent.payment_requirements or []
+    networks = [n.for_wallets() for n in (registry.get(r["network"]) for r in requirements) if n is not None]
     status = effective_status(intent.status, intent.expires_at, clock.now(), intent.settlement_id)
     paid = status == "paid"
     return {
@@ -48,4 +64,38 @@ def public_view(intent: Intent) -> dict[str, Any]:
         "tx_hash": intent.tx_hash if paid else None,
         "chain": intent.chain if paid else None,
         "paid_at": clock.isoformat(intent.paid_at) if paid else None,
+        "networks": networks,
+        "server_time": clock.isoformat(clock.now()),
+    }
+
+
+def buyer_balance(intent: Intent, network_id: str, address: str) -> dict[str, Any]:
+    """The buyer's USDC balance on one of the intent's networks (atomic units, read from the chain)."""
+    requirement = next((r for r in intent.payment_requirements or [] if r["network"] == network_id), None)
+    network = _registry().get(network_id) if requirement else None
+    if requirement is None or network is None:
+        raise APIError(400, "UNSUPPORTED_NETWORK", f"This intent cannot be paid on {network_id}")
+    try:
+        address = normalize_address(network.kind, address)
+    except AddressError as exc:
+        raise APIError(400, "VALIDATION_ERROR", f"address: {exc}", fields={"address": [str(exc)]}) from None
+    try:
+        if network.kind == "evm":
+            atomic = evm_chain(network).balance_of(address)
+        else:
+            account = stx.associated_token_address(
+                Pubkey.from_string(address), Pubkey.from_string(network.usdc_address)
+            )
+            atomic = solana_chain(network).token_balance(str(account)) or 0
+    except APIError:
+        raise
+    except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
+        log.warning("balance read on %s failed (%s)", network.network, type(exc).__name__)
+        raise APIError(503, "CHAIN_UNAVAILABLE", f"{network.name} cannot be reached right now; try again") from None
+    return {
+        "network": network.network,
+        "address": address,
+        "balance_usdc": from_atomic(atomic),
+        "balance_atomic": str(atomic),
+        "required_atomic": requirement["maxAmountRequired"],
     }

@@ -11,7 +11,7 @@ from typing import Any
 from flask.views import MethodView
 
 from backend.checkout import services
-from backend.checkout.schemas import CheckoutIntentEnvelope, CheckoutPaySchema
+from backend.checkout.schemas import BalanceEnvelope, BalanceQuerySchema, CheckoutIntentEnvelope, CheckoutPaySchema
 from backend.http import ApiBlueprint, ok
 from backend.settlement.flow import load_payable_intent
 from backend.settlement.schemas import PayEnvelope, SolanaTransactionEnvelope, SolanaTransactionRequestSchema
@@ -31,6 +31,19 @@ class CheckoutIntent(MethodView):
         """Read an intent as its buyer sees it (no metadata, no keys)"""
         services.limit("read")
         return ok(services.public_view(load_payable_intent(None, intent_id)))
+
+
+@blp.route("/intents/<string:intent_id>/balance")
+class CheckoutBalance(MethodView):
+    @blp.arguments(BalanceQuerySchema(), location="query")
+    @blp.alt_response(200, schema=BalanceEnvelope, success=True, description="The buyer's USDC balance")
+    @blp.errors(400, 404, 429, 503)
+    @blp.doc(security=[])
+    def get(self, args: dict[str, Any], intent_id: str) -> Any:
+        """The buyer's USDC balance on one of the intent's networks, read from the chain"""
+        services.limit("read")
+        intent = load_payable_intent(None, intent_id)
+        return ok(services.buyer_balance(intent, args["network"], args["address"]))
 
 
 @blp.route("/intents/<string:intent_id>/solana-transaction")

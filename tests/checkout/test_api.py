@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime, timedelta
 
+from backend import clock
 from backend.checkout import services
 from tests.intents.helpers import URL, create
 from tests.test_openapi import check, spec  # noqa: F401  (fixture)
@@ -62,3 +64,20 @@ def test_paying_through_the_checkout_needs_no_key_but_a_valid_payload(client, me
     assert malformed.status_code == 400 and malformed.get_json()["error"]["code"] == "VALIDATION_ERROR"
     # (A well-formed payment needs the settlement queue: tests/settlement/test_pay_checkout.py pays for real.)
     assert client.post(f"{CHECKOUT}/{intent['intent_id']}/pay", json=body).status_code != 401
+
+
+def test_the_buyers_view_says_how_a_wallet_reaches_each_network(client, merchant, spec, chains):  # noqa: F811
+    intent = create(client, merchant)
+    response = client.get(f"{CHECKOUT}/{intent['intent_id']}")
+    check(spec, f"{CHECKOUT}/{{intent_id}}", "get", response)
+    data = response.get_json()["data"]
+    assert [n["network"] for n in data["networks"]] == [r["network"] for r in data["payment_requirements"]]
+    for entry in data["networks"]:
+        network = chains.get(entry["network"])
+        assert entry["name"] == network.name and entry["kind"] == network.kind
+        if network.kind == "evm":
+            assert entry["chain_id"] == network.chain_id and entry["wallet_rpc_url"].startswith("https://")
+            assert entry["native_currency"]["decimals"] == 18
+        else:
+            assert entry["chain_id"] is None and entry["wallet_chain"] == "solana:devnet"
+    assert abs(datetime.fromisoformat(data["server_time"].replace("Z", "+00:00")) - clock.now()) < timedelta(seconds=5)

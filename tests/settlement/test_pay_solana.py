@@ -289,3 +289,17 @@ def test_the_relay_pays_a_merchants_account_rent_once(pay_client, sol_shop, devn
     assert response.status_code == 409
     assert response.get_json()["error"]["code"] == "PAYEE_ACCOUNT_MISSING"
     assert not sol.account_exists(str(account))
+
+
+def test_the_checkout_reads_a_solana_buyers_balance(pay_client, sol_shop, sol, devnet):
+    intent = create_intent(pay_client, sol_shop, 2)
+    url = f"/api/v1/checkout/intents/{intent['intent_id']}/balance"
+    network = devnet.info["solana"]["network"]
+    owner = str(buyer(devnet, 2).pubkey())
+    funded = pay_client.get(url, query_string={"network": network, "address": owner}).get_json()["data"]
+    assert int(funded["balance_atomic"]) == usdc(sol, devnet, owner) > 0 and funded["required_atomic"] == "2000000"
+    nobody = str(Keypair().pubkey())  # no token account at all
+    empty = pay_client.get(url, query_string={"network": network, "address": nobody}).get_json()["data"]
+    assert empty["balance_atomic"] == "0"
+    evm_address = pay_client.get(url, query_string={"network": network, "address": "0x" + "11" * 20})
+    assert evm_address.status_code == 400 and evm_address.get_json()["error"]["code"] == "VALIDATION_ERROR"
