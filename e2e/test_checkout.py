@@ -20,6 +20,7 @@ from playwright.sync_api import Page, Route, expect
 from solders.pubkey import Pubkey
 from web3 import Web3
 
+from e2e.a11y import violations
 from e2e.conftest import Stack
 from e2e.wallets import EvmWallet, SolanaWallet
 from payintent import solana_tx as stx
@@ -284,3 +285,53 @@ def test_a_phone_sized_screen_keyboard_only_payment_and_qr_code(stack: Stack, pa
     page.keyboard.press("Enter")
     paid = assert_redirected_paid(stack, page, intent)
     assert paid["chain"] == "eip155:11155111" and len(wallet.typed_data) == 1
+
+
+def test_a_wallet_left_on_another_chain_is_asked_to_switch_again(stack: Stack, page: Page):
+    shop(page)
+    wallet = evm_wallet(stack, buyer=2)
+    wallet.known_chains.add(84532)  # it knows the chain, but ignores the first switch request
+    wallet.stuck_once = True
+    wallet.install(page)
+    intent = stack.create_intent(0.25, redirect_url=f"{SHOP}/thanks?order=42")
+    open_checkout(page, intent)
+    pay_with_evm(page, "Base Sepolia")
+    alert = page.get_by_role("alert")
+    expect(alert).to_contain_text("Switch your wallet to Base Sepolia (local)")
+    assert not wallet.typed_data and wallet.chain_id == 1  # nothing signed on the wrong chain
+    alert.get_by_role("button", name="Try again").click()
+    assert_redirected_paid(stack, page, intent)
+    assert wallet.chain_id == 84532 and not wallet.added_chains
+
+
+def test_every_checkout_page_passes_axe_wcag_aa(stack: Stack, page: Page, shot):
+    """axe-core finds no WCAG 2.1 AA violation on the payable page (idle, connected, with a problem,
+    on a phone) nor on the paid, expired, cancelled and not-found pages."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    wallet = EvmWallet(Account.create().key.to_0x_hex(), evm_wallet(stack).rpc_urls)  # no USDC: a problem shows
+    wallet.install(page)
+    intent = stack.create_intent(4, description="Tea", cancel_url=f"{SHOP}/cart")
+    open_checkout(page, intent)
+    found["pending"] = violations(page)
+    pay_with_evm(page, "Base Sepolia")
+    expect(page.get_by_role("alert")).to_contain_text("Not enough USDC")
+    page.get_by_text("Pay from your phone").click()
+    found["problem"] = violations(page)
+    page.set_viewport_size({"width": 390, "height": 844})
+    found["phone"] = violations(page)
+    shot(page, "problem-phone")
+    page.set_viewport_size({"width": 1280, "height": 800})
+
+    assert stack.api("DELETE", f"/x402/intents/{intent['intent_id']}").status_code == 200
+    page.reload()
+    expect(page.get_by_role("heading", name="This payment was cancelled")).to_be_visible()
+    found["cancelled"] = violations(page)
+    expired = stack.create_intent(1)
+    _expire(stack, expired["intent_id"])
+    page.goto(expired["checkout_url"])
+    expect(page.get_by_role("heading", name="This payment request has expired")).to_be_visible()
+    found["expired"] = violations(page)
+    page.goto(stack.url("/pay/00000000-0000-4000-8000-000000000000"))
+    expect(page.get_by_role("heading", name="Payment not found")).to_be_visible()
+    found["not found"] = violations(page)
+    assert {name: v for name, v in found.items() if v} == {}

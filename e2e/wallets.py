@@ -90,6 +90,7 @@ class EvmWallet:
     known_chains: set[int] = field(default_factory=lambda: {1})
     reject_next: set[str] = field(default_factory=set)  # methods to refuse once with 4001
     wrong_key_once: bool = False  # sign the next authorization with another key (settlement refuses it)
+    stuck_once: bool = False  # answer the next switch request without switching (as some wallets do)
     requests: list[tuple[str, Any]] = field(default_factory=list)
     typed_data: list[dict[str, Any]] = field(default_factory=list)
     added_chains: list[dict[str, Any]] = field(default_factory=list)
@@ -122,6 +123,9 @@ class EvmWallet:
             wanted = int(params[0]["chainId"], 16)
             if wanted not in self.known_chains:
                 raise WalletError(UNRECOGNIZED_CHAIN, f"Unrecognized chain ID {params[0]['chainId']}.")
+            if self.stuck_once:
+                self.stuck_once = False
+                return None
             self.chain_id = wanted
             return None
         if method == "wallet_addEthereumChain":
