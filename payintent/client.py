@@ -331,17 +331,9 @@ class PayIntentClient:
                 payload = sign_authorization(
                     signer, requirement, now=int(self._clock()), valid_for=DEFAULT_VALIDITY_SECONDS
                 )
-            body = {
-                "intent_id": intent_id,
-                "payment_signature": {
-                    "scheme": "exact",
-                    "network": requirement["network"],
-                    "x402Version": 1,
-                    "payload": payload,
-                },
-            }
+            signature = {"scheme": "exact", "network": requirement["network"], "x402Version": 1, "payload": payload}
             try:
-                return self._request("POST", "/x402/pay", body=body, timeout=self.pay_timeout)
+                return self.settle(intent_id, signature)
             except PayIntentError as err:
                 if err.code == "ALREADY_PAID":
                     return paid_result(self.get_intent(intent_id))
@@ -354,6 +346,12 @@ class PayIntentClient:
         if outcome is not None and outcome.get("status") == "paid":
             return paid_result(outcome)
         raise last_error
+
+    def settle(self, intent_id: str, payment_signature: Mapping[str, Any]) -> dict[str, Any]:
+        """One ``POST /x402/pay`` of a signed payment, as is (no retry): the settlement, or
+        :class:`PayIntentError` (``ALREADY_PAID``, ``SETTLEMENT_PENDING``, ...)."""
+        body = {"intent_id": intent_id, "payment_signature": dict(payment_signature)}
+        return self._request("POST", "/x402/pay", body=body, timeout=self.pay_timeout)
 
     def _sign_solana(self, intent_id: str, requirement: Mapping[str, Any], keypair: Any) -> dict[str, Any]:
         """Fetch the transaction the service built for this payer, check it, and sign it as the buyer."""

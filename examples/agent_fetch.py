@@ -1,0 +1,72 @@
+"""An agent buying from a paid HTTP endpoint: it follows the 402, pays within its caps, gets the resource.
+
+After ``make run`` and ``examples/paywalled_api.py`` it needs no arguments (the buyer key and the
+devnet RPC URLs come from ``var/demo.json``)::
+
+    .venv/bin/python examples/agent_fetch.py [URL] [--max-per-call 0.10] [--max-per-session 1.00]
+
+``BUYER_PRIVATE_KEY`` and ``PAYINTENT_RPC_URLS`` (``eip155:84532=https://...``, comma-separated)
+replace the demo's. It prints the resource, then a one-line JSON summary of the payment; exit
+status 1 when nothing was bought (refused, over a cap, or an error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+try:
+    from payintent.agent import PayingAgent, PaymentRequiredError
+except ImportError:  # run with a Python outside the project's venv: use the venv's (`make install`)
+    venv = REPO / ".venv"
+    if (venv / "bin" / "python").exists() and Path(sys.prefix).resolve() != venv.resolve():
+        os.execv(venv / "bin" / "python", [str(venv / "bin" / "python"), *sys.argv])
+    raise
+
+
+def settings() -> dict[str, Any]:
+    path = Path(os.environ.get("PAYINTENT_VAR_DIR") or REPO / "var") / "demo.json"
+    demo = json.loads(path.read_text()) if path.exists() else {}
+    key = os.environ.get("BUYER_PRIVATE_KEY") or (demo.get("buyers") or [{}])[0].get("private_key")
+    rpc_urls = {network: chain["rpc_url"] for network, chain in (demo.get("networks") or {}).items()}
+    for item in filter(None, (os.environ.get("PAYINTENT_RPC_URLS") or "").split(",")):
+        network, _, url = item.strip().partition("=")
+        rpc_urls[network] = url
+    if not key:
+        raise SystemExit("agent_fetch: run `make run` first, or set BUYER_PRIVATE_KEY and PAYINTENT_RPC_URLS")
+    return {"private_key": key, "rpc_urls": rpc_urls}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="GET a paid URL, paying its HTTP 402 within caps.")
+    parser.add_argument("url", nargs="?", default="http://127.0.0.1:5000/report")
+    parser.add_argument("--max-per-call", default="0.10", help="USDC this call may cost at most (default 0.10)")
+    parser.add_argument("--max-per-session", default="1.00", help="USDC the whole run may spend (default 1.00)")
+    args = parser.parse_args(argv)
+    found = settings()
+    agent = PayingAgent(
+        found["private_key"],
+        rpc_urls=found["rpc_urls"],
+        max_per_call=args.max_per_call,
+        max_per_session=args.max_per_session,
+    )
+    try:
+        response = agent.get(args.url)
+    except PaymentRequiredError as err:
+        print(json.dumps({"success": False, "error": str(err)}), file=sys.stderr)
+        return 1
+    print(response.text.strip())
+    payment = getattr(response, "payment", None)
+    summary = {"status": response.status_code, "paid": payment, "spent_usdc": str(agent.spent_usdc)}
+    print(json.dumps(summary))
+    return 0 if response.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

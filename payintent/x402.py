@@ -1,0 +1,153 @@
+"""The HTTP 402 side of x402: headers, and our payment requirements in the shapes clients read.
+
+One place for what travels in headers between a resource server (``payintent.paywall``) and
+an agent (``payintent.agent``), and for how our requirements look to the public x402 clients:
+
+- **Our form** (what ``payintent.agent`` reads first): the ``X-Payment-Required`` header, base64
+  JSON ``{x402Version: 1, intent_id, accepts: [requirement as the API returns it]}``; the agent
+  answers with ``X-Payment``: base64 JSON of the spec's ``payment_signature`` plus ``intent_id``.
+- **x402 v1** (the 402 JSON body): ``{x402Version: 1, error, accepts}`` with v1 network names
+  (``base-sepolia``) where one exists; clients answer with ``X-PAYMENT`` (no intent id).
+- **x402 v2** (the ``PAYMENT-REQUIRED`` header): ``{x402Version: 2, error, resource, accepts}``
+  with CAIP-2 networks and ``amount``; ``extra.intentId`` names the intent and comes back in the
+  ``accepted`` entry of the ``PAYMENT-SIGNATURE`` header.
+
+The answer to a paid request carries ``X-Payment-Response`` and ``PAYMENT-RESPONSE`` (the same
+base64 JSON): ``{success, transaction, network, payer, intent_id}``.
+Header names are case-insensitive: ``X-Payment`` and ``X-PAYMENT`` are the same header.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Mapping
+from typing import Any
+
+X402_VERSION = 1
+PAYMENT_REQUIRED = "X-Payment-Required"  # ours
+PAYMENT = "X-Payment"  # ours and x402 v1
+PAYMENT_RESPONSE = "X-Payment-Response"  # ours and x402 v1
+V2_PAYMENT_REQUIRED = "PAYMENT-REQUIRED"
+V2_PAYMENT = "PAYMENT-SIGNATURE"
+V2_PAYMENT_RESPONSE = "PAYMENT-RESPONSE"
+MAX_HEADER_BYTES = 16 * 1024
+
+# x402 v1 clients name networks instead of using CAIP-2 ids; both forms are accepted on the way in.
+V1_NETWORK_NAMES: dict[str, str] = {
+    "eip155:8453": "base",
+    "eip155:84532": "base-sepolia",
+    "eip155:11155111": "sepolia",
+    "eip155:43114": "avalanche",
+    "eip155:43113": "avalanche-fuji",
+    "eip155:137": "polygon",
+    "eip155:80002": "polygon-amoy",
+    "solana:5eykt4UsFv8P8NJdTREpY1vzqKqZKvdp": "solana",
+    "solana:EtWTRABZaYq6iMfeYKouRu166VU2xqa1": "solana-devnet",
+}
+CAIP2_BY_V1_NAME = {name: caip2 for caip2, name in V1_NETWORK_NAMES.items()}
+
+
+class HeaderError(ValueError):
+    """A payment header that is not base64 JSON of an object."""
+
+
+def encode_header(value: Mapping[str, Any]) -> str:
+    """Base64 (standard alphabet, padded) of compact UTF-8 JSON, as x402 headers carry it."""
+    return base64.b64encode(json.dumps(value, separators=(",", ":")).encode()).decode("ascii")
+
+
+def decode_header(text: str | None) -> dict[str, Any]:
+    """The JSON object in a payment header; :class:`HeaderError` when it is not one."""
+    if not text:
+        raise HeaderError("the header is empty")
+    if len(text) > MAX_HEADER_BYTES:
+        raise HeaderError("the header is too long")
+    try:
+        raw = base64.b64decode(text.strip() + "=" * (-len(text.strip()) % 4), validate=True)
+        value = json.loads(raw.decode("utf-8"))
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        raise HeaderError("the header is not base64 of JSON") from None
+    if not isinstance(value, dict):
+        raise HeaderError("the header's JSON is not an object")
+    return value
+
+
+def v1_network(network: str) -> str:
+    """The v1 name of a CAIP-2 network (``eip155:84532`` → ``base-sepolia``), or the id itself."""
+    return V1_NETWORK_NAMES.get(network, network)
+
+
+def caip2_network(network: str) -> str:
+    """The CAIP-2 id of a v1 network name (``base-sepolia`` → ``eip155:84532``), or the id itself."""
+    return CAIP2_BY_V1_NAME.get(network, network)
+
+
+def v1_accepts(requirements: list[Mapping[str, Any]], resource_url: str) -> list[dict[str, Any]]:
+    """Our requirements as x402 v1 ``accepts`` entries: v1 network names where one exists, and the
+    paid resource's URL as ``resource`` (the API's requirements name the checkout page)."""
+    return [{**r, "network": v1_network(str(r["network"])), "resource": resource_url} for r in requirements]
+
+
+def v2_payment_required(
+    requirements: list[Mapping[str, Any]], intent_id: str, resource_url: str, description: str, error: str
+) -> dict[str, Any]:
+    """The x402 v2 ``PaymentRequired`` object for our requirements (``extra.intentId`` names the intent)."""
+    return {
+        "x402Version": 2,
+        "error": error,
+        "resource": {"url": resource_url, "description": description, "mimeType": "application/json"},
+        "accepts": [
+            {
+                "scheme": r["scheme"],
+                "network": r["network"],
+                "amount": r["maxAmountRequired"],
+                "asset": r["asset"],
+                "payTo": r["payTo"],
+                "maxTimeoutSeconds": r["maxTimeoutSeconds"],
+                "extra": {**(r.get("extra") or {}), "intentId": intent_id},
+            }
+            for r in requirements
+        ],
+    }
+
+
+def from_v2_accepts(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A v2 ``accepts`` entry in our requirement shape (``amount`` → ``maxAmountRequired``)."""
+    requirement = {k: v for k, v in entry.items() if k != "amount"}
+    requirement["maxAmountRequired"] = str(entry["amount"])
+    requirement["network"] = caip2_network(str(entry["network"]))
+    return requirement
+
+
+def payer_of(payment: Mapping[str, Any]) -> str | None:
+    """Who signed an EVM payment, in any accepted form (flat ``from``, or ``authorization.from``)."""
+    payload = payment.get("payload")
+    if not isinstance(payload, Mapping):
+        return None
+    authorization = payload.get("authorization")
+    source = authorization if isinstance(authorization, Mapping) else payload
+    payer = source.get("from")
+    return str(payer) if isinstance(payer, str) else None
+
+
+def intent_id_of(payment: Mapping[str, Any]) -> str | None:
+    """The intent a payment header names: ours (``intent_id``) or v2 (``accepted.extra.intentId``)."""
+    intent_id = payment.get("intent_id")
+    if intent_id is None:
+        accepted = payment.get("accepted")
+        extra = accepted.get("extra") if isinstance(accepted, Mapping) else None
+        intent_id = extra.get("intentId") if isinstance(extra, Mapping) else None
+    return str(intent_id) if isinstance(intent_id, str) and intent_id else None
+
+
+def payment_response(result: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``X-Payment-Response`` / ``PAYMENT-RESPONSE`` carry after a settlement."""
+    return {
+        "success": True,
+        "transaction": result.get("tx_hash"),
+        "network": result.get("network"),
+        "payer": result.get("buyer_address"),
+        "intent_id": result.get("intent_id"),
+    }

@@ -1,0 +1,216 @@
+"""The x402 paywall (Flask decorator, WSGI middleware) and the paying agent, against the real API
+over HTTP, the devnet and a relayer: money moves once, only for the resource, within the caps."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from decimal import Decimal
+from typing import Any
+
+import pytest
+import requests
+from eth_account import Account
+from flask import Flask, jsonify
+from werkzeug.serving import make_server
+
+from payintent import x402
+from payintent.agent import PayingAgent, PaymentRequiredError, SpendLimitError
+from payintent.client import PayIntentClient
+from payintent.paywall import RESOURCE_KEY, Paywall, PaywallMiddleware
+from tests.payintent.conftest import _QuietHandler
+from tests.payintent.test_client import mint
+
+PRICE = "0.25"
+ATOMIC = 250_000
+
+
+def serve(app: Any) -> Iterator[str]:
+    server = make_server("127.0.0.1", 0, app, threaded=True, request_handler=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        thread.join(timeout=10)
+        server.server_close()
+
+
+@pytest.fixture
+def merchant_client(api_url: str, shop: Any) -> PayIntentClient:
+    return PayIntentClient(api_url, shop.api_key)
+
+
+@pytest.fixture
+def shop_url(merchant_client: PayIntentClient) -> Iterator[str]:
+    """A resource server: /report costs PRICE, /premium costs 1, / is free (Flask decorator)."""
+    app = Flask("shop")
+    paywall = Paywall(merchant_client)
+
+    @app.get("/")
+    def index() -> Any:
+        return jsonify({"free": True})
+
+    @app.get("/report")
+    @paywall.require(PRICE, description="A report")
+    def report() -> Any:
+        return jsonify({"report": "paid content"})
+
+    @app.get("/premium")
+    @paywall.require("1")
+    def premium() -> Any:
+        return jsonify({"premium": "paid content"})
+
+    yield from serve(app)
+
+
+def rpc_urls(devnet: Any) -> dict[str, str]:
+    return {network: chain["rpc_url"] for network, chain in devnet.info["networks"].items()}
+
+
+def funded_account(devnet: Any, network: str = "eip155:11155111", atomic: int = 5_000_000) -> Any:
+    """A fresh buyer holding USDC on one chain only (so the agent must choose that one)."""
+    account = Account.create()
+    mint(devnet, network, account.address, atomic)
+    return account
+
+
+def payout(devnet: Any, shop: Any) -> dict[str, int]:
+    return {network: devnet.balance(network, shop.payout) for network in devnet.networks}
+
+
+def recording(session: requests.Session) -> list[requests.PreparedRequest]:
+    sent: list[requests.PreparedRequest] = []
+    original: Callable[..., Any] = session.send
+
+    def send(request: requests.PreparedRequest, **kwargs: Any) -> requests.Response:
+        sent.append(request)
+        return original(request, **kwargs)
+
+    session.send = send  # type: ignore[method-assign]
+    return sent
+
+
+def test_a_request_without_payment_gets_402_in_every_shape(shop_url, merchant_client):
+    assert requests.get(f"{shop_url}/", timeout=10).status_code == 200  # free routes are untouched
+    response = requests.get(f"{shop_url}/report?day=monday", timeout=10)
+    assert response.status_code == 402 and response.headers["Cache-Control"] == "no-store"
+    ours = x402.decode_header(response.headers["X-Payment-Required"])
+    intent = merchant_client.get_intent(ours["intent_id"])
+    assert intent["status"] == "pending" and intent["amount_usdc"] == Decimal(PRICE)
+    assert intent["metadata"][RESOURCE_KEY] and intent["metadata"]["paywall_path"] == "/report?day=monday"
+    assert ours["accepts"] == intent["payment_requirements"]
+    body = response.json()
+    assert body["x402Version"] == 1 and body["intent_id"] == intent["intent_id"]
+    networks = [a["network"] for a in body["accepts"]]
+    assert networks[:2] == ["base-sepolia", "sepolia"]  # the names v1 clients know
+    assert {a["resource"] for a in body["accepts"]} == {f"{shop_url}/report?day=monday"}
+    v2 = x402.decode_header(response.headers["PAYMENT-REQUIRED"])
+    assert v2["x402Version"] == 2 and v2["resource"]["url"] == f"{shop_url}/report?day=monday"
+    assert [a["network"] for a in v2["accepts"]] == [r["network"] for r in intent["payment_requirements"]]
+    assert {a["amount"] for a in v2["accepts"]} == {str(ATOMIC)}
+    assert {a["extra"]["intentId"] for a in v2["accepts"]} == {intent["intent_id"]}
+
+
+def test_an_agent_pays_on_the_chain_holding_its_usdc_and_gets_the_resource(shop_url, merchant_client, devnet, shop):
+    buyer = funded_account(devnet, "eip155:11155111")
+    before = payout(devnet, shop)
+    agent = PayingAgent(buyer, rpc_urls=rpc_urls(devnet), max_per_call="1", max_per_session="1")
+    response = agent.get(f"{shop_url}/report")
+    assert response.status_code == 200 and response.json() == {"report": "paid content"}
+    receipt = response.payment
+    assert receipt["success"] is True and receipt["network"] == "eip155:11155111" and receipt["payer"] == buyer.address
+    paid = merchant_client.get_intent(receipt["intent_id"])
+    assert paid["status"] == "paid" and paid["tx_hash"] == receipt["transaction"]
+    assert receipt == x402.decode_header(response.headers["PAYMENT-RESPONSE"])
+    after = payout(devnet, shop)
+    assert {n: after[n] - before[n] for n in after} == {n: ATOMIC if n == "eip155:11155111" else 0 for n in after}
+    assert devnet.balance("eip155:11155111", buyer.address) == 5_000_000 - ATOMIC
+    assert agent.spent_usdc == Decimal(PRICE)
+
+
+def test_a_retry_with_the_same_payment_is_served_without_paying_twice(shop_url, devnet, shop):
+    buyer = funded_account(devnet)
+    agent = PayingAgent(buyer, rpc_urls=rpc_urls(devnet))
+    sent = recording(agent.session)
+    first = agent.get(f"{shop_url}/report")
+    assert first.status_code == 200
+    header = sent[-1].headers["X-Payment"]
+    before = payout(devnet, shop)
+    again = requests.get(f"{shop_url}/report", headers={"X-Payment": header}, timeout=30)  # a lost answer, retried
+    assert again.status_code == 200 and again.json() == {"report": "paid content"}
+    assert x402.decode_header(again.headers["X-Payment-Response"])["transaction"] == first.payment["transaction"]
+    assert payout(devnet, shop) == before  # nothing moved the second time
+
+    # The same paid intent presented by another account, or for another resource, buys nothing.
+    stranger = dict(x402.decode_header(header))
+    stranger["payload"] = {**stranger["payload"], "from": Account.create().address}
+    refused = requests.get(f"{shop_url}/report", headers={"X-Payment": x402.encode_header(stranger)}, timeout=30)
+    assert refused.status_code == 402 and "another account" in refused.json()["error"]
+    elsewhere = requests.get(f"{shop_url}/premium", headers={"X-Payment": header}, timeout=30)
+    assert elsewhere.status_code == 402 and "another resource" in elsewhere.json()["error"]
+    assert payout(devnet, shop) == before
+
+
+def test_a_payment_for_a_cheaper_resource_cannot_buy_a_dearer_one(shop_url, devnet, shop):
+    buyer = funded_account(devnet)
+    challenge = requests.get(f"{shop_url}/report", timeout=10)  # 0.25 USDC
+    ours = x402.decode_header(challenge.headers["X-Payment-Required"])
+    from payintent.eip3009 import sign_authorization
+
+    requirement = next(r for r in ours["accepts"] if r["network"] == "eip155:11155111")
+    payment = {"x402Version": 1, "scheme": "exact", "network": requirement["network"], "intent_id": ours["intent_id"],
+               "payload": sign_authorization(buyer, requirement)}  # fmt: skip
+    before = payout(devnet, shop)
+    response = requests.get(f"{shop_url}/premium", headers={"X-Payment": x402.encode_header(payment)}, timeout=30)
+    assert response.status_code == 402  # /premium costs 1 USDC: that intent is not its
+    assert payout(devnet, shop) == before
+
+
+def test_spend_caps_refuse_before_anything_is_signed(shop_url, merchant_client, devnet, shop):
+    buyer = funded_account(devnet)
+    before = payout(devnet, shop)
+    cheap = PayingAgent(buyer, rpc_urls=rpc_urls(devnet), max_per_call="0.10")
+    with pytest.raises(SpendLimitError, match="max_per_call"):
+        cheap.get(f"{shop_url}/report")
+    session_capped = PayingAgent(buyer, rpc_urls=rpc_urls(devnet), max_per_call="1", max_per_session="0.60")
+    assert session_capped.get(f"{shop_url}/report").status_code == 200
+    assert session_capped.get(f"{shop_url}/report").status_code == 200
+    with pytest.raises(SpendLimitError, match="max_per_session"):
+        session_capped.get(f"{shop_url}/report")  # a third would make 0.75
+    assert session_capped.spent_usdc == Decimal("0.50")
+    after = payout(devnet, shop)
+    assert sum(after.values()) - sum(before.values()) == 2 * ATOMIC
+
+
+def test_a_refused_payment_is_reported_and_not_counted(shop_url, devnet, shop):
+    broke = Account.create()  # no USDC anywhere, and no RPC URLs to find that out before signing
+    agent = PayingAgent(broke, max_per_call="1")
+    with pytest.raises(PaymentRequiredError, match="refused the payment") as refused:
+        agent.get(f"{shop_url}/report")
+    assert refused.value.response is not None and refused.value.response.status_code == 402
+    assert agent.spent_usdc == 0
+
+
+def test_bad_payment_headers_get_a_clear_402(shop_url):
+    for header in ("not base64!", "bm90IGpzb24=", x402.encode_header({"x402Version": 1})):
+        response = requests.get(f"{shop_url}/report", headers={"X-Payment": header}, timeout=10)
+        assert response.status_code == 402, header
+        assert response.json()["error"] and "X-Payment-Required" in response.headers
+
+
+def test_the_wsgi_middleware_charges_only_its_routes(merchant_client, devnet, shop):
+    def plain_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [f"content of {environ['PATH_INFO']}".encode()]
+
+    app = PaywallMiddleware(plain_app, Paywall(merchant_client), {"GET /data": PRICE})
+    for base in serve(app):
+        assert requests.get(f"{base}/free", timeout=10).text == "content of /free"
+        assert requests.get(f"{base}/data", timeout=10).status_code == 402
+        before = payout(devnet, shop)
+        response = PayingAgent(funded_account(devnet), rpc_urls=rpc_urls(devnet)).get(f"{base}/data")
+        assert response.status_code == 200 and response.text == "content of /data"
+        assert response.payment["transaction"] and "X-Payment-Response" in response.headers
+        assert sum(payout(devnet, shop).values()) - sum(before.values()) == ATOMIC
