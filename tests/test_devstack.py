@@ -20,7 +20,8 @@ from tests.conftest import free_port
 from tests.webhooks.receiver import start_receiver
 
 PAYINTENT = str(Path(sys.executable).with_name("payintent"))
-AGENT_PAY = Path(__file__).resolve().parents[1] / "examples" / "agent_pay.py"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+AGENT_PAY = EXAMPLES / "agent_pay.py"
 AGENT_SETTINGS = ("PAYINTENT_URL", "PAYINTENT_API_KEY", "BUYER_PRIVATE_KEY", "PAYINTENT_RPC_URLS")
 
 
@@ -125,6 +126,33 @@ def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
         assert {e["event"] for e in envelopes} == {"payment.completed"}
         assert {e["data"]["tx_hash"] for e in envelopes} == {summary["tx_hash"], sol_summary["tx_hash"]}
         receiver.close()
+
+        # "Sell to agents": agent_fetch.py buys GET /report from paywalled_api.py over HTTP 402.
+        shop_port = free_port()
+        shop = subprocess.Popen(
+            [sys.executable, str(EXAMPLES / "paywalled_api.py"), "--port", str(shop_port), "--price", "0.05"],
+            env=agent_env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        try:
+            assert "selling GET" in shop.stdout.readline()
+            fetched = subprocess.run(
+                [sys.executable, str(EXAMPLES / "agent_fetch.py"), f"http://127.0.0.1:{shop_port}/report"],
+                env=agent_env, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+        finally:
+            shop.terminate()
+            shop.wait(timeout=10)
+        assert fetched.returncode == 0, fetched.stderr
+        bought = json.loads(fetched.stdout.splitlines()[-1])
+        assert bought["status"] == 200 and bought["spent_usdc"] == "0.05" and "report" in fetched.stdout
+        sale = requests.get(
+            f"http://127.0.0.1:{port}/api/v1/x402/intents/{bought['paid']['intent_id']}",
+            headers={"Authorization": f"Bearer {demo['api_key']}"},
+            timeout=10,
+        ).json()["data"]
+        assert sale["status"] == "paid" and sale["tx_hash"] == bought["paid"]["transaction"]
+        rpc_url = demo["networks"][sale["chain"]]["rpc_url"]
+        assert Web3(Web3.HTTPProvider(rpc_url)).eth.get_transaction_receipt(sale["tx_hash"])["status"] == 1
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
