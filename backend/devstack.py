@@ -117,8 +117,8 @@ def relay_keys_configured() -> bool:
     return bool(ChainRegistry.load(os.environ.get("CHAINS_FILE") or None).relay_keys_file)
 
 
-def _wait_relayer(proc: subprocess.Popen[bytes], redis_url: str, timeout: float = 60) -> None:
-    """Until the relayer's RQ worker has registered in Redis (it then takes settlement jobs)."""
+def wait_registered(proc: subprocess.Popen[Any], redis_url: str, timeout: float = 60) -> None:
+    """Until the RQ worker in ``proc`` (the relayer, a worker) has registered in Redis: it then takes jobs."""
     from redis import Redis
     from rq import Worker
 
@@ -127,13 +127,13 @@ def _wait_relayer(proc: subprocess.Popen[bytes], redis_url: str, timeout: float 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError("the relayer exited during start-up; see its output above")
+                raise RuntimeError(f"{proc.args} exited during start-up; see its output above")
             if any(w.pid == proc.pid for w in Worker.all(connection=connection)):
                 return
             time.sleep(0.2)
     finally:
         connection.close()
-    raise RuntimeError(f"the relayer did not register with Redis within {timeout:.0f}s")
+    raise RuntimeError(f"{proc.args} did not register with Redis within {timeout:.0f}s")
 
 
 def _devnet_banner(devnet_info: dict[str, Any] | None, started: bool) -> str:
@@ -274,7 +274,7 @@ def run_dev_stack(port: int = 8000) -> None:
             children.append(relayer)
         _wait_healthy(base_url, children)
         if relayer is not None:
-            _wait_relayer(relayer, os.environ["REDIS_URL"])
+            wait_registered(relayer, os.environ["REDIS_URL"])
         checkout_url = create_demo_intent(base_url, demo["api_key"])
         demo_file.write_text(json.dumps({**saved, "checkout_url": checkout_url}, indent=2) + "\n")
         banner = _banner(

@@ -9,6 +9,7 @@ import os
 import subprocess
 import time
 
+from backend.devstack import wait_registered
 from payintent.eip3009 import sign_authorization
 from payintent.webhooks import verify_signature, verify_standard
 from tests.settlement.conftest import PAYINTENT, stop_process
@@ -30,7 +31,7 @@ def test_payment_completed_reaches_the_receiver_signed_within_a_second(pay_clien
         network = "eip155:84532"
         intent = create_intent(pay_client, shop, 2.25)
         payload = sign_authorization(devnet.buyer(2).key, requirement(intent, network))
-        time.sleep(1.0)  # the worker is up and listening
+        wait_registered(worker, redis_server_url)  # the worker is up and listening (not a fixed sleep)
         response = pay(pay_client, shop, intent, network, payload)
         paid_at = time.monotonic()
         assert response.status_code == 200, response.data
