@@ -126,11 +126,12 @@ def wait_registered(proc: subprocess.Popen[Any], redis_url: str, timeout: float 
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args} exited during start-up; see its output above")
+            # Registration first: a worker may register, take a job and exit (tests' crash faults) between polls.
             if any(w.pid == proc.pid for w in Worker.all(connection=connection)):
                 return
-            time.sleep(0.2)
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args} exited during start-up; see its output above")
+            time.sleep(0.1)
     finally:
         connection.close()
     raise RuntimeError(f"{proc.args} did not register with Redis within {timeout:.0f}s")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from web3 import Web3
 
 from backend.chains.evm import USDC_ABI
 from backend.chains.registry import ChainRegistry
+from backend.devstack import wait_registered
 from tests.conftest import create_merchant, make_settings, truncate_all
 
 PAYINTENT = str(Path(sys.executable).with_name("payintent"))
@@ -64,7 +64,9 @@ def start_relayer(db_url: str, redis_url: str, chains_file: str, **extra_env: st
     env = {**os.environ, "DATABASE_URL": db_url, "REDIS_URL": redis_url, "CHAINS_FILE": chains_file,
            "LOG_LEVEL": "WARNING", **extra_env}  # fmt: skip
     log = open(os.environ.get("PAYINTENT_TEST_RELAYER_LOG", os.devnull), "ab")  # noqa: SIM115
-    return subprocess.Popen([PAYINTENT, "relayer"], env=env, stdout=log, stderr=log)
+    proc = subprocess.Popen([PAYINTENT, "relayer"], env=env, stdout=log, stderr=log)
+    wait_registered(proc, redis_url)  # takes jobs from now on (a loaded machine may take seconds to get here)
+    return proc
 
 
 def stop_process(proc: subprocess.Popen[bytes]) -> None:
@@ -81,8 +83,6 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
 def relayer(db_url: str, redis_server_url: str, devnet: Devnet) -> Iterator[subprocess.Popen[bytes]]:
     """One relayer process per database engine, for the whole session."""
     proc = start_relayer(db_url, redis_server_url, devnet.info["chains_file"])
-    time.sleep(0.5)
-    assert proc.poll() is None, "the relayer did not start"
     yield proc
     stop_process(proc)
 
