@@ -6,12 +6,19 @@ document may name a ``relay_keys_file`` (resolved against the chains file's fold
 relayer reads that file: the API never opens it.
 ``CHAINS_FILE`` names it; unset, the public testnets in ``testnets.json`` are used, so intents
 can be created without reaching any RPC.
+
+x402 v1 clients name networks by a short name (``base-sepolia``), v2 clients by CAIP-2 id
+(``eip155:84532``). Each network has an ``x402_v1_name``: the chains file's, else the one the
+public x402 libraries use for its chain id or genesis hash (:data:`DEFAULT_X402_V1_NAMES`).
+:func:`resolve_x402_network` turns either form into the CAIP-2 id; it is the only place v1 names
+are read, so a local chain with a testnet's chain id (the devnet) resolves like the testnet.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +51,7 @@ class Network:
     wallet_rpc_url: str | None = None  # EVM: offered in wallet_addEthereumChain
     native_currency: tuple[str, str, int] = ("Ether", "ETH", 18)  # EVM: (name, symbol, decimals) of the gas coin
     wallet_chain: str | None = None  # Solana: the Wallet Standard chain, e.g. "solana:devnet"
+    x402_v1_name: str | None = None  # the x402 v1 network name, e.g. "base-sepolia" (None: v2 clients only)
 
     @property
     def chain_id(self) -> int | None:
@@ -117,6 +125,7 @@ def _parse_network(raw: dict[str, Any], source: str) -> Network:
             explorer_tx_url=raw.get("explorer_tx_url"),
             fee_payer=raw.get("fee_payer"),
             relay_addresses=relay_addresses,
+            x402_v1_name=_parse_x402_v1_name(raw, network_id, source),
         )
     except KeyError as exc:
         raise ChainConfigError(f"{source}: a network lacks {exc.args[0]!r}") from None
@@ -130,6 +139,58 @@ _WALLET_CHAINS = {
     "solana:EtWTRABZaYq6iMfeYKouRu166VU2xqa1": "solana:devnet",
     "solana:4uhcVJyU9pJkvQyS88uRDiswHXSCkY3z": "solana:testnet",
 }
+
+
+# x402 v1 network names, as the public x402 libraries (PyPI x402 2.25, npm @x402/evm and x402 1.x)
+# spell them, by CAIP-2 id. Only names the libraries agree on (they differ for a few chains, which
+# are left out: a chains file can name them). Arc Testnet (eip155:5042002) has no v1 name there.
+DEFAULT_X402_V1_NAMES: dict[str, str] = {
+    "eip155:1": "ethereum",
+    "eip155:11155111": "sepolia",  # npm only; the PyPI library signs v1 on it under no name
+    "eip155:8453": "base",
+    "eip155:84532": "base-sepolia",
+    "eip155:137": "polygon",
+    "eip155:80002": "polygon-amoy",
+    "eip155:43114": "avalanche",
+    "eip155:43113": "avalanche-fuji",
+    "eip155:2741": "abstract",
+    "eip155:11124": "abstract-testnet",
+    "eip155:4689": "iotex",
+    "eip155:1329": "sei",
+    "eip155:1328": "sei-testnet",
+    "eip155:3338": "peaq",
+    "eip155:4326": "megaeth",
+    "eip155:143": "monad",
+    "eip155:10143": "monad-testnet",
+    "eip155:988": "stable",
+    "eip155:2201": "stable-testnet",
+    "eip155:42220": "celo",
+    "eip155:14": "flare",
+    "solana:5eykt4UsFv8P8NJdTREpY1vzqKqZKvdp": "solana",
+    "solana:EtWTRABZaYq6iMfeYKouRu166VU2xqa1": "solana-devnet",
+    "solana:4uhcVJyU9pJkvQyS88uRDiswHXSCkY3z": "solana-testnet",
+}
+_DEFAULT_BY_V1_NAME = {name: network_id for network_id, name in DEFAULT_X402_V1_NAMES.items()}
+_V1_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+
+
+def default_x402_v1_name(network_id: str) -> str | None:
+    """The x402 v1 name the public libraries use for a CAIP-2 id (by chain id or genesis), if any."""
+    return DEFAULT_X402_V1_NAMES.get(network_id)
+
+
+def _parse_x402_v1_name(raw: dict[str, Any], network_id: str, source: str) -> str | None:
+    """``x402_v1_name`` from the chains file: a name, or null for none; absent: the default."""
+    if "x402_v1_name" not in raw:
+        return default_x402_v1_name(network_id)
+    name = raw["x402_v1_name"]
+    if name is None:
+        return None
+    if not isinstance(name, str) or not _V1_NAME_RE.match(name):
+        raise ChainConfigError(
+            f"{source}: {network_id}: x402_v1_name is a lower-case name like base-sepolia (no ':'), or null"
+        )
+    return name
 
 
 def _parse_native_currency(raw: Any, network_id: str, source: str) -> tuple[str, str, int]:
@@ -161,6 +222,13 @@ class ChainRegistry:
         self.relay_keys_file = relay_keys_file
         if len(self._by_id) != len(networks):
             raise ChainConfigError("a network is listed twice")
+        self._by_v1_name: dict[str, Network] = {}
+        for n in networks:
+            if n.x402_v1_name is None:
+                continue
+            if n.x402_v1_name in self._by_v1_name:
+                raise ChainConfigError(f"x402_v1_name {n.x402_v1_name!r} is given to two networks")
+            self._by_v1_name[n.x402_v1_name] = n
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None) -> ChainRegistry:
@@ -193,6 +261,21 @@ class ChainRegistry:
     def ids(self) -> list[str]:
         return list(self._by_id)
 
+    def by_x402_v1_name(self, name: str) -> Network | None:
+        """The configured network with this x402 v1 name (``base-sepolia``), if any."""
+        return self._by_v1_name.get(name)
+
+    def resolve_network(self, name: str) -> str:
+        """A network as an x402 client names it (CAIP-2 id or v1 name) -> its CAIP-2 id.
+
+        A configured network's v1 name first, then the libraries' table; anything else
+        (an unknown name, a CAIP-2 id) is returned as given.
+        """
+        network = self._by_v1_name.get(name)
+        if network is not None:
+            return network.network
+        return resolve_x402_network(name)
+
     def domain_name(self, network: Network) -> str:
         """The token's EIP-712 domain name: from the chains file, else read once from the chain's name()."""
         name = self._domain_names.get(network.network)
@@ -201,3 +284,16 @@ class ChainRegistry:
 
             name = self._domain_names[network.network] = evm_chain(network).token_name()
         return name
+
+
+def resolve_x402_network(name: str, registry: ChainRegistry | None = None) -> str:
+    """An x402 network name (CAIP-2 id or v1 name such as ``base-sepolia``) -> the CAIP-2 id.
+
+    With a registry, its networks' configured ``x402_v1_name`` come first. Unknown names and
+    CAIP-2 ids are returned unchanged (whoever looks the id up reports what is not offered).
+    """
+    if registry is not None:
+        return registry.resolve_network(name)
+    if ":" in name:
+        return name
+    return _DEFAULT_BY_V1_NAME.get(name, name)
