@@ -1,15 +1,17 @@
 """``POST /api/v1/x402/pay`` as one plain function: verify, check, claim, relay, answer.
 
-Order: the signature is verified first (offline), then the intent's state (so a retry of a
-settled payment gets ALREADY_PAID, as the spec's error table asks, even though the buyer's
-balance has since dropped), then the authorization's nonce and the buyer's balance on chain,
-then the intent is claimed and the relayer is asked to submit. The answer waits for the relayer
+Order: the intent's state first (so a retry of a settled payment gets ALREADY_PAID, as the
+spec's error table asks, whatever it carries), then the payment payload is read in any form
+x402 clients send (``settlement.x402``), matched to the intent's requirement and its signature
+verified (offline), then the authorization's nonce and the buyer's balance on chain, then the
+intent is claimed and the relayer is asked to submit. The answer waits for the relayer
 up to ``wait_seconds``; after that the reconciler finishes the job in the background.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from redis import Redis
@@ -27,6 +29,7 @@ from backend.settlement import models as st
 from backend.settlement import services, solana
 from backend.settlement.services import PaymentSubmission
 from backend.settlement.verify import parse_evm_payload, verify_evm_authorization
+from backend.settlement.x402 import X402Payment, normalize_payment_signature
 
 log = logging.getLogger(__name__)
 
@@ -68,19 +71,28 @@ def notify_settled(redis: Redis, settlement_id: str) -> None:
 
 def submit_payment(
     merchant_id: str | None,
-    submission: PaymentSubmission,
+    intent_id: str,
+    payment_signature: Mapping[str, Any] | X402Payment,
     registry: ChainRegistry,
     redis: Redis,
     *,
     wait_seconds: float = PAY_WAIT_SECONDS,
     queue_name: str = "relayer",
 ) -> dict[str, Any]:
-    intent = load_payable_intent(merchant_id, submission.intent_id)
+    """Settle a payment for an intent: ``payment_signature`` as any x402 client sends it (v1 or v2,
+    flat or nested payload, CAIP-2 or v1 network name), or already normalised."""
+    intent = load_payable_intent(merchant_id, intent_id)
     now = clock.now()
     try:
         # The intent's state first: a retry of a settled payment is ALREADY_PAID whatever it carries.
         services.check_payable(intent, now)
-        requirement = services.requirement_for(intent, submission)
+        payment = (
+            payment_signature
+            if isinstance(payment_signature, X402Payment)
+            else normalize_payment_signature(payment_signature, registry)
+        )
+        submission = PaymentSubmission.of(intent.id, payment)
+        requirement = services.requirement_for(intent, submission, registry)
         network = services.network_of(registry, submission.network)
         if requirement["asset"].lower() != network.usdc_address.lower():
             raise APIError(

@@ -1,25 +1,67 @@
 from __future__ import annotations
 
-from marshmallow import EXCLUDE, Schema, fields, validate
+from typing import Any
+
+from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
 
 from backend.schemas import StrictSchema, envelope
 
 
 class PaymentSignatureSchema(Schema):
+    """An x402 PaymentPayload, v1 or v2 (``backend.settlement.x402`` reads every form)."""
+
     class Meta:
         unknown = EXCLUDE  # x402 clients may add fields of their own
 
-    scheme = fields.String(required=True, metadata={"enum": ["exact"]})
-    network = fields.String(required=True, validate=validate.Length(max=64), metadata={"example": "eip155:84532"})
-    x402Version = fields.Integer(required=True, strict=True, metadata={"enum": [1]})
+    x402Version = fields.Integer(
+        required=True,
+        strict=True,
+        metadata={
+            "enum": [1, 2],
+            "description": "1: scheme and network at the top level. 2: they come from `accepted` "
+            "(another version: 400 UNSUPPORTED_X402_VERSION)",
+        },
+    )
+    scheme = fields.String(
+        validate=validate.Length(max=64),
+        metadata={"enum": ["exact"], "description": "Required with x402Version 1; v2 takes accepted.scheme"},
+    )
+    network = fields.String(
+        validate=validate.Length(max=64),
+        metadata={
+            "example": "eip155:84532",
+            "description": "Required with x402Version 1; v2 takes accepted.network. A CAIP-2 id or an x402 v1 "
+            "name (base-sepolia, sepolia, solana-devnet...; see docs/x402.md)",
+        },
+    )
     payload = fields.Dict(
         required=True,
         metadata={
-            "description": "EVM: {from, to, value, validAfter, validBefore, nonce, signature}: the buyer's "
-            "EIP-3009 TransferWithAuthorization, values as decimal strings, nonce and signature 0x-hex. "
+            "description": "EVM: the buyer's EIP-3009 TransferWithAuthorization, values as decimal strings, nonce and "
+            "signature 0x-hex, either flat {from, to, value, validAfter, validBefore, nonce, signature} or as the x402 "
+            "libraries send it, {signature, authorization: {from, to, value, validAfter, validBefore, nonce}}. "
             "Solana: {transaction}: the base64 transaction from /intents/{id}/solana-transaction, signed by the buyer"
         },
     )
+    accepted = fields.Dict(
+        metadata={
+            "description": "x402Version 2 (required there): the payment requirement the client signed for, "
+            "{scheme, network, amount, asset, payTo, maxTimeoutSeconds, extra}. scheme, network, amount, asset "
+            "and payTo must be the intent's requirement's (amount = maxAmountRequired); other fields are ignored"
+        }
+    )
+    resource = fields.Raw(metadata={"description": "x402Version 2: the resource paid for (ignored)"})
+    extensions = fields.Raw(metadata={"description": "x402Version 2: protocol extensions (ignored)"})
+
+    @validates_schema
+    def _fields_of_the_version(self, data: dict[str, Any], **_: Any) -> None:
+        missing = "Missing data for required field."
+        if data.get("x402Version") == 1:
+            errors = {name: [missing] for name in ("scheme", "network") if name not in data}
+            if errors:
+                raise ValidationError(errors)
+        elif data.get("x402Version") == 2 and "accepted" not in data:
+            raise ValidationError({"accepted": [f"{missing} (x402Version 2 names its requirement in accepted)"]})
 
 
 class PaySchema(StrictSchema):

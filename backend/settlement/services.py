@@ -29,29 +29,42 @@ from backend.money import from_atomic
 from backend.settlement import models as st
 from backend.settlement.models import Settlement
 from backend.settlement.verify import EvmAuthorization
+from backend.settlement.x402 import X402_VERSIONS, X402Payment, check_accepted
 
 log = logging.getLogger(__name__)
-
-X402_VERSIONS = (1,)
 
 
 @dataclass(frozen=True)
 class PaymentSubmission:
+    """A payment for an intent, in the one form settlement reads (see ``settlement.x402``)."""
+
     intent_id: str
     scheme: str
-    network: str
+    network: str  # CAIP-2 id
     x402_version: int
-    payload: dict[str, Any]
+    payload: dict[str, Any]  # EVM: the flat authorization; Solana: {transaction}
+    accepted: dict[str, Any] | None = None  # x402 v2: the requirement the client accepted
+
+    @classmethod
+    def of(cls, intent_id: str, payment: X402Payment) -> PaymentSubmission:
+        return cls(intent_id, payment.scheme, payment.network, payment.x402_version, payment.payload, payment.accepted)
 
 
-def requirement_for(intent: Intent, submission: PaymentSubmission) -> dict[str, Any]:
-    """The intent's requirement the submission answers; refuses other schemes and networks."""
+def requirement_for(
+    intent: Intent, submission: PaymentSubmission, registry: ChainRegistry | None = None
+) -> dict[str, Any]:
+    """The intent's requirement the submission answers; refuses other schemes and networks.
+
+    A v2 submission's ``accepted`` must also be that requirement (``x402.check_accepted``).
+    """
     if submission.x402_version not in X402_VERSIONS:
         raise APIError(400, "UNSUPPORTED_X402_VERSION", f"x402Version must be one of {list(X402_VERSIONS)}")
     if submission.scheme != "exact":
         raise APIError(400, "UNSUPPORTED_SCHEME", "Only the 'exact' scheme is supported")
     for requirement in intent.payment_requirements:
         if requirement["network"] == submission.network:
+            if submission.accepted is not None:
+                check_accepted(submission.accepted, requirement, registry)
             return requirement
     offered = [r["network"] for r in intent.payment_requirements]
     raise APIError(
@@ -288,6 +301,7 @@ def network_of(registry: ChainRegistry, network_id: str) -> Network:
 
 
 __all__ = [
+    "X402_VERSIONS",
     "PaymentSubmission",
     "check_payable",
     "claim",

@@ -19,7 +19,6 @@ from backend.settlement.schemas import (
     SolanaTransactionEnvelope,
     SolanaTransactionRequestSchema,
 )
-from backend.settlement.services import PaymentSubmission
 
 blp = ApiBlueprint("payments", __name__, url_prefix="/api/v1/x402", description="Settle a signed authorization")
 
@@ -32,18 +31,15 @@ def api_redis() -> Any:
 
 
 def pay_intent(merchant_id: str | None, intent_id: str, signature: dict[str, Any]) -> dict[str, Any]:
-    """A parsed payment_signature through settlement (the keyed /pay and the public checkout share it)."""
-    submission = PaymentSubmission(
-        intent_id=intent_id,
-        scheme=signature["scheme"],
-        network=signature["network"],
-        x402_version=signature["x402Version"],
-        payload=signature["payload"],
-    )
+    """A parsed payment_signature through settlement (the keyed /pay and the public checkout share it).
+
+    Any form x402 clients send is accepted; ``settlement.x402`` reads it, inside the flow.
+    """
     settings = current_app.config["PAYINTENT_SETTINGS"]
     return submit_payment(
         merchant_id,
-        submission,
+        intent_id,
+        signature,
         current_app.extensions["payintent.chains"],
         api_redis(),
         wait_seconds=settings.pay_wait_seconds,
@@ -70,11 +66,18 @@ class Pay(MethodView):
     def post(self, args: dict[str, Any]) -> Any:
         """Settle a buyer's signed EIP-3009 authorization for an intent
 
+        `payment_signature` is an x402 PaymentPayload as x402 clients send it: x402Version 1 with
+        `scheme` and `network` (a CAIP-2 id or a v1 name such as `base-sepolia`), or x402Version 2
+        with `accepted` (the requirement signed for: its scheme, network, amount, asset and payTo
+        must be the intent's requirement's). The EVM payload may be flat or nested
+        (`{signature, authorization}`); Solana's is `{transaction}`. See docs/x402.md.
+
         Errors: ALREADY_PAID (409), PAYMENT_IN_PROGRESS (409), INTENT_CANCELLED (409), INTENT_EXPIRED (410),
         NONCE_ALREADY_USED (409), UNSUPPORTED_NETWORK / UNSUPPORTED_SCHEME / UNSUPPORTED_X402_VERSION /
-        INVALID_PAYLOAD / RECIPIENT_MISMATCH / AMOUNT_MISMATCH / AUTHORIZATION_NOT_YET_VALID /
-        AUTHORIZATION_EXPIRED / INVALID_SIGNATURE (400), SETTLEMENT_FAILED (402, with `reason`),
-        CHAIN_UNAVAILABLE (503), SETTLEMENT_PENDING (504: still settling; read the intent).
+        INVALID_PAYLOAD / RECIPIENT_MISMATCH / AMOUNT_MISMATCH / ASSET_MISMATCH (v2 accepted.asset) /
+        AUTHORIZATION_NOT_YET_VALID / AUTHORIZATION_EXPIRED / INVALID_SIGNATURE (400),
+        SETTLEMENT_FAILED (402, with `reason`), CHAIN_UNAVAILABLE (503),
+        SETTLEMENT_PENDING (504: still settling; read the intent).
         Solana adds FEE_PAYER_MISMATCH / FEE_PAYER_MISUSED / DISALLOWED_INSTRUCTION / INVALID_TRANSACTION /
         ASSET_MISMATCH / COMPUTE_BUDGET_TOO_HIGH / BLOCKHASH_EXPIRED (400) and PAYEE_ACCOUNT_PENDING (503).
         """
