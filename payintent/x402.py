@@ -34,17 +34,35 @@ V2_PAYMENT = "PAYMENT-SIGNATURE"
 V2_PAYMENT_RESPONSE = "PAYMENT-RESPONSE"
 MAX_HEADER_BYTES = 16 * 1024
 
-# x402 v1 clients name networks instead of using CAIP-2 ids; both forms are accepted on the way in.
+# x402 v1 clients name networks instead of using CAIP-2 ids: the names the public x402 libraries
+# (PyPI x402 2.25, npm @x402/evm and x402 1.x) use, by CAIP-2 id. Only names the libraries agree on
+# (they differ for a few chains, which are left out: a chains file can name them). Arc Testnet
+# (eip155:5042002) has no v1 name there. The server's chain registry starts from this table.
 V1_NETWORK_NAMES: dict[str, str] = {
+    "eip155:1": "ethereum",
+    "eip155:11155111": "sepolia",  # npm only; the PyPI library signs v1 on it under no name
     "eip155:8453": "base",
     "eip155:84532": "base-sepolia",
-    "eip155:11155111": "sepolia",
-    "eip155:43114": "avalanche",
-    "eip155:43113": "avalanche-fuji",
     "eip155:137": "polygon",
     "eip155:80002": "polygon-amoy",
+    "eip155:43114": "avalanche",
+    "eip155:43113": "avalanche-fuji",
+    "eip155:2741": "abstract",
+    "eip155:11124": "abstract-testnet",
+    "eip155:4689": "iotex",
+    "eip155:1329": "sei",
+    "eip155:1328": "sei-testnet",
+    "eip155:3338": "peaq",
+    "eip155:4326": "megaeth",
+    "eip155:143": "monad",
+    "eip155:10143": "monad-testnet",
+    "eip155:988": "stable",
+    "eip155:2201": "stable-testnet",
+    "eip155:42220": "celo",
+    "eip155:14": "flare",
     "solana:5eykt4UsFv8P8NJdTREpY1vzqKqZKvdp": "solana",
     "solana:EtWTRABZaYq6iMfeYKouRu166VU2xqa1": "solana-devnet",
+    "solana:4uhcVJyU9pJkvQyS88uRDiswHXSCkY3z": "solana-testnet",
 }
 CAIP2_BY_V1_NAME = {name: caip2 for caip2, name in V1_NETWORK_NAMES.items()}
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.merchants.addresses import AddressError, normalize_evm_address, normalize_solana_address
+from payintent.x402 import V1_NETWORK_NAMES
 
 DEFAULT_CHAINS_FILE = Path(__file__).with_name("testnets.json")
 KINDS = ("evm", "solana")
@@ -141,35 +142,8 @@ _WALLET_CHAINS = {
 }
 
 
-# x402 v1 network names, as the public x402 libraries (PyPI x402 2.25, npm @x402/evm and x402 1.x)
-# spell them, by CAIP-2 id. Only names the libraries agree on (they differ for a few chains, which
-# are left out: a chains file can name them). Arc Testnet (eip155:5042002) has no v1 name there.
-DEFAULT_X402_V1_NAMES: dict[str, str] = {
-    "eip155:1": "ethereum",
-    "eip155:11155111": "sepolia",  # npm only; the PyPI library signs v1 on it under no name
-    "eip155:8453": "base",
-    "eip155:84532": "base-sepolia",
-    "eip155:137": "polygon",
-    "eip155:80002": "polygon-amoy",
-    "eip155:43114": "avalanche",
-    "eip155:43113": "avalanche-fuji",
-    "eip155:2741": "abstract",
-    "eip155:11124": "abstract-testnet",
-    "eip155:4689": "iotex",
-    "eip155:1329": "sei",
-    "eip155:1328": "sei-testnet",
-    "eip155:3338": "peaq",
-    "eip155:4326": "megaeth",
-    "eip155:143": "monad",
-    "eip155:10143": "monad-testnet",
-    "eip155:988": "stable",
-    "eip155:2201": "stable-testnet",
-    "eip155:42220": "celo",
-    "eip155:14": "flare",
-    "solana:5eykt4UsFv8P8NJdTREpY1vzqKqZKvdp": "solana",
-    "solana:EtWTRABZaYq6iMfeYKouRu166VU2xqa1": "solana-devnet",
-    "solana:4uhcVJyU9pJkvQyS88uRDiswHXSCkY3z": "solana-testnet",
-}
+# x402 v1 network names by CAIP-2 id: one table, shared with the client package (payintent.x402).
+DEFAULT_X402_V1_NAMES = V1_NETWORK_NAMES
 _DEFAULT_BY_V1_NAME = {name: network_id for network_id, name in DEFAULT_X402_V1_NAMES.items()}
 _V1_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 

@@ -1,0 +1,68 @@
+"""Standard x402 clients buy from our paywall unchanged: PyPI ``x402``'s requests wrapper (it reads
+the v2 ``PAYMENT-REQUIRED`` header and answers ``PAYMENT-SIGNATURE``), and a v1 client that reads the
+JSON body and answers ``X-PAYMENT`` without naming an intent. Money moves once, on chain."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import requests
+from x402 import x402ClientSync
+from x402.http.clients.requests import wrapRequestsWithPayment
+from x402.http.utils import encode_payment_signature_header
+from x402.mechanisms.evm.exact import register_exact_evm_client
+from x402.schemas.v1 import PaymentRequiredV1
+
+from payintent import x402
+from tests.payintent.test_paywall import ATOMIC, funded_account, merchant_client, payout, shop_url  # noqa: F401
+
+DEVNET_ASSET_NETWORKS = ("eip155:84532", "eip155:11155111", "eip155:5042002", "base-sepolia", "sepolia")
+
+
+def library_client(account: Any, devnet: Any) -> x402ClientSync:
+    """The library's client as an agent configures it: its default spend controls know only
+    Circle's USDC, so the devnet's token is allowed explicitly (no change to the library)."""
+    client = x402ClientSync()
+    register_exact_evm_client(client, account)
+    asset = next(iter(devnet.info["networks"].values()))["usdc_address"]
+    client.set_spend_controls({"allowed_assets": [{"network": n, "asset": asset} for n in DEVNET_ASSET_NETWORKS]})
+    return client
+
+
+def test_the_pypi_x402_requests_wrapper_buys_from_the_paywall(shop_url, merchant_client, devnet, shop):  # noqa: F811
+    buyer = funded_account(devnet, "eip155:84532")
+    before = payout(devnet, shop)
+    session = wrapRequestsWithPayment(requests.Session(), library_client(buyer, devnet))
+    response = session.get(f"{shop_url}/report", timeout=60)
+    assert response.status_code == 200 and response.json() == {"report": "paid content"}
+    receipt = x402.decode_header(response.headers["PAYMENT-RESPONSE"])
+    assert receipt["success"] is True and receipt["payer"] == buyer.address
+    intent = merchant_client.get_intent(receipt["intent_id"])
+    assert intent["status"] == "paid" and intent["tx_hash"] == receipt["transaction"]
+    after = payout(devnet, shop)
+    assert sum(after.values()) - sum(before.values()) == ATOMIC
+    assert after[receipt["network"]] - before[receipt["network"]] == ATOMIC
+
+
+def test_a_v1_client_that_names_no_intent_is_settled_on_a_fresh_one(shop_url, merchant_client, devnet, shop):  # noqa: F811
+    buyer = funded_account(devnet, "eip155:84532")
+    challenge = requests.get(f"{shop_url}/report", timeout=10)
+    body = challenge.json()
+    v1 = {
+        "x402Version": 1,
+        "error": body["error"],
+        "accepts": [a for a in body["accepts"] if a["network"] == "base-sepolia"],
+    }
+    payment = library_client(buyer, devnet).create_payment_payload(PaymentRequiredV1.model_validate(v1))
+    header = {"X-PAYMENT": encode_payment_signature_header(payment)}  # as a v1 client sends it: no intent id
+    assert "intent_id" not in x402.decode_header(header["X-PAYMENT"])
+    before = payout(devnet, shop)
+    response = requests.get(f"{shop_url}/report", headers=header, timeout=60)
+    assert response.status_code == 200, response.text
+    receipt = x402.decode_header(response.headers["X-PAYMENT-RESPONSE"])
+    assert receipt["network"] == "eip155:84532" and receipt["payer"] == buyer.address
+    assert receipt["intent_id"] != body["intent_id"]  # the 402's intent stays unpaid and expires
+    sold = merchant_client.get_intent(receipt["intent_id"])
+    assert sold["status"] == "paid" and sold["metadata"]["paywall_path"] == "/report"
+    assert merchant_client.get_intent(body["intent_id"])["status"] == "pending"
+    assert sum(payout(devnet, shop).values()) - sum(before.values()) == ATOMIC
