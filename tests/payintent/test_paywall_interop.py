@@ -1,9 +1,13 @@
-"""Standard x402 clients buy from our paywall unchanged: PyPI ``x402``'s requests wrapper (it reads
-the v2 ``PAYMENT-REQUIRED`` header and answers ``PAYMENT-SIGNATURE``), and a v1 client that reads the
-JSON body and answers ``X-PAYMENT`` without naming an intent. Money moves once, on chain."""
+"""Standard x402 clients buy from our paywall unchanged: PyPI ``x402``'s requests wrapper and npm
+``@x402/fetch`` (both read the v2 ``PAYMENT-REQUIRED`` header and answer ``PAYMENT-SIGNATURE``), and
+a v1 client that reads the JSON body and answers ``X-PAYMENT`` without naming an intent. Money moves
+once, on chain."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import requests
@@ -16,6 +20,8 @@ from x402.schemas.v1 import PaymentRequiredV1
 from payintent import x402
 from tests.payintent.test_paywall import ATOMIC, funded_account, merchant_client, payout, shop_url  # noqa: F401
 
+REPO = Path(__file__).resolve().parents[2]
+FETCH_MJS = Path(__file__).with_name("x402_fetch.mjs")
 DEVNET_ASSET_NETWORKS = ("eip155:84532", "eip155:11155111", "eip155:5042002", "base-sepolia", "sepolia")
 
 
@@ -66,3 +72,27 @@ def test_a_v1_client_that_names_no_intent_is_settled_on_a_fresh_one(shop_url, me
     assert sold["status"] == "paid" and sold["metadata"]["paywall_path"] == "/report"
     assert merchant_client.get_intent(body["intent_id"])["status"] == "pending"
     assert sum(payout(devnet, shop).values()) - sum(before.values()) == ATOMIC
+
+
+def test_the_npm_x402_fetch_wrapper_buys_from_the_paywall(shop_url, merchant_client, devnet, shop):  # noqa: F811
+    buyer = funded_account(devnet, "eip155:84532")  # the wrapper pays the first entry it can sign: no balance check
+    asset = next(iter(devnet.info["networks"].values()))["usdc_address"]
+    request = {
+        "url": f"{shop_url}/report",
+        "privateKey": buyer.key.to_0x_hex(),
+        "allowedAssets": [{"network": n, "asset": asset} for n in DEVNET_ASSET_NETWORKS],
+    }
+    before = payout(devnet, shop)
+    ran = subprocess.run(
+        ["node", str(FETCH_MJS)], input=json.dumps(request), capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert ran.returncode == 0, ran.stderr
+    result = json.loads(ran.stdout)
+    assert result["status"] == 200, result
+    assert json.loads(result["body"]) == {"report": "paid content"}
+    receipt = result["paymentResponse"]
+    assert receipt["success"] is True and receipt["payer"] == buyer.address
+    intent = merchant_client.get_intent(receipt["intent_id"])
+    assert intent["status"] == "paid" and intent["tx_hash"] == receipt["transaction"]
+    after = payout(devnet, shop)
+    assert sum(after.values()) - sum(before.values()) == ATOMIC
