@@ -29,6 +29,11 @@ def _engine_options(url: str) -> dict[str, Any]:
 def create_app(settings: Settings | None = None, chains: ChainRegistry | None = None) -> Flask:
     settings = settings or Settings.from_env()
     app = Flask(__name__)
+    if settings.trusted_proxy_hops:  # request.remote_addr (rate limits) from X-Forwarded-For, set by our proxies
+        from werkzeug.middleware.proxy_fix import ProxyFix
+
+        hops = settings.trusted_proxy_hops
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops, x_host=hops)  # type: ignore[method-assign]
     app.json = ExactJSONProvider(app)
     app.config.update(
         PAYINTENT_SETTINGS=settings,
@@ -84,6 +89,15 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
         # No identifier or filter contains NUL; PostgreSQL cannot even compare with one.
         if "\x00" in request.path or any("\x00" in k or "\x00" in v for k, v in request.args.items(multi=True)):
             raise APIError(400, "INVALID_REQUEST", "The path and query must not contain NUL characters")
+
+    @app.after_request
+    def api_security_headers(response: Any) -> Any:
+        # API answers may carry secrets (a new key, a webhook secret): never cached, never sniffed.
+        # No CORS headers are ever sent: browsers on other origins cannot read the API.
+        if request.path.startswith("/api/"):
+            response.headers.setdefault("Cache-Control", "no-store")
+            response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        return response
 
     @app.get("/healthz")
     def healthz() -> Any:

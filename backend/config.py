@@ -51,6 +51,13 @@ class Settings:
     webhook_concurrency: int = 8
     # The spec's response deadline; not read from the environment (tests shorten it).
     webhook_timeout_seconds: float = 10.0
+    # Rate limits per minute (0: off): each API key, each client IP on the keyed API, and failed
+    # authentications per client IP (answered 429 instead of 401 past the limit).
+    api_requests_per_minute_per_key: int = 1200
+    api_requests_per_minute_per_ip: int = 2400
+    api_auth_failures_per_minute: int = 30
+    # Reverse proxies in front of the API that set X-Forwarded-For (0: use the peer address as is).
+    trusted_proxy_hops: int = 0
     # The built checkout page (make install runs `npm run build` in checkout-ui/).
     checkout_dist_dir: str = str(Path(__file__).resolve().parents[1] / "checkout-ui" / "dist")
     extra: dict[str, str] = field(default_factory=dict)
@@ -70,4 +77,8 @@ class Settings:
             relayer_queue=_env("RELAYER_QUEUE", "relayer"),
             webhook_concurrency=max(1, int(_env("WEBHOOK_CONCURRENCY", "8"))),
             checkout_dist_dir=_env("CHECKOUT_DIST_DIR", "") or cls.checkout_dist_dir,
+            api_requests_per_minute_per_key=int(_env("API_RATE_LIMIT_PER_KEY", "1200")),
+            api_requests_per_minute_per_ip=int(_env("API_RATE_LIMIT_PER_IP", "2400")),
+            api_auth_failures_per_minute=int(_env("API_AUTH_FAILURES_PER_MINUTE", "30")),
+            trusted_proxy_hops=int(_env("TRUSTED_PROXY_HOPS", "0")),
         )

@@ -159,7 +159,8 @@ def service_env(workdir: Path, drop: tuple[str, ...] = (), **values: str) -> dic
     `drop`, with quiet logs, unbuffered output, a var dir under `workdir`, and `values`."""
     env = {k: v for k, v in os.environ.items() if k not in SERVICE_VARS and k not in drop}
     env.update(LOG_LEVEL="WARNING", PAYINTENT_VAR_DIR=str(workdir / "var"), PYTHONUNBUFFERED="1",
-               SECRET_KEY=secrets.token_hex(32), **values)  # fmt: skip
+               SECRET_KEY=secrets.token_hex(32), API_RATE_LIMIT_PER_KEY="0", API_RATE_LIMIT_PER_IP="0",
+               **values)  # fmt: skip
     return env
 
 

@@ -135,6 +135,10 @@ def make_settings(database_url: str, **overrides: Any) -> Settings:
         "max_amount_usdc": __import__("decimal").Decimal("1000000"),
         "log_level": "WARNING",
         "webhook_allow_private_targets": True,
+        # Off unless a test turns them on: tests share 127.0.0.1 and, with Redis, counters across tests.
+        "api_requests_per_minute_per_key": 0,
+        "api_requests_per_minute_per_ip": 0,
+        "api_auth_failures_per_minute": 0,
     }
     values.update(overrides)
     return Settings(**values)

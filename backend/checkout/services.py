@@ -18,7 +18,7 @@ from backend.intents.services import effective_status
 from backend.merchants.addresses import AddressError, normalize_address
 from backend.merchants.models import Merchant
 from backend.money import from_atomic
-from backend.ratelimit import hit
+from backend.ratelimit import enforce
 from backend.settlement.solana import solana_chain
 from payintent import solana_tx as stx
 
@@ -32,11 +32,7 @@ WRITES_PER_MINUTE = 20
 def limit(kind: str) -> None:
     """429 RATE_LIMITED with Retry-After when this client exceeds the checkout's limits."""
     per_minute = READS_PER_MINUTE if kind == "read" else WRITES_PER_MINUTE
-    retry_after = hit(f"checkout:{kind}:{request.remote_addr or 'unknown'}", per_minute, 60)
-    if retry_after is not None:
-        raise APIError(
-            429, "RATE_LIMITED", "Too many requests; try again shortly", headers={"Retry-After": str(retry_after)}
-        )
+    enforce(f"checkout:{kind}:{request.remote_addr or 'unknown'}", per_minute)
 
 
 def _registry() -> ChainRegistry:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
-from flask import g, request
+from flask import current_app, g, request
 
 from backend.errors import APIError
 from backend.merchants.services import authenticate
+from backend.ratelimit import enforce
 
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="payintent"'}
 
@@ -19,15 +21,22 @@ def api_key_required(view: Callable[..., Any]) -> Callable[..., Any]:
 
     @wraps(view)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        settings = current_app.config["PAYINTENT_SETTINGS"]
+        client = request.remote_addr or "unknown"
+        enforce(f"api:ip:{client}", settings.api_requests_per_minute_per_ip)
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
+            enforce(f"api:auth-failures:{client}", settings.api_auth_failures_per_minute)
             raise APIError(
                 401, "UNAUTHORIZED", "Missing API key: send 'Authorization: Bearer sk_test_...'", headers=_CHALLENGE
             )
         merchant_id = authenticate(token)
         if merchant_id is None:
+            enforce(f"api:auth-failures:{client}", settings.api_auth_failures_per_minute)  # key guessing
             raise APIError(401, "UNAUTHORIZED", "Invalid or revoked API key", headers=_CHALLENGE)
+        digest = hashlib.sha256(token.encode()).hexdigest()[:32]  # never the key itself, even in Redis
+        enforce(f"api:key:{digest}", settings.api_requests_per_minute_per_key)
         g.merchant_id = merchant_id
         return view(*args, **kwargs)
 
