@@ -16,23 +16,15 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from _project import demo_settings  # first: runs the example under the project's venv
 
-try:
-    from payintent.agent import PayingAgent, PaymentRequiredError
-except ImportError:  # run with a Python outside the project's venv: use the venv's (`make install`)
-    venv = REPO / ".venv"
-    if (venv / "bin" / "python").exists() and Path(sys.prefix).resolve() != venv.resolve():
-        os.execv(venv / "bin" / "python", [str(venv / "bin" / "python"), *sys.argv])
-    raise
+from payintent.agent import PayingAgent, PaymentRequiredError
 
 
 def settings() -> dict[str, Any]:
-    path = Path(os.environ.get("PAYINTENT_VAR_DIR") or REPO / "var") / "demo.json"
-    demo = json.loads(path.read_text()) if path.exists() else {}
+    demo = demo_settings()
     key = os.environ.get("BUYER_PRIVATE_KEY") or (demo.get("buyers") or [{}])[0].get("private_key")
     rpc_urls = {network: chain["rpc_url"] for network, chain in (demo.get("networks") or {}).items()}
     for item in filter(None, (os.environ.get("PAYINTENT_RPC_URLS") or "").split(",")):

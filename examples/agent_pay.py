@@ -24,22 +24,11 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from _project import demo_file  # first: runs the example under the project's venv
+from eth_account import Account
+from simplejson import dumps, loads
 
-try:
-    import simplejson
-    from eth_account import Account
-
-    from payintent.client import PayIntentClient, PayIntentError
-except ImportError:  # run with a Python outside the project's venv: use the venv's (`make install`)
-    venv = REPO / ".venv"
-    if (venv / "bin" / "python").exists() and Path(sys.prefix).resolve() != venv.resolve():
-        os.execv(venv / "bin" / "python", [str(venv / "bin" / "python"), *sys.argv])
-    raise
-
-
-def demo_file() -> Path:
-    return Path(os.environ.get("PAYINTENT_VAR_DIR") or REPO / "var") / "demo.json"
+from payintent.client import PayIntentClient, PayIntentError
 
 
 def parse_rpc_urls(items: list[str]) -> dict[str, str]:
@@ -59,7 +48,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     demo: dict[str, Any] = {}
     path = Path(args.demo_file) if args.demo_file else demo_file()
     if path.exists():
-        demo = simplejson.loads(path.read_text())
+        demo = loads(path.read_text())
     buyers = demo.get("buyers") or [{}]
     rpc_items = args.rpc or ([os.environ["PAYINTENT_RPC_URLS"]] if os.environ.get("PAYINTENT_RPC_URLS") else [])
     found = {
@@ -120,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             confirmed = client.get_intent(intent["intent_id"])  # what a merchant checks before fulfilling
         except PayIntentError as err:
             error = {"status": err.status, "code": err.code, "message": err.message}
-            print(simplejson.dumps({"success": False, "error": error}), file=sys.stderr)
+            print(dumps({"success": False, "error": error}), file=sys.stderr)
             return 1
     print(f"paid on {payment['network']} by {payment['buyer_address']}: tx_hash {payment['tx_hash']}")
     summary = {**payment, "status": confirmed["status"]}
-    print(simplejson.dumps(summary, use_decimal=True))
+    print(dumps(summary, use_decimal=True))
     return 0 if confirmed["status"] == "paid" else 1
 
 

@@ -14,30 +14,16 @@ pays it and gets the report. Settings may come from the environment instead: ``P
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from _project import demo_settings  # first: runs the example under the project's venv
+from flask import Flask, jsonify
 
-try:
-    from flask import Flask, jsonify
-
-    from payintent.client import PayIntentClient
-    from payintent.paywall import Paywall
-except ImportError:  # run with a Python outside the project's venv: use the venv's (`make install`)
-    venv = REPO / ".venv"
-    if (venv / "bin" / "python").exists() and Path(sys.prefix).resolve() != venv.resolve():
-        os.execv(venv / "bin" / "python", [str(venv / "bin" / "python"), *sys.argv])
-    raise
-
-
-def demo_settings() -> dict[str, Any]:
-    path = Path(os.environ.get("PAYINTENT_VAR_DIR") or REPO / "var") / "demo.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+from payintent.client import PayIntentClient
+from payintent.paywall import Paywall
 
 
 def create_app(client: PayIntentClient, price: str) -> Flask:

@@ -39,22 +39,14 @@ import os
 import sys
 import threading
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+import _project  # noqa: F401  (first: runs the example under the project's venv)
+from flask import Flask, Response, request
+from werkzeug.datastructures import Headers
+from werkzeug.serving import make_server
 
-try:
-    from flask import Flask, Response, request
-    from werkzeug.datastructures import Headers
-    from werkzeug.serving import make_server
-
-    from payintent.webhooks import SECRET_PREFIX, WebhookVerificationError, verify_signature, verify_standard
-except ImportError:  # run with a Python outside the project's venv: use the venv's (`make install`)
-    venv = REPO / ".venv"
-    if (venv / "bin" / "python").exists() and Path(sys.prefix).resolve() != venv.resolve():
-        os.execv(venv / "bin" / "python", [str(venv / "bin" / "python"), *sys.argv])
-    raise
+from payintent.webhooks import SECRET_PREFIX, WebhookVerificationError, verify_signature, verify_standard
 
 TOLERANCE_SECONDS = 5 * 60
 STANDARD_HEADERS = ("webhook-id", "webhook-timestamp", "webhook-signature")
