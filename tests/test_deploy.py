@@ -122,7 +122,8 @@ def schema_errors(document: Any) -> list[str]:
 
 
 def test_compose_file_is_valid_under_the_compose_specification(compose):
-    assert schema_errors(compose) == []
+    errors = schema_errors(compose)
+    assert not errors, "docker-compose.yml breaks the Compose Specification:\n" + "\n".join(errors)
 
 
 def _mutate(path: str, value: Any) -> Any:
