@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from flask import Flask, request
@@ -12,6 +11,7 @@ from backend.config import Settings
 from backend.errors import APIError, register_error_handlers
 from backend.extensions import api, db
 from backend.jsonio import ExactJSONProvider, dumps, strict_loads
+from backend.observability.hooks import init_app as init_observability
 from backend.schemas import FlatMetadata, HttpUrl, UsdcAmount
 
 MAX_REQUEST_BYTES = 64 * 1024
@@ -56,8 +56,8 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
             "security": [{"bearerAuth": []}],
         },
     )
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     app.extensions["payintent.chains"] = chains or ChainRegistry.load(settings.chains_file)
+    init_observability(app)  # first: its request hooks wrap every other one (JSON logs, request ids, metrics)
 
     db.init_app(app)
     api.init_app(app)

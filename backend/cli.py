@@ -206,7 +206,8 @@ def serve(host: str, port: int, workers: int | None) -> NoReturn:
         "--bind", f"{host}:{port}",
         "--workers", str(count),
         "--worker-class", "sync",
-        "--access-logfile", "-",
+        # Logging (no access log: the app logs each request) and metrics across workers.
+        "--config", "python:backend.observability.gunicorn_conf",
         "--timeout", "60",
         "backend.app:create_app()",
     ]  # fmt: skip

@@ -60,6 +60,10 @@ class Settings:
     trusted_proxy_hops: int = 0
     # The built checkout page (make install runs `npm run build` in checkout-ui/).
     checkout_dist_dir: str = str(Path(__file__).resolve().parents[1] / "checkout-ui" / "dist")
+    # "json" (one object per line; the default) or "text" (what `payintent dev` uses).
+    log_format: str = "json"
+    # The bearer token /metrics requires; unset, /metrics answers 404 (docs/observability.md).
+    metrics_token: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -81,4 +85,6 @@ class Settings:
             api_requests_per_minute_per_ip=int(_env("API_RATE_LIMIT_PER_IP", "2400")),
             api_auth_failures_per_minute=int(_env("API_AUTH_FAILURES_PER_MINUTE", "30")),
             trusted_proxy_hops=int(_env("TRUSTED_PROXY_HOPS", "0")),
+            log_format=_env("LOG_FORMAT", "json").lower(),
+            metrics_token=_env("METRICS_TOKEN", "") or None,
         )

@@ -162,6 +162,7 @@ def _banner(
     devnet_started: bool = False,
     relayer_running: bool = False,
     checkout_url: str | None = None,
+    metrics_token: str | None = None,
 ) -> str:
     key = demo["api_key"]
     relayer = (
@@ -186,6 +187,8 @@ payintent is running
   demo merchant  {demo["merchant_id"]}
   demo API key   {key}
   relayer        {relayer}
+  health         {base_url}/healthz (up)   {base_url}/readyz (database, Redis, chains)
+  metrics        curl -H 'Authorization: Bearer {metrics_token}' {base_url}/metrics
 {_devnet_banner(devnet_info, devnet_started)}  saved to       {demo_file}
 
 Try it:
@@ -197,9 +200,9 @@ Ctrl-C stops everything.
 """
 
 
-def _local_secret_key(workdir: Path) -> str:
-    """A random SECRET_KEY for this var dir, made once (dashboard sessions survive restarts)."""
-    path = workdir / "secret_key"
+def _local_secret(workdir: Path, name: str) -> str:
+    """A random secret for this var dir, made once (SECRET_KEY: dashboard sessions survive restarts)."""
+    path = workdir / name
     if not path.exists():
         path.touch(mode=0o600)
         path.write_text(secrets.token_hex(32))
@@ -211,7 +214,9 @@ def run_dev_stack(port: int = 8000) -> None:
     base_url = f"http://127.0.0.1:{port}"
     os.environ.setdefault("CHECKOUT_HOST", base_url)
     os.environ.setdefault("WEBHOOK_ALLOW_PRIVATE_TARGETS", "1")
-    os.environ.setdefault("SECRET_KEY", _local_secret_key(workdir))
+    os.environ.setdefault("SECRET_KEY", _local_secret(workdir, "secret_key"))
+    os.environ.setdefault("METRICS_TOKEN", _local_secret(workdir, "metrics_token"))
+    os.environ.setdefault("LOG_FORMAT", "text")  # readable in a terminal; JSON is the default elsewhere
     procs: list[subprocess.Popen[bytes]] = []
     devnet_info: dict[str, Any] | None = None
     devnet_started = False
@@ -279,8 +284,9 @@ def run_dev_stack(port: int = 8000) -> None:
         checkout_url = create_demo_intent(base_url, demo["api_key"])
         demo_file.write_text(json.dumps({**saved, "checkout_url": checkout_url}, indent=2) + "\n")
         banner = _banner(
-            base_url, demo, demo_file, devnet_info, devnet_started, relayer is not None, checkout_url=checkout_url
-        )
+            base_url, demo, demo_file, devnet_info, devnet_started, relayer is not None, checkout_url=checkout_url,
+            metrics_token=os.environ["METRICS_TOKEN"],
+        )  # fmt: skip
         print(banner, flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)

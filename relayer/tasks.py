@@ -93,6 +93,7 @@ def settle(settlement_id: str) -> str:
             return "already-being-settled"  # another relayer process is on it
         # An exception (an RPC hiccup) propagates: RQ retries the job and /pay keeps waiting.
         outcome = _settle(settlement_id, redis)
+    log.info("settlement %s: %s", settlement_id, outcome)
     notify_settled(redis, settlement_id)
     return outcome
 

@@ -10,6 +10,7 @@ from rq import SimpleWorker
 
 from backend.chains.evm import evm_chain
 from backend.chains.registry import Network
+from backend.observability.logs import register_secret
 from backend.queueing import queue, set_job_app
 from relayer import tasks
 from relayer.keys import RelayKeyError, load_relay_accounts, load_solana_relays
@@ -19,11 +20,13 @@ log = logging.getLogger(__name__)
 
 def run_relayer(app: Flask, connection: Redis, *, burst: bool = False) -> None:
     accounts = load_relay_accounts(app.extensions["payintent.chains"])
+    register_secret(*(account.key.hex() for loaded in accounts.values() for account in loaded))  # never logged
     tasks.RELAY_ACCOUNTS.clear()
     tasks.RELAY_ACCOUNTS.update(accounts)
     registry = app.extensions["payintent.chains"]
     tasks.SOLANA_RELAYS.clear()
     tasks.SOLANA_RELAYS.update(load_solana_relays(registry))
+    register_secret(*(str(keypair) for keypair in tasks.SOLANA_RELAYS.values()))  # its base58 secret
     for network_id, keypair in tasks.SOLANA_RELAYS.items():
         log.info("relayer: fee payer %s on %s", keypair.pubkey(), network_id)
     for network, loaded in accounts.items():

@@ -25,6 +25,7 @@ from backend.errors import APIError, not_found
 from backend.extensions import db
 from backend.intents.models import Intent
 from backend.money import from_atomic
+from backend.observability.logs import current_request_id
 from backend.settlement import models as st
 from backend.settlement import services, solana
 from backend.settlement.services import PaymentSubmission
@@ -57,6 +58,7 @@ def enqueue_settlement(redis: Redis, settlement_id: str, queue_name: str) -> Non
         job_timeout=300,
         result_ttl=600,
         failure_ttl=7 * 24 * 3600,
+        meta={"request_id": current_request_id()},  # the relayer's log lines for this job carry the /pay call's id
     )
 
 

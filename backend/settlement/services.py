@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from backend import clock
@@ -155,6 +155,14 @@ def claim(intent: Intent, network: Network, auth: EvmAuthorization, start_block:
 
 def get_settlement(settlement_id: str) -> Settlement | None:
     return db.session.get(Settlement, settlement_id, populate_existing=True)
+
+
+def settlement_counts() -> dict[tuple[str, str], int]:
+    """Settlements by (network, status) (for /metrics)."""
+    rows = db.session.execute(
+        select(Settlement.network, Settlement.status, func.count()).group_by(Settlement.network, Settlement.status)
+    )
+    return {(network, status): count for network, status, count in rows}
 
 
 def mark_submitted(settlement_id: str, tx_hash: str, relay_address: str) -> None:

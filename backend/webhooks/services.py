@@ -407,6 +407,17 @@ def deliver_due(*, allow_private: bool, deadline: float = transport.DEADLINE_SEC
     return sent
 
 
+def delivery_counts() -> dict[str, int]:
+    """Deliveries by status, all endpoints (for /metrics)."""
+    rows = db.session.execute(select(_deliveries.c.status, func.count()).group_by(_deliveries.c.status))
+    return {status: count for status, count in rows}
+
+
+def oldest_due_at(now: datetime) -> datetime | None:
+    """When the longest-waiting due delivery (pending, due, not leased) fell due; None if none waits."""
+    return db.session.execute(select(func.min(_deliveries.c.next_attempt_at)).where(*_due(now))).scalar()
+
+
 # --- logs ----------------------------------------------------------------------------------------
 
 

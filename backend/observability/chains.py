@@ -1,0 +1,149 @@
+"""Probing the configured chains for /readyz and /metrics: short timeouts, answers cached per app.
+
+A probe never raises past this module and never reports an RPC URL (it may embed a provider key):
+a failure is described by the exception's type or a fixed sentence. Answers (good or bad) are
+cached, so probes and scrapes cannot hammer an RPC: readiness for :data:`CHECK_TTL_SECONDS`, gas
+balances for :data:`GAS_TTL_SECONDS`. Networks are probed in parallel, so a dead RPC costs one
+timeout, not one per network.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+import requests
+from web3 import Web3
+
+from backend.chains.registry import ChainRegistry, Network
+from backend.chains.solana import SolanaChain, SolanaRpcError
+
+RPC_TIMEOUT_SECONDS = 2.0
+CHECK_TTL_SECONDS = 5.0
+GAS_TTL_SECONDS = 30.0
+_NATIVE_DECIMALS = {"evm": 18, "solana": 9}  # wei per ETH, lamports per SOL
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ok: bool
+    ms: float
+    error: str | None = None
+
+
+class _Client:
+    """One network's RPC with a short timeout: the EVM chain id and balances, or Solana's health and balances."""
+
+    def __init__(self, network: Network) -> None:
+        self.network = network
+        if network.kind == "evm":
+            session = requests.Session()
+            session.proxies = requests.utils.get_environ_proxies(network.rpc_url or "")
+            session.trust_env = False
+            provider = Web3.HTTPProvider(
+                network.rpc_url, request_kwargs={"timeout": RPC_TIMEOUT_SECONDS}, session=session
+            )
+            self.w3 = Web3(provider)
+        else:
+            self.solana = SolanaChain(network.rpc_url or "", timeout=RPC_TIMEOUT_SECONDS)
+
+    def check(self) -> None:
+        """Raises unless the RPC answers as this network (EVM: its chain id; Solana: getHealth says ok)."""
+        if self.network.kind == "evm":
+            answered = int(self.w3.eth.chain_id)
+            if answered != self.network.chain_id:
+                raise ProbeError(f"answers chain id {answered}, not {self.network.chain_id}")
+        else:
+            health = self.solana.call("getHealth")
+            if health != "ok":
+                raise ProbeError("getHealth did not answer ok")
+
+    def balances(self) -> dict[str, Decimal]:
+        """Native-coin balances (ETH, SOL) of the network's relay accounts, from the chains file."""
+        scale = Decimal(10) ** _NATIVE_DECIMALS[self.network.kind]
+        if self.network.kind == "evm":
+            raw = {a: self.w3.eth.get_balance(Web3.to_checksum_address(a)) for a in self.network.relay_addresses}
+        else:
+            payer = self.network.fee_payer
+            raw = (
+                {payer: self.solana.call("getBalance", [payer, {"commitment": "confirmed"}])["value"]} if payer else {}
+            )
+        return {address: Decimal(int(value)) / scale for address, value in raw.items()}
+
+
+class ProbeError(RuntimeError):
+    """A probe's answer was wrong or it could not run (its message names no URL and is shown as is)."""
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ProbeError | SolanaRpcError):
+        return str(exc)  # fixed sentences (SolanaRpcError's never hold the URL)
+    return type(exc).__name__
+
+
+def relay_accounts(network: Network) -> tuple[str, ...]:
+    return network.relay_addresses if network.kind == "evm" else ((network.fee_payer,) if network.fee_payer else ())
+
+
+class ChainProbes:
+    """The probes of one app's chain registry, with their cached answers."""
+
+    def __init__(self, registry: ChainRegistry) -> None:
+        self.networks = [n for n in registry if n.rpc_url]
+        self._clients: dict[str, _Client] = {}  # made on first use, not with every app
+        self._cache: dict[tuple[str, str], tuple[float, Any]] = {}
+        self._lock = threading.Lock()
+
+    def readiness(self) -> dict[str, Outcome]:
+        """Each network: does its RPC answer (as that network)?"""
+        checked = self._each("check", self.networks, CHECK_TTL_SECONDS)
+        return {network: outcome for network, (outcome, _) in checked.items()}
+
+    def gas_balances(self) -> dict[str, tuple[Outcome, dict[str, Decimal]]]:
+        """Each network with relay accounts: (whether the RPC answered, balance per relay account)."""
+        return self._each("balances", [n for n in self.networks if relay_accounts(n)], GAS_TTL_SECONDS)
+
+    def _client(self, network_id: str) -> _Client:
+        with self._lock:
+            client = self._clients.get(network_id)
+            if client is None:
+                network = next(n for n in self.networks if n.network == network_id)
+                client = self._clients[network_id] = _Client(network)
+            return client
+
+    def _each(self, method: str, networks: list[Network], ttl: float) -> dict[str, tuple[Outcome, Any]]:
+        """``_Client.<method>`` of each network, from the cache while fresh, else probed in parallel."""
+        now = time.monotonic()
+        results: dict[str, tuple[Outcome, Any]] = {}
+        stale = []
+        with self._lock:
+            for network in networks:
+                hit = self._cache.get((method, network.network))
+                if hit is not None and hit[0] > now:
+                    results[network.network] = hit[1]
+                else:
+                    stale.append(network.network)
+        if stale:
+            with ThreadPoolExecutor(max_workers=len(stale), thread_name_prefix="probe") as pool:
+                answers = pool.map(lambda n: timed(getattr(self._client(n), method)), stale)
+                fresh = dict(zip(stale, answers, strict=True))
+            with self._lock:
+                for network_id, answer in fresh.items():
+                    self._cache[(method, network_id)] = (time.monotonic() + ttl, answer)
+            results.update(fresh)
+        return results
+
+
+def timed(probe: Callable[[], Any]) -> tuple[Outcome, Any]:
+    """Run a probe: (its outcome with the time it took, what it returned or None)."""
+    start = time.monotonic()
+    try:
+        value = probe()
+    except Exception as exc:
+        return Outcome(False, round((time.monotonic() - start) * 1000, 1), _describe(exc)), None
+    return Outcome(True, round((time.monotonic() - start) * 1000, 1)), value

@@ -1,0 +1,71 @@
+"""`payintent serve` (gunicorn, several workers): /metrics sums every worker, every log line is JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+from backend.devstack import _wait_healthy
+from backend.migrate import upgrade
+from tests.conftest import free_port
+from tests.observability.conftest import METRICS_TOKEN, Samples, chains_file, evm_network, parse, value
+
+PAYINTENT = str(Path(sys.executable).with_name("payintent"))
+HEALTHZ = {"method": "GET", "route": "/healthz", "status": "200"}
+
+
+def scrape(base: str) -> Samples:
+    scraped = requests.get(f"{base}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}, timeout=10)
+    assert scraped.status_code == 200
+    return parse(scraped.text)
+
+
+def get(url: str, request_id: str) -> requests.Response:
+    return requests.get(url, headers={"X-Request-Id": request_id}, timeout=10)
+
+
+def test_metrics_sum_all_gunicorn_workers_and_logs_are_json(tmp_path, redis_url, stub_rpc):
+    database_url = f"sqlite:///{tmp_path / 'serve.db'}"
+    upgrade(database_url)
+    port = free_port()
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    (metrics_dir / "histogram_1.db").write_bytes(b"left by an earlier run")  # must be removed, not summed
+    env = {**os.environ, "DATABASE_URL": database_url, "REDIS_URL": redis_url, "METRICS_TOKEN": METRICS_TOKEN,
+           "CHAINS_FILE": str(chains_file(tmp_path / "chains.json", [evm_network(stub_rpc.url)])),
+           "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "LOG_LEVEL": "INFO", "LOG_FORMAT": "json",
+           "PAYINTENT_VAR_DIR": str(tmp_path / "var"), "SECRET_KEY": "serve-test-secret-key"}  # fmt: skip
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([PAYINTENT, "serve", "--port", str(port), "--workers", "3"], env=env,
+                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(base, [proc])
+        before = value(scrape(base), "payintent_http_request_duration_seconds_count", **HEALTHZ)
+        with ThreadPoolExecutor(8) as pool:  # concurrent: busy workers leave the next connections to the others
+            answers = list(pool.map(lambda n: get(f"{base}/healthz", f"probe-{n}"), range(40)))
+        assert [a.headers["X-Request-Id"] for a in answers] == [f"probe-{n}" for n in range(40)]
+        assert get(f"{base}/readyz", "ready-1").status_code == 200
+        assert get(f"{base}/api/v1/x402/intents", "no-key-1").status_code == 401
+        samples = scrape(base)
+        # 40 answers, whichever of the three workers gave each one.
+        assert value(samples, "payintent_http_request_duration_seconds_count", **HEALTHZ) - before == 40
+        assert value(samples, "payintent_metrics_source_up", source="redis") == 1
+        served_by = {p.name for p in metrics_dir.glob("histogram_*.db")}
+        assert len(served_by) >= 2 and "histogram_1.db" not in served_by  # several workers answered
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    logged = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]  # every line is JSON
+    assert {"gunicorn.error", "payintent.request"} <= {line["logger"] for line in logged}
+    (refused,) = [line for line in logged if line.get("request_id") == "no-key-1"]
+    assert (refused["route"], refused["status"], refused["method"]) == ("/api/v1/x402/intents", 401, "GET")
+    assert "stub-provider-key" not in log.read_text()
+    assert metrics_dir.exists()  # a directory the operator named is kept (one serve made for itself is removed)
