@@ -67,14 +67,16 @@ def message_of(payload: Mapping[str, Any]) -> dict[str, Any]:
 def recover_authorizer(domain: Mapping[str, Any], payload: Mapping[str, Any]) -> str:
     """The address whose key produced ``payload['signature']`` over the authorization.
 
-    Refuses high-s signatures (as the token contract does) so that a signature we accept is one
-    the chain accepts too.
+    Refuses high-s signatures and a ``v`` other than 27/28 (or 0/1), as the token contract does,
+    so that a signature we accept is one the chain accepts too.
     """
     signature = bytes.fromhex(str(payload["signature"]).removeprefix("0x"))
     if len(signature) != 65:
         raise ValueError("signature must be 65 bytes (r, s, v)")
     if int.from_bytes(signature[32:64], "big") > SECP256K1_HALF_N:
         raise ValueError("signature has a high s value")
+    if signature[64] not in (0, 1, 27, 28):  # the token takes 27/28 (relayers send 0/1 as 27/28), not EIP-155 v
+        raise ValueError("signature v must be 27 or 28")
     signable = encode_typed_data(
         domain_data=dict(domain), message_types=MESSAGE_TYPES, message_data=message_of(payload)
     )

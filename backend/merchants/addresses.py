@@ -7,8 +7,9 @@ import re
 from eth_utils import to_checksum_address
 from solders.pubkey import Pubkey
 
-_EVM_RE = re.compile(r"^0x[0-9a-fA-F]{40}$")
-_BASE58_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,44}$")
+# \Z, not $: $ also matches before a trailing newline, which the checksum would then choke on.
+_EVM_RE = re.compile(r"^0x[0-9a-fA-F]{40}\Z")
+_BASE58_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,44}\Z")
 
 
 class AddressError(ValueError):

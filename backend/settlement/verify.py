@@ -18,10 +18,11 @@ from payintent.eip3009 import domain_of, recover_authorizer
 VALIDITY_MARGIN_SECONDS = 30
 # ... and may be at most this far ahead: an unexecuted authorization holds its intent until then.
 MAX_VALIDITY_SECONDS = 3600
-_ADDRESS_RE = re.compile(r"^0x[0-9a-fA-F]{40}$")
-_BYTES32_RE = re.compile(r"^0x[0-9a-fA-F]{64}$")
-_SIGNATURE_RE = re.compile(r"^0x[0-9a-fA-F]{130}$")
-_UINT_RE = re.compile(r"^[0-9]{1,78}$")
+# \Z, not $: $ also matches before a trailing newline ("0x…\n" would pass, then crash the checksum).
+_ADDRESS_RE = re.compile(r"^0x[0-9a-fA-F]{40}\Z")
+_BYTES32_RE = re.compile(r"^0x[0-9a-fA-F]{64}\Z")
+_SIGNATURE_RE = re.compile(r"^0x[0-9a-fA-F]{130}\Z")
+_UINT_RE = re.compile(r"^[0-9]{1,78}\Z")
 MAX_TIMESTAMP = 2**63 - 1  # what the database stores; far beyond any real validity window
 PAYLOAD_FIELDS = ("from", "to", "value", "validAfter", "validBefore", "nonce", "signature")
 

@@ -42,7 +42,7 @@ from backend.errors import APIError
 X402_VERSIONS = (1, 2)
 AUTHORIZATION_FIELDS = ("from", "to", "value", "validAfter", "validBefore", "nonce")
 MAX_NAME_LENGTH = 64
-_UINT_RE = re.compile(r"^[0-9]{1,78}$")
+_UINT_RE = re.compile(r"^[0-9]{1,78}\Z")  # \Z: $ would accept a trailing newline
 
 
 @dataclass(frozen=True)

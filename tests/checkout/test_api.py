@@ -66,6 +66,16 @@ def test_paying_through_the_checkout_needs_no_key_but_a_valid_payload(client, me
     assert client.post(f"{CHECKOUT}/{intent['intent_id']}/pay", json=body).status_code != 401
 
 
+def test_a_balance_for_a_malformed_address_is_400_before_any_chain_is_asked(client, merchant):
+    # Found by tests/test_fuzz_api.py: an EVM address with a trailing newline answered 500.
+    intent = create(client, merchant)
+    for address in ("0x70997970C51812dc3A010C7d01b50e0d17dc79C8\n", "0x1234567890123456789012345678901234567890 "):
+        query = {"network": "eip155:84532", "address": address}
+        response = client.get(f"{CHECKOUT}/{intent['intent_id']}/balance", query_string=query)
+        assert response.status_code == 400, response.data
+        assert response.get_json()["error"]["code"] == "VALIDATION_ERROR"
+
+
 def test_the_buyers_view_says_how_a_wallet_reaches_each_network(client, merchant, spec, chains):  # noqa: F811
     intent = create(client, merchant)
     response = client.get(f"{CHECKOUT}/{intent['intent_id']}")
