@@ -1,0 +1,321 @@
+"""Schemathesis against the app's own OpenAPI document, in-process (WSGI), once per engine.
+
+The document is read from ``/api/v1/openapi.json``; every operation in it (the keyed intents,
+payments and webhooks API and the public checkout API) gets the examples, coverage and fuzzing
+phases, positive and negative, authenticated with a real merchant key. Each response must: not be
+a 5xx, have a status the operation documents explicitly (``default`` does not count), carry the
+documented content type and match the documented schema.
+
+Generated ids and payloads rarely get past the first check, so hooks mix in real ones (the
+merchant's intents, webhook and delivery; correctly signed x402 payloads, v1 and v2, flat and
+nested, EVM and Solana). A second test sends every single edit of those valid requests (a field
+removed, retyped, or its string with a trailing newline, a space, a case change...) through the
+same checks: a strict parser refuses each with a 4xx, never a 500.
+
+Redis is real; no chain is: every RPC URL is a closed local port, so a payment that passes every
+offline check answers its documented ``503 CHAIN_UNAVAILABLE`` at once. A 500 is always a failure.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import schemathesis
+from eth_account import Account
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
+from schemathesis.errors import FailureGroup
+from solders.hash import Hash
+from solders.keypair import Keypair
+
+from backend.chains.registry import ChainRegistry, default_x402_v1_name
+from payintent import solana_tx
+from payintent.eip3009 import sign_authorization
+from tests.conftest import create_merchant, free_port, make_settings, truncate_all
+from tests.intents.helpers import create, mark_paid
+from tests.webhooks.helpers import register, send_test
+
+MAX_EXAMPLES = 40  # per operation in the fuzzing phase; the examples and coverage phases add their own
+PAY_MAX_EXAMPLES = 150
+UNAVAILABLE = {"CHAIN_UNAVAILABLE"}  # the only 503 without a chain (Redis is there)
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+BUYER = Account.from_key("0x" + "07" * 32)
+SOLANA_BUYER = Keypair.from_seed(bytes([7]) * 32)
+RELAY = str(Keypair.from_seed(bytes([9]) * 32).pubkey())
+
+# What the hooks below draw from: set by the `known` fixture for the test that is running.
+_KNOWN: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def chains(tmp_path_factory: pytest.TempPathFactory) -> ChainRegistry:
+    """The default networks (Solana with a relay) with every RPC URL on a closed local port."""
+    raw = json.loads((Path(__file__).parents[1] / "backend/chains/testnets.json").read_text())
+    dead = f"http://127.0.0.1:{free_port()}"
+    for network in raw["networks"]:
+        network["rpc_url"] = dead
+        network.pop("rpc_url_env", None)
+        if network["kind"] == "solana":
+            network["fee_payer"] = RELAY
+    path = tmp_path_factory.mktemp("chains") / "chains.json"
+    path.write_text(json.dumps(raw))
+    return ChainRegistry.load(str(path))
+
+
+@pytest.fixture
+def app(db_url: str, chains: ChainRegistry, redis_url: str) -> Iterator[Any]:
+    """conftest's app, with Redis: /pay then goes past its queue check into the payload checks."""
+    from backend.app import create_app
+    from backend.extensions import db
+
+    truncate_all(db_url)
+    application = create_app(make_settings(db_url, redis_url=redis_url), chains=chains)
+    with application.app_context():
+        yield application
+        db.session.remove()
+        db.engine.dispose()
+
+
+@pytest.fixture
+def known(app: Any, client: Any, merchant: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """Real ids of every kind (pending, paid, cancelled, another merchant's) and valid payment payloads."""
+    from backend.checkout import services as checkout_services
+
+    monkeypatch.setattr(checkout_services, "READS_PER_MINUTE", 100_000)
+    monkeypatch.setattr(checkout_services, "WRITES_PER_MINUTE", 100_000)
+    intent = create(client, merchant)
+    pending = intent["intent_id"]
+    paid = create(client, merchant)["intent_id"]
+    mark_paid(paid)
+    cancelled = create(client, merchant)["intent_id"]
+    assert client.delete(f"/api/v1/x402/intents/{cancelled}", headers=merchant.headers).status_code == 200
+    other = create(client, create_merchant(app, "other@example.com"))["intent_id"]
+    webhook = register(client, merchant, "http://127.0.0.1:9/hook")["webhook_id"]
+    delivery = send_test(client, merchant, webhook)["delivery_id"]
+    _KNOWN.update(
+        intent_id=[pending, paid, cancelled, other],
+        webhook_id=[webhook],
+        delivery_id=[delivery],
+        payment_signature=valid_payment_signatures(pending, intent["payment_requirements"]),
+        address=[BUYER.address, str(SOLANA_BUYER.pubkey())],
+        network=[r["network"] for r in intent["payment_requirements"]],
+    )
+    _KNOWN["payer"] = _KNOWN["address"][1:]
+    yield _KNOWN
+    _KNOWN.clear()
+
+
+def valid_payment_signatures(intent_id: str, requirements: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each requirement, every form of a payment that passes every offline check."""
+    forms: list[dict[str, Any]] = []
+    for requirement in requirements:
+        network = requirement["network"]
+        accepted = {key: requirement[key] for key in ("scheme", "network", "asset", "payTo")}
+        accepted["amount"] = requirement["maxAmountRequired"]
+        if network.startswith("eip155:"):
+            flat = sign_authorization(BUYER, requirement)
+            authorization = {key: value for key, value in flat.items() if key != "signature"}
+            nested = {"signature": flat["signature"], "authorization": authorization}
+            payloads = [flat, nested]
+        else:
+            tx = solana_tx.build_payment(
+                fee_payer=RELAY,
+                payer=str(SOLANA_BUYER.pubkey()),
+                mint=requirement["asset"],
+                pay_to=requirement["payTo"],
+                amount_atomic=int(requirement["maxAmountRequired"]),
+                intent_id=intent_id,
+                recent_blockhash=str(Hash(bytes([1]) * 32)),
+            )
+            payloads = [{"transaction": solana_tx.encode(solana_tx.sign_as(tx, SOLANA_BUYER))}]
+        for payload in payloads:
+            forms.append({"x402Version": 1, "scheme": "exact", "network": network, "payload": payload})
+            forms.append({"x402Version": 2, "accepted": accepted, "payload": payload})
+        v1_name = default_x402_v1_name(network)
+        if v1_name:
+            forms.append({"x402Version": 1, "scheme": "exact", "network": v1_name, "payload": payloads[0]})
+    return forms
+
+
+# --- single edits of a valid value ---------------------------------------------------------------
+
+_MISSING = object()
+EDITS: list[Callable[[Any], Any]] = [
+    lambda v: _MISSING,
+    lambda v: None,
+    lambda v: True,
+    lambda v: 0,
+    lambda v: -1,
+    lambda v: 2**256,
+    lambda v: [v],
+    lambda v: {"": v},
+    lambda v: "",
+    lambda v: f"{v}\n",
+    lambda v: f"{v} ",
+    lambda v: f" {v}",
+    lambda v: str(v).upper(),
+    lambda v: str(v).lower(),
+    lambda v: str(v)[:-1],
+    lambda v: f"{v}0",
+    lambda v: str(v).removeprefix("0x"),
+    lambda v: f"-{v}",
+    lambda v: str(v).translate(str.maketrans("0123456789", "٠١٢٣٤٥٦٧٨٩")),
+    lambda v: str(v) * 40,
+]
+
+
+def _leaves(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    if isinstance(value, dict):
+        yield path  # the object itself can be edited too
+        for key, item in value.items():
+            yield from _leaves(item, (*path, key))
+    else:
+        yield path
+
+
+def _edited(value: Any, path: tuple[str, ...], edit: Callable[[Any], Any]) -> Any:
+    if not path:
+        result = edit(value)
+        return None if result is _MISSING else result
+    value = copy.deepcopy(value)
+    parent = value
+    for key in path[:-1]:
+        parent = parent[key]
+    result = edit(parent[path[-1]])
+    if result is _MISSING:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = result
+    return value
+
+
+def single_edits(valid: Any) -> Iterator[tuple[str, Any]]:
+    """Every (label, value) with one field of ``valid`` (or the whole of it) edited once."""
+    for path in _leaves(valid):
+        for number, edit in enumerate(EDITS):
+            yield f"{'.'.join(path) or '<all>'} edit {number}", _edited(valid, path, edit)
+
+
+def _mix(generated: dict[str, Any], keys: list[str]) -> st.SearchStrategy[dict[str, Any]]:
+    """The generated object, or it with real values for the keys we know."""
+    known = {key: st.sampled_from(_KNOWN[key]) for key in keys if key in generated and _KNOWN.get(key)}
+    if not known:
+        return st.just(generated)
+    return st.one_of(st.just(generated), st.fixed_dictionaries(known).map(lambda chosen: {**generated, **chosen}))
+
+
+# --- the schema ----------------------------------------------------------------------------------
+
+
+def _document_source() -> Any:
+    """An app to read the document from at collection (serving it touches no database)."""
+    from backend.app import create_app
+
+    return create_app(make_settings("sqlite://"))
+
+
+CONFIG = schemathesis.Config.from_dict(
+    {
+        # Deterministic (derandomized), nothing kept between runs.
+        "generation": {"max-examples": MAX_EXAMPLES, "deterministic": True, "database": "none"},
+        # 503 is the documented answer without a chain (checked below to be exactly that).
+        "checks": {"not_a_server_error": {"expected-statuses": ["2xx", "3xx", "4xx", "503"]}},
+        # Payments have the most to check (forms, fields, signature): more examples there.
+        "operations": [{"include-path-regex": "/pay$", "generation": {"max-examples": PAY_MAX_EXAMPLES}}],
+    }
+)
+# The document is the same for every app; requests go to the test's app (`app=` below).
+schema = schemathesis.openapi.from_wsgi("/api/v1/openapi.json", _document_source(), config=CONFIG)
+
+
+@schema.hook
+def flatmap_path_parameters(context: Any, path_parameters: dict[str, Any]) -> Any:
+    """Generated ids almost never exist: mix in the merchant's real ones (exact: they are ids)."""
+    real = {name: _KNOWN[name] for name in path_parameters or {} if _KNOWN.get(name)}
+    if not real:
+        return st.just(path_parameters)
+    chosen = st.fixed_dictionaries({name: st.sampled_from(ids) for name, ids in real.items()})
+    return st.one_of(st.just(path_parameters), chosen.map(lambda ids: {**path_parameters, **ids}))
+
+
+@schema.hook
+def flatmap_query(context: Any, query: dict[str, Any]) -> Any:
+    return _mix(query, ["network", "address", "webhook_id"]) if isinstance(query, dict) else st.just(query)
+
+
+@schema.hook
+def flatmap_body(context: Any, body: Any) -> Any:
+    if not isinstance(body, dict):
+        return st.just(body)
+    keys = ["payment_signature", "payer", "network", "webhook_id"]
+    if "intent_id" not in body or not _KNOWN.get("intent_id"):
+        return _mix(body, keys)
+    # /pay names its intent in the body: the pending one (its payloads are signed for it), or another.
+    pending, *others = _KNOWN["intent_id"]
+    real = st.sampled_from([pending] * 3 + others).map(lambda intent_id: {**body, "intent_id": intent_id})
+    return st.one_of(st.just(body), real).flatmap(lambda chosen: _mix(chosen, keys))
+
+
+def _send(case: Any, app: Any, merchant: Any) -> None:
+    """Call the app with the merchant's key; schemathesis' checks, then ours."""
+    response = case.call_and_validate(app=app, headers=merchant.headers, checks=CHECKS)
+    if case.method.upper() != case.operation.method.upper():
+        # A probe with a method the path does not have: 405, except Flask's automatic OPTIONS (and HEAD of a GET).
+        assert response.status_code == 405 or case.method.upper() in ("OPTIONS", "HEAD"), response.status_code
+        return
+    documented = case.operation.definition.raw["responses"]
+    assert str(response.status_code) in documented, f"{response.status_code} is documented only by 'default'"
+    if response.status_code == 503:
+        assert response.json()["error"]["code"] in UNAVAILABLE, response.text
+
+
+@schema.parametrize()
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # one app per operation, on purpose
+def test_api_conforms_to_its_openapi_document(case: Any, app: Any, merchant: Any, known: Any) -> None:
+    _send(case, app, merchant)
+
+
+def _valid_requests() -> Iterator[tuple[str, str, dict[str, str] | None, str, Any]]:
+    """(path, method, path parameters, part, value) of requests that pass every check needing no chain."""
+    pending = _KNOWN["intent_id"][0]
+    signatures = _KNOWN["payment_signature"]
+    evm_v1 = next(s for s in signatures if s["x402Version"] == 1 and "from" in s["payload"])
+    evm_v2_nested = next(s for s in signatures if s["x402Version"] == 2 and "authorization" in s["payload"])
+    solana = next(s for s in signatures if "transaction" in s["payload"])
+    v1_name = next(s for s in signatures if ":" not in s.get("network", ":"))  # base-sepolia, not eip155:84532
+    for signature in (evm_v1, evm_v2_nested, solana):
+        yield "/api/v1/x402/pay", "POST", None, "body", {"intent_id": pending, "payment_signature": signature}
+    checkout, ids = "/api/v1/checkout/intents/{intent_id}", {"intent_id": pending}
+    yield f"{checkout}/pay", "POST", ids, "body", {"payment_signature": v1_name}
+    for network in _KNOWN["network"]:
+        address = str(SOLANA_BUYER.pubkey()) if network.startswith("solana:") else BUYER.address
+        yield f"{checkout}/balance", "GET", ids, "query", {"network": network, "address": address}
+    yield f"{checkout}/solana-transaction", "POST", ids, "body", {"payer": str(SOLANA_BUYER.pubkey())}
+
+
+def test_every_single_edit_of_a_valid_payment_is_refused_cleanly(app: Any, merchant: Any, known: Any) -> None:
+    """Each field of a valid /pay, balance or Solana transaction request edited once (about 1,200
+    requests): a 4xx or the documented 503, conforming to the document; never a 500."""
+    failures, sent = [], 0
+    for path, method, path_parameters, part, valid in _valid_requests():
+        operation = schema[path][method]
+        for label, value in [("valid", valid), *single_edits(valid)]:
+            if part == "query" and not (isinstance(value, dict) and all(isinstance(v, str) for v in value.values())):
+                continue  # a query string holds strings only
+            sent += 1
+            try:
+                _send(operation.Case(path_parameters=path_parameters, **{part: value}), app, merchant)
+            except (AssertionError, FailureGroup) as exc:  # collect them all, then report
+                failures.append(f"{method} {path} {part} {label}: {value!r}\n  {str(exc)[:300]}")
+    assert not failures, f"{len(failures)} of {sent} requests failed:\n" + "\n".join(failures[:20])
