@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from datetime import datetime
 
 from flask import Flask
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram, disable_created_metrics
@@ -80,15 +81,14 @@ class StateCollector:
 
     def _database(self) -> Iterator[Metric]:
         from backend.extensions import db
-        from backend.settlement.services import settlement_counts
+        from backend.settlement.services import oldest_open_at, settlement_counts
         from backend.webhooks.models import DELIVERY_STATUSES
         from backend.webhooks.services import delivery_counts, oldest_due_at
 
         try:
-            settlements = settlement_counts()
-            deliveries = delivery_counts()
             now = clock.now()
-            oldest = oldest_due_at(now)
+            settlements, oldest_settlement = settlement_counts(), oldest_open_at()
+            deliveries, oldest_delivery = delivery_counts(), oldest_due_at(now)
         finally:
             db.session.rollback()  # end the read transaction whatever happened
         family = GaugeMetricFamily(
@@ -99,6 +99,12 @@ class StateCollector:
         for (network, status), count in sorted(settlements.items()):
             family.add_metric([network, status], count)
         yield family
+        yield _age(
+            "payintent_settlement_oldest_open_seconds",
+            "Age of the oldest settlement still in flight (pending or submitted; 0: none is)",
+            now,
+            oldest_settlement,
+        )
         family = GaugeMetricFamily(
             "payintent_webhook_deliveries",
             "Webhook deliveries by status (pending: waiting for an attempt; succeeded, failed, cancelled: outcomes)",
@@ -107,10 +113,11 @@ class StateCollector:
         for status in DELIVERY_STATUSES:
             family.add_metric([status], deliveries.get(status, 0))
         yield family
-        yield GaugeMetricFamily(
+        yield _age(
             "payintent_webhook_oldest_due_seconds",
             "How long the longest-waiting due webhook delivery has been due (0: none is waiting)",
-            value=max((now - oldest).total_seconds(), 0.0) if oldest is not None else 0.0,
+            now,
+            oldest_delivery,
         )
 
     def _queues(self) -> Iterator[Metric]:
@@ -148,6 +155,10 @@ class StateCollector:
                 balances.add_metric([network, address], float(balance))
         yield balances
         yield rpc_up
+
+
+def _age(name: str, documentation: str, now: datetime, since: datetime | None) -> Metric:
+    return GaugeMetricFamily(name, documentation, value=max((now - since).total_seconds(), 0.0) if since else 0.0)
 
 
 def scrape_registry(app: Flask) -> CollectorRegistry:

@@ -165,6 +165,11 @@ def settlement_counts() -> dict[tuple[str, str], int]:
     return {(network, status): count for network, status, count in rows}
 
 
+def oldest_open_at() -> datetime | None:
+    """When the oldest settlement still in flight (pending or submitted) was created; None if none is."""
+    return db.session.scalar(select(func.min(Settlement.created_at)).where(Settlement.status.in_(st.OPEN)))
+
+
 def mark_submitted(settlement_id: str, tx_hash: str, relay_address: str) -> None:
     """Record the transaction hash before it is broadcast, so a crash after sending is recoverable."""
     now = clock.now()

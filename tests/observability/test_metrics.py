@@ -10,7 +10,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from redis import Redis
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from backend.app import create_app
 from backend.chains.registry import ChainRegistry
@@ -114,6 +114,29 @@ def test_webhook_deliveries_by_outcome_and_the_oldest_due(app, client, merchant,
     assert value(scrape(client), "payintent_metrics_source_up", source="database") == 1
 
 
+def test_a_settlement_left_in_flight_shows_its_age(app, client, merchant, clock):
+    with_metrics_token(app)
+    intent = create(client, merchant)
+    now = clock.current
+    db.session.add(Settlement(
+        id="stl_stuck", intent_id=intent["intent_id"], merchant_id=merchant.id, network=BASE_SEPOLIA,
+        asset="0x036CbD53842c5426634e7929541eC2318f3dCF7e", payer=RELAY, pay_to=RELAY, amount_atomic=1,
+        valid_after=0, valid_before=2**40, nonce="0x" + "00" * 32, signature="0x", status="submitted",
+        created_at=now, updated_at=now,
+    ))  # fmt: skip
+    db.session.commit()
+    clock.advance(seconds=90)
+    samples = scrape(client)
+    assert value(samples, "payintent_settlement_oldest_open_seconds") == 90
+    assert value(samples, "payintent_settlements", network=BASE_SEPOLIA, status="submitted") == 1
+    db.session.execute(update(Settlement).values(status="confirmed"))
+    db.session.commit()
+    samples = scrape(client)
+    assert value(samples, "payintent_settlement_oldest_open_seconds") == 0
+    assert value(samples, "payintent_settlements", network=BASE_SEPOLIA, status="confirmed") == 1
+    assert value(samples, "payintent_settlements", network=BASE_SEPOLIA, status="submitted") is None
+
+
 def test_queue_depth_is_read_from_redis_and_a_dead_redis_costs_only_its_own_metrics(db_url, redis_url):
     name = f"relayer-depth-{uuid.uuid4().hex[:8]}"
     app = with_metrics_token(create_app(make_settings(db_url, redis_url=redis_url, relayer_queue=name)))
@@ -188,6 +211,7 @@ def test_a_payment_on_the_devnet_shows_in_metrics_and_in_the_relayers_log(pay_cl
     for status, added in (("200", 1), ("409", 1)):
         old = value(before, f"{LATENCY}_count", status=status, **pay_route) or 0
         assert value(samples, f"{LATENCY}_count", status=status, **pay_route) - old == added
+    assert value(samples, "payintent_settlement_oldest_open_seconds") == 0  # none left in flight
     assert value(samples, "payintent_queue_depth", queue=RELAYER_QUEUE) == 0  # the relayer took the job
     # Gas: cached for 30 s (this app read it before paying); a fresh app reads what the chain holds now.
     relay = db.session.get(Settlement, settlement_id).relay_address
