@@ -36,12 +36,16 @@ def valid_request_id(value: str | None) -> str | None:
     return value if value and _REQUEST_ID.fullmatch(value) else None
 
 
-def current_request_id() -> str | None:
-    """The id of the api request being served, or the one the running RQ job was enqueued with."""
+def running() -> tuple[str | None, str | None]:
+    """(request id, RQ job id) of what this thread runs: an api request, or a job (with its enqueuer's request id)."""
     if has_request_context():
-        return g.get("request_id")
+        return g.get("request_id"), None
     job = get_current_job()
-    return job.meta.get("request_id") if job is not None else None
+    return (job.meta.get("request_id"), job.id) if job is not None else (None, None)
+
+
+def current_request_id() -> str | None:
+    return running()[0]
 
 
 # --- redaction -----------------------------------------------------------------------------------
@@ -52,36 +56,37 @@ _NAMED_SECRET = re.compile(
     r"(?i)((?:password|passwd|secret|private_?key|api_?key)[\w-]*[\"']?\s*[:=]\s*[\"']?)[^\[\"'\s,;&}\]]+"
 )
 # What a secret looks like, whatever code logged it: first values named as secrets (all of the value
-# goes), then secrets known by their shape. Each replacement leaves text no pattern matches again,
-# so redacting twice changes nothing.
-_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
+# goes), then secrets known by their shape. Each pattern runs only if one of its triggers (lower
+# case) is in the text, so most lines cost a few substring checks. Each replacement leaves text no
+# pattern matches again, so redacting twice changes nothing.
+_PATTERNS: tuple[tuple[tuple[str, ...], re.Pattern[str], str], ...] = (
     (
+        ("authorization",),
         re.compile(r"(?i)\b(authorization[\"']?\s*[:=]\s*[\"']?)(?:(?:bearer|basic|token)\s+)?[^\[\s\"',}]+"),
         r"\1" + _REDACTED,
     ),
-    (_NAMED_SECRET, r"\1" + _REDACTED),
+    (("passw", "secret", "private_key", "privatekey", "api_key", "apikey"), _NAMED_SECRET, r"\1" + _REDACTED),
     # API keys keep the 6 characters the dashboard lists (their display prefix), never more.
-    (re.compile(r"\b(sk_(?:test|live)_[A-Za-z0-9]{6})[A-Za-z0-9]+"), r"\1…"),
-    (re.compile(r"\bwhsec_[A-Za-z0-9+/=_-]+"), "whsec_" + _REDACTED),
-    (re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]+"), r"\1 " + _REDACTED),
+    (("sk_",), re.compile(r"\b(sk_(?:test|live)_[A-Za-z0-9]{6})[A-Za-z0-9]+"), r"\1…"),
+    (("whsec_",), re.compile(r"\bwhsec_[A-Za-z0-9+/=_-]+"), "whsec_" + _REDACTED),
+    (("bearer",), re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]+"), r"\1 " + _REDACTED),
     # user:password@ in any URL (database, Redis, an RPC with basic auth).
-    (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*:)[^@\s/\[]+@"), r"\1" + _REDACTED + "@"),
+    (("@",), re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*:)[^@\s/\[]+@"), r"\1" + _REDACTED + "@"),
 )
-_literals: set[str] = set()
-_literal_pattern: re.Pattern[str] | None = None
+# The registered literal secrets and one pattern finding any of them (swapped together, never torn).
+_literals: tuple[tuple[str, ...], re.Pattern[str]] = ((), re.compile(r"(?!)"))
 _literals_lock = threading.Lock()
 
 
 def register_secret(*values: str | None) -> None:
     """Never log these strings (relay keys, RPC URLs and their paths): each is replaced wherever it appears."""
-    global _literal_pattern
+    global _literals
     with _literals_lock:
-        added = {v for v in values if v and len(v) >= 8} - _literals
-        if not added:
-            return
-        _literals.update(added)
-        ordered = sorted(_literals, key=len, reverse=True)  # the longest first: a URL before its path
-        _literal_pattern = re.compile("|".join(re.escape(v) for v in ordered))
+        known = _literals[0]
+        added = {v for v in values if v and len(v) >= 8} - set(known)
+        if added:
+            ordered = tuple(sorted({*known, *added}, key=len, reverse=True))  # a URL before its path
+            _literals = (ordered, re.compile("|".join(re.escape(v) for v in ordered)))
 
 
 def register_rpc_urls(urls: Iterable[str | None]) -> None:
@@ -97,11 +102,13 @@ def register_rpc_urls(urls: Iterable[str | None]) -> None:
 
 
 def redact(text: str) -> str:
-    for pattern, replacement in _PATTERNS:
-        text = pattern.sub(replacement, text)
-    literal = _literal_pattern
-    if literal is not None:
-        text = literal.sub(_REDACTED, text)
+    lower = text.lower()
+    for triggers, pattern, replacement in _PATTERNS:
+        if any(trigger in lower for trigger in triggers):
+            text = pattern.sub(replacement, text)
+    literals, any_literal = _literals
+    if any(literal in text for literal in literals):
+        text = any_literal.sub(_REDACTED, text)
     return text
 
 
@@ -131,15 +138,9 @@ class ContextFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "request_id", None) is None:
-            if has_request_context():
-                record.request_id = g.get("request_id")
-            else:
-                job = get_current_job()
-                if job is not None:
-                    record.request_id = job.meta.get("request_id")
-                    record.job_id = job.id
-                else:
-                    record.request_id = None
+            record.request_id, job_id = running()
+            if job_id is not None:
+                record.job_id = job_id
         return True
 
 
