@@ -37,7 +37,11 @@ class Outcome:
 
 
 class _Client:
-    """One network's RPC with a short timeout: the EVM chain id and balances, or Solana's health and balances."""
+    """One network's RPC with a short timeout: the EVM chain id and balances, or Solana's health and balances.
+
+    Not ``chains.evm.evm_chain``: its 10 s timeout suits settlement, and its provider caches
+    ``eth_chainId``, which would answer a readiness probe without asking the RPC.
+    """
 
     def __init__(self, network: Network) -> None:
         self.network = network
