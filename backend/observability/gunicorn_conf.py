@@ -21,8 +21,31 @@ from typing import Any
 
 from backend.config import Settings
 
+PRIVATE_PREFIX = "payintent-metrics-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process
+    return True
+
+
+def private_dir() -> Path:
+    """A new temporary directory named after this master's pid. Those of masters that died without
+    ``on_exit`` (SIGKILL) are removed first, so they do not pile up."""
+    for old in Path(tempfile.gettempdir()).glob(f"{PRIVATE_PREFIX}*-*"):
+        pid = old.name.removeprefix(PRIVATE_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-"))
+
+
 _given = os.environ.get("PROMETHEUS_MULTIPROC_DIR", "").strip()
-metrics_dir = Path(_given or tempfile.mkdtemp(prefix="payintent-metrics-"))
+metrics_dir = Path(_given) if _given else private_dir()
 metrics_dir.mkdir(parents=True, exist_ok=True)
 for stale in metrics_dir.glob("*.db"):  # a previous run's samples (and dead pids) must not be summed
     stale.unlink()

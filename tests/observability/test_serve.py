@@ -9,6 +9,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -31,24 +32,34 @@ def get(url: str, request_id: str) -> requests.Response:
     return requests.get(url, headers={"X-Request-Id": request_id}, timeout=10)
 
 
-def test_metrics_sum_all_gunicorn_workers_and_logs_are_json(tmp_path, redis_url, stub_rpc):
+def start_serve(tmp_path: Path, stub_rpc: Any, workers: int = 3, **env: str) -> tuple[subprocess.Popen[bytes], str]:
+    """`payintent serve` on a free port with a migrated SQLite database, logging JSON to tmp_path/serve.log."""
     database_url = f"sqlite:///{tmp_path / 'serve.db'}"
     upgrade(database_url)
     port = free_port()
-    metrics_dir = tmp_path / "metrics"
-    metrics_dir.mkdir()
-    (metrics_dir / "histogram_1.db").write_bytes(b"left by an earlier run")  # must be removed, not summed
-    env = {**os.environ, "DATABASE_URL": database_url, "REDIS_URL": redis_url, "METRICS_TOKEN": METRICS_TOKEN,
+    env = {**os.environ, "DATABASE_URL": database_url, "METRICS_TOKEN": METRICS_TOKEN,
            "CHAINS_FILE": str(chains_file(tmp_path / "chains.json", [evm_network(stub_rpc.url)])),
-           "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "LOG_LEVEL": "INFO", "LOG_FORMAT": "json",
-           "PAYINTENT_VAR_DIR": str(tmp_path / "var"), "SECRET_KEY": "serve-test-secret-key"}  # fmt: skip
-    log = tmp_path / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([PAYINTENT, "serve", "--port", str(port), "--workers", "3"], env=env,
+           "LOG_LEVEL": "INFO", "LOG_FORMAT": "json", "PAYINTENT_VAR_DIR": str(tmp_path / "var"),
+           "SECRET_KEY": "serve-test-secret-key", **env}  # fmt: skip
+    with (tmp_path / "serve.log").open("wb") as out:
+        proc = subprocess.Popen([PAYINTENT, "serve", "--port", str(port), "--workers", str(workers)], env=env,
                                 stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(base, [proc])
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, base
+
+
+def test_metrics_sum_all_gunicorn_workers_and_logs_are_json(tmp_path, redis_url, stub_rpc):
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    (metrics_dir / "histogram_1.db").write_bytes(b"left by an earlier run")  # must be removed, not summed
+    log = tmp_path / "serve.log"
+    proc, base = start_serve(tmp_path, stub_rpc, REDIS_URL=redis_url, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir))
+    try:
         before = value(scrape(base), "payintent_http_request_duration_seconds_count", **HEALTHZ)
         sent = 0
         deadline = time.monotonic() + 30
@@ -76,3 +87,26 @@ def test_metrics_sum_all_gunicorn_workers_and_logs_are_json(tmp_path, redis_url,
     assert (refused["route"], refused["status"], refused["method"]) == ("/api/v1/x402/intents", 401, "GET")
     assert "stub-provider-key" not in log.read_text()
     assert metrics_dir.exists()  # a directory the operator named is kept (one serve made for itself is removed)
+
+
+def test_a_private_metrics_directory_is_removed_on_exit_and_a_killed_servers_on_the_next_start(tmp_path, stub_rpc):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs: a master killed before it could clean up
+    stale = tmp / f"payintent-metrics-{gone.pid}-x1y2"
+    stale.mkdir()
+    (stale / "histogram_123.db").write_bytes(b"1")
+    kept = tmp / "payintent-metrics-unrelated"
+    kept.mkdir()
+    proc, base = start_serve(tmp_path, stub_rpc, workers=1, TMPDIR=str(tmp))
+    own: list[Path] = []
+    try:
+        assert get(f"{base}/healthz", "h-1").status_code == 200
+        own = list(tmp.glob(f"payintent-metrics-{proc.pid}-*"))  # serve execs gunicorn: the same pid
+        assert len(own) == 1 and list(own[0].glob("histogram_*.db"))
+        assert not stale.exists() and kept.exists()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert own and not own[0].exists()
