@@ -166,10 +166,9 @@ class PayingAgent:
             accepted = next(
                 a for a in v2_required["accepts"] if x402.caip2_network(str(a["network"])) == requirement["network"]
             )
-            signature = {k: v for k, v in payload.items() if k != "signature"}
             body = {
                 "x402Version": 2,
-                "payload": {"authorization": signature, "signature": payload["signature"]},
+                "payload": _nested(payload),
                 "accepted": accepted,
                 "resource": v2_required.get("resource"),
             }
@@ -179,9 +178,13 @@ class PayingAgent:
             body["intent_id"] = intent_id
         else:  # a plain x402 v1 server: its own network names and the spec's nested payload
             body["network"] = x402.v1_network(requirement["network"])
-            signature = {k: v for k, v in payload.items() if k != "signature"}
-            body["payload"] = {"authorization": signature, "signature": payload["signature"]}
+            body["payload"] = _nested(payload)
         return x402.PAYMENT, x402.encode_header(body)
+
+
+def _nested(payload: Mapping[str, str]) -> dict[str, Any]:
+    """Our flat EVM payload in the spec's nested form ``{authorization, signature}`` (the libraries' form)."""
+    return {"authorization": {k: v for k, v in payload.items() if k != "signature"}, "signature": payload["signature"]}
 
 
 def _challenge_of(response: requests.Response) -> tuple[int, list[dict[str, Any]], str | None, dict[str, Any] | None]:

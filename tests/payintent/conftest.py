@@ -52,11 +52,10 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-@pytest.fixture
-def api_url(pay_app: Any) -> Iterator[str]:  # noqa: F811
-    """The settlement test app served over real HTTP (werkzeug, threaded) on a free port."""
-    server = make_server("127.0.0.1", 0, pay_app, threaded=True, request_handler=_QuietHandler)
-    thread = threading.Thread(target=server.serve_forever, name="api-under-test", daemon=True)
+def serve(app: Any) -> Iterator[str]:
+    """Serve a WSGI app over real HTTP (werkzeug, threaded) on a free port; yields its base URL."""
+    server = make_server("127.0.0.1", 0, app, threaded=True, request_handler=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="served-under-test", daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_port}"
@@ -64,3 +63,9 @@ def api_url(pay_app: Any) -> Iterator[str]:  # noqa: F811
         server.shutdown()
         thread.join(timeout=10)
         server.server_close()
+
+
+@pytest.fixture
+def api_url(pay_app: Any) -> Iterator[str]:  # noqa: F811
+    """The settlement test app served over real HTTP."""
+    yield from serve(pay_app)

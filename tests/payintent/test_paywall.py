@@ -3,7 +3,6 @@ over HTTP, the devnet and a relayer: money moves once, only for the resource, wi
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any
@@ -12,29 +11,16 @@ import pytest
 import requests
 from eth_account import Account
 from flask import Flask, jsonify
-from werkzeug.serving import make_server
 
 from payintent import x402
 from payintent.agent import PayingAgent, PaymentRequiredError, SpendLimitError
 from payintent.client import PayIntentClient
 from payintent.paywall import RESOURCE_KEY, Paywall, PaywallMiddleware
-from tests.payintent.conftest import _QuietHandler
+from tests.payintent.conftest import serve
 from tests.payintent.test_client import mint
 
 PRICE = "0.25"
 ATOMIC = 250_000
-
-
-def serve(app: Any) -> Iterator[str]:
-    server = make_server("127.0.0.1", 0, app, threaded=True, request_handler=_QuietHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        thread.join(timeout=10)
-        server.server_close()
 
 
 @pytest.fixture
