@@ -44,8 +44,7 @@ COPY --from=checkout /build/checkout-ui/dist /app/checkout-ui/dist
 COPY deploy/entrypoint.py deploy/healthcheck.py /app/deploy/
 # uid 10001: secret files mounted from the host must be readable by it (docs/deploy.md).
 RUN useradd --system --uid 10001 --user-group --home-dir /app --no-create-home --shell /usr/sbin/nologin payintent
-ENV CHECKOUT_DIST_DIR=/app/checkout-ui/dist \
-    PAYINTENT_VAR_DIR=/tmp/payintent
+ENV CHECKOUT_DIST_DIR=/app/checkout-ui/dist
 USER payintent
 EXPOSE 8000
 ENTRYPOINT ["python", "/app/deploy/entrypoint.py"]

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import click
 
-from backend.config import Settings, default_database_url
+from backend.config import Settings
 from backend.jsonio import dumps
 
 
@@ -35,7 +35,7 @@ def _app():  # type: ignore[no-untyped-def]
 
     settings = Settings.from_env()
     try:
-        ensure_schema(settings.database_url, auto_upgrade=settings.database_url == default_database_url())
+        ensure_schema(settings.database_url, auto_upgrade=settings.default_database)
         return create_app(settings)
     except SchemaOutOfDate as exc:
         raise CLIError("SCHEMA_OUT_OF_DATE", str(exc), exit_code=1) from None
@@ -209,6 +209,9 @@ def serve(host: str, port: int, workers: int | None) -> NoReturn:
         # Logging (no access log: the app logs each request) and metrics across workers.
         "--config", "python:backend.observability.gunicorn_conf",
         "--timeout", "60",
+        # gunicorn's control socket would be ~/.gunicorn/gunicorn.ctl: a write outside the temporary directory
+        # (the image's home is not writable) shared by every gunicorn of the user. Nothing of ours uses it.
+        "--no-control-socket",
         "backend.app:create_app()",
     ]  # fmt: skip
     os.execvp(argv[0], argv)

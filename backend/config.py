@@ -64,12 +64,19 @@ class Settings:
     log_format: str = "json"
     # The bearer token /metrics requires; unset, /metrics answers 404 (docs/observability.md).
     metrics_token: str | None = None
+    # True when DATABASE_URL is unset and database_url is the SQLite file under PAYINTENT_VAR_DIR (local
+    # development and tests; the CLI upgrades it for you, and serve, worker and relayer warn about it).
+    default_database: bool = False
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls) -> Settings:
+        # The var dir is only touched (created) when DATABASE_URL is unset: a production process may run in
+        # a working directory it cannot write to.
+        database_url = _env("DATABASE_URL", "")
         return cls(
-            database_url=_env("DATABASE_URL", "") or default_database_url(),
+            database_url=database_url or default_database_url(),
+            default_database=not database_url,
             redis_url=_env("REDIS_URL", "") or None,
             chains_file=_env("CHAINS_FILE", "") or None,
             checkout_host=_env("CHECKOUT_HOST", "http://127.0.0.1:8000").rstrip("/"),

@@ -13,18 +13,20 @@ from pathlib import Path
 import pytest
 import requests
 
+from backend.devstack import _wait_healthy
 from tests.conftest import free_port, truncate_all
 
 PAYINTENT = str(Path(sys.executable).with_name("payintent"))
 
 
-def run(db_url: str, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict, str]:
+def run(db_url: str, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> tuple[int, dict, str]:
     proc = subprocess.run(
         [PAYINTENT, *args],
         capture_output=True,
         text=True,
         timeout=60,
         env={**os.environ, "DATABASE_URL": db_url, "LOG_LEVEL": "WARNING", **(env or {})},
+        cwd=cwd,
     )
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout + proc.stderr  # exactly one JSON object
@@ -175,3 +177,54 @@ def test_serve_runs_the_api_under_gunicorn(fresh_db):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_with_database_url_set_nothing_is_written_to_the_working_directory(fresh_db, redis_url, tmp_path):
+    """The image runs as uid 10001 in a working directory it cannot write to. With DATABASE_URL set, the
+    start-up path of these commands writes nothing there: not PAYINTENT_VAR_DIR (the SQLite default), not
+    HOME (gunicorn's control socket). chmod stops a non-root user; as root it does not, so the directory
+    must also stay empty."""
+    workdir = tmp_path / "readonly"
+    workdir.mkdir()
+    workdir.chmod(0o555)
+    env = {
+        "PAYINTENT_VAR_DIR": str(workdir / "var"),
+        "HOME": str(workdir),
+        "XDG_RUNTIME_DIR": "",
+        "REDIS_URL": redis_url,
+        "RELAY_KEYS": "{}",  # the relayer starts (no network has keys) and drains the empty queue
+    }
+    try:
+        for args in (
+            ["db", "upgrade"],
+            ["merchant", "create", "--email", "ro@example.com", "--password", "hunter2hunter2"],
+            ["worker", "--burst"],
+            ["relayer", "--burst"],
+        ):
+            code, out, stderr = run(fresh_db, *args, env=env, cwd=workdir)
+            assert code == 0, (args, out, stderr)
+            assert list(workdir.iterdir()) == [], args
+            if args[0] == "merchant":
+                api_key = out["api_key"]
+
+        port = free_port()
+        proc = subprocess.Popen(
+            [PAYINTENT, "serve", "--port", str(port), "--workers", "1"],
+            env={**os.environ, "DATABASE_URL": fresh_db, **env},
+            cwd=workdir,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            base = f"http://127.0.0.1:{port}"
+            _wait_healthy(base, [proc])
+            listed = requests.get(
+                f"{base}/api/v1/x402/intents", headers={"Authorization": f"Bearer {api_key}"}, timeout=10
+            )
+            assert listed.status_code == 200
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+        assert list(workdir.iterdir()) == []
+    finally:
+        workdir.chmod(0o755)

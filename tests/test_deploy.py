@@ -427,7 +427,6 @@ def test_dockerfile_stages():
     env = " ".join(" ".join(args) for keyword, args in final if keyword == "ENV")
     copied = [args for keyword, args in final if keyword == "COPY" and "--from=checkout" in args]
     assert copied and f"CHECKOUT_DIST_DIR={copied[0][-1]}" in env, "CHECKOUT_DIST_DIR must name the copied bundle"
-    assert "PAYINTENT_VAR_DIR=/tmp/" in env  # the CLI computes the default SQLite path (mkdir) even when unused
     entrypoint = next(args for keyword, args in final if keyword == "ENTRYPOINT")
     assert json.loads(" ".join(entrypoint)) == ["python", "/app/deploy/entrypoint.py"]
     for script in ("entrypoint.py", "healthcheck.py"):
