@@ -6,14 +6,20 @@ Every command prints one JSON object on stdout. Bad input exits non-zero with
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from backend.config import Settings
 from backend.jsonio import dumps
+
+if TYPE_CHECKING:
+    from flask import Flask
+
+log = logging.getLogger(__name__)
 
 
 class CLIError(click.ClickException):
@@ -41,6 +47,20 @@ def _app():  # type: ignore[no-untyped-def]
         raise CLIError("SCHEMA_OUT_OF_DATE", str(exc), exit_code=1) from None
     except ChainConfigError as exc:
         raise CLIError("INVALID_CHAINS_FILE", str(exc), exit_code=1) from None
+
+
+def _warn_about_development_settings(app: Flask) -> None:
+    """Logged as ``serve``, ``worker`` and ``relayer`` start: settings fit for development only. Not refused:
+    the tests run these processes so (``payintent dev`` names its SQLite file in DATABASE_URL)."""
+    from sqlalchemy.engine import make_url
+
+    settings: Settings = app.config["PAYINTENT_SETTINGS"]
+    if settings.default_database:
+        log.warning(
+            "DATABASE_URL is not set: using the SQLite file %s, for development only; "
+            "set DATABASE_URL to a PostgreSQL database in production",
+            make_url(settings.database_url).database,
+        )
 
 
 def _merchant_call(fn, *args: Any) -> Any:  # type: ignore[no-untyped-def]
@@ -199,7 +219,7 @@ def _redact(url: str) -> str:
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--workers", default=None, type=click.IntRange(1, 64), help="Default: WEB_CONCURRENCY or 2 x cores")
 def serve(host: str, port: int, workers: int | None) -> NoReturn:
-    _app()  # fail fast, with a clear message, on a bad configuration or schema
+    _warn_about_development_settings(_app())  # _app(): fail fast, with a clear message, on a bad configuration
     count = workers or int(os.environ.get("WEB_CONCURRENCY") or 2 * (os.cpu_count() or 1))
     argv = [
         sys.executable, "-m", "gunicorn",
@@ -224,6 +244,7 @@ def worker(burst: bool) -> None:
     from backend.worker import run_worker
 
     app = _app()
+    _warn_about_development_settings(app)
     set_job_app(app)
     try:
         connection = redis_from_url(Settings.from_env().redis_url)
@@ -259,6 +280,7 @@ def relayer(burst: bool, processes: int) -> None:
         run_pool(processes, argv)
         _emit({"relayer": "stopped", "processes": processes})
         return
+    _warn_about_development_settings(app)  # in each process of a pool, not in its supervisor
     try:
         connection = redis_from_url(Settings.from_env().redis_url)
     except RedisNotConfigured as exc:

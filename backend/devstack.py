@@ -216,6 +216,9 @@ def run_dev_stack(port: int = 8000) -> None:
     os.environ.setdefault("WEBHOOK_ALLOW_PRIVATE_TARGETS", "1")
     os.environ.setdefault("SECRET_KEY", _local_secret(workdir, "secret_key"))
     os.environ.setdefault("METRICS_TOKEN", _local_secret(workdir, "metrics_token"))
+    # The SQLite file under var/ unless DATABASE_URL says otherwise; named, so that serve, worker and relayer,
+    # which warn when DATABASE_URL is unset, know it is meant.
+    os.environ.setdefault("DATABASE_URL", Settings.from_env().database_url)
     os.environ.setdefault("LOG_FORMAT", "text")  # readable in a terminal; JSON is the default elsewhere
     procs: list[subprocess.Popen[bytes]] = []
     devnet_info: dict[str, Any] | None = None
