@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from backend.config import Settings
+from backend.config import DEVELOPMENT_SECRET_KEY, Settings
 from backend.jsonio import dumps
 
 if TYPE_CHECKING:
@@ -49,9 +49,10 @@ def _app():  # type: ignore[no-untyped-def]
         raise CLIError("INVALID_CHAINS_FILE", str(exc), exit_code=1) from None
 
 
-def _warn_about_development_settings(app: Flask) -> None:
+def _warn_about_development_settings(app: Flask, *, sessions: bool = False) -> None:
     """Logged as ``serve``, ``worker`` and ``relayer`` start: settings fit for development only. Not refused:
-    the tests run these processes so (``payintent dev`` names its SQLite file in DATABASE_URL)."""
+    the tests run these processes so (``payintent dev`` names its SQLite file in DATABASE_URL and makes a
+    SECRET_KEY). ``sessions``: the process serves the dashboard, the only user of SECRET_KEY."""
     from sqlalchemy.engine import make_url
 
     settings: Settings = app.config["PAYINTENT_SETTINGS"]
@@ -61,6 +62,8 @@ def _warn_about_development_settings(app: Flask) -> None:
             "set DATABASE_URL to a PostgreSQL database in production",
             make_url(settings.database_url).database,
         )
+    if sessions and settings.secret_key == DEVELOPMENT_SECRET_KEY:
+        log.warning("SECRET_KEY is the development default: set SECRET_KEY before exposing the dashboard")
 
 
 def _merchant_call(fn, *args: Any) -> Any:  # type: ignore[no-untyped-def]
@@ -219,7 +222,9 @@ def _redact(url: str) -> str:
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--workers", default=None, type=click.IntRange(1, 64), help="Default: WEB_CONCURRENCY or 2 x cores")
 def serve(host: str, port: int, workers: int | None) -> NoReturn:
-    _warn_about_development_settings(_app())  # _app(): fail fast, with a clear message, on a bad configuration
+    # _app(): fail fast, with a clear message, on a bad configuration or schema. Warned here, once, rather than
+    # by each gunicorn worker's create_app().
+    _warn_about_development_settings(_app(), sessions=True)
     count = workers or int(os.environ.get("WEB_CONCURRENCY") or 2 * (os.cpu_count() or 1))
     argv = [
         sys.executable, "-m", "gunicorn",

@@ -24,6 +24,10 @@ def _env_bool(name: str, default: bool = False) -> bool:
     return value in {"1", "true", "yes", "on"}
 
 
+# SECRET_KEY's default: fine for local development, never for a dashboard others can reach.
+DEVELOPMENT_SECRET_KEY = "dev-only-insecure-secret-key"
+
+
 def var_dir() -> Path:
     """Where the local stack keeps its SQLite file, Redis socket and devnet state."""
     path = Path(_env("PAYINTENT_VAR_DIR", "var")).resolve()
@@ -80,7 +84,7 @@ class Settings:
             redis_url=_env("REDIS_URL", "") or None,
             chains_file=_env("CHAINS_FILE", "") or None,
             checkout_host=_env("CHECKOUT_HOST", "http://127.0.0.1:8000").rstrip("/"),
-            secret_key=_env("SECRET_KEY", "dev-only-insecure-secret-key"),
+            secret_key=_env("SECRET_KEY", DEVELOPMENT_SECRET_KEY),
             max_amount_usdc=Decimal(_env("MAX_AMOUNT_USDC", "1000000")),
             log_level=_env("LOG_LEVEL", "INFO").upper(),
             webhook_allow_private_targets=_env_bool("WEBHOOK_ALLOW_PRIVATE_TARGETS"),

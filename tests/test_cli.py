@@ -231,21 +231,24 @@ def test_with_database_url_set_nothing_is_written_to_the_working_directory(fresh
 
 
 SQLITE_WARNING = "DATABASE_URL is not set: using the SQLite file"
+SECRET_KEY_WARNING = "SECRET_KEY is the development default"
 
 
-def test_serve_worker_and_relayer_warn_when_database_url_is_unset(redis_url, tmp_path):
+def test_serve_worker_and_relayer_warn_about_development_settings(redis_url, tmp_path):
     """Without DATABASE_URL they still run (tests, `payintent dev`) on the SQLite file under PAYINTENT_VAR_DIR,
-    and say so: in production that file is a trap (one per container, lost with it)."""
+    and say so: in production that file is a trap (one per container, lost with it). Only serve, whose
+    dashboard is the one user of SECRET_KEY, warns about its development default, and once."""
     sqlite_file = tmp_path / "var" / "payintent.db"
     env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
     env |= {"PAYINTENT_VAR_DIR": str(tmp_path / "var"), "REDIS_URL": redis_url, "RELAY_KEYS": "{}"}
-    env |= {"LOG_LEVEL": "WARNING", "LOG_FORMAT": "text", "SECRET_KEY": "cli-test-secret-key"}
+    env |= {"LOG_LEVEL": "WARNING", "LOG_FORMAT": "text", "SECRET_KEY": ""}
     for command in ("worker", "relayer"):
         done = subprocess.run([PAYINTENT, command, "--burst"], env=env, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         assert done.stderr.count(SQLITE_WARNING) == 1, done.stderr
         assert f"{SQLITE_WARNING} {sqlite_file}, for development only" in done.stderr
         assert "set DATABASE_URL to a PostgreSQL database in production" in done.stderr
+        assert SECRET_KEY_WARNING not in done.stderr, done.stderr
 
     port = free_port()
     with (tmp_path / "serve.log").open("w") as log:
@@ -257,6 +260,7 @@ def test_serve_worker_and_relayer_warn_when_database_url_is_unset(redis_url, tmp
         proc.wait(timeout=20)
     logged = (tmp_path / "serve.log").read_text()
     assert logged.count(f"{SQLITE_WARNING} {sqlite_file}") == 1, logged  # once, not once per gunicorn worker
+    assert logged.count(SECRET_KEY_WARNING) == 1, logged
 
     named = {**env, "DATABASE_URL": f"sqlite:///{sqlite_file}"}  # the same file, named: what `payintent dev` does
     done = subprocess.run([PAYINTENT, "worker", "--burst"], env=named, capture_output=True, text=True, timeout=60)

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import logging
-
 from flask import Flask
-
-log = logging.getLogger(__name__)
-
-_DEV_SECRET_KEY = "dev-only-insecure-secret-key"  # backend.config's default
 
 
 def init_app(app: Flask) -> None:
@@ -28,5 +22,3 @@ def init_app(app: Flask) -> None:
     )
     app.session_interface = DashboardSessionInterface()
     app.register_blueprint(bp)
-    if app.config.get("SECRET_KEY") == _DEV_SECRET_KEY:
-        log.warning("SECRET_KEY is the development default: set SECRET_KEY before exposing the dashboard")
