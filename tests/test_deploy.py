@@ -508,6 +508,19 @@ def test_entrypoint_runs_the_command_with_the_secrets(tmp_path):
     assert done.returncode == 78 and b"both SECRET_KEY and SECRET_KEY_FILE" in done.stderr
 
 
+def test_metrics_token_file_through_the_entrypoint_is_the_metrics_token(tmp_path):
+    """docs/deploy.md tells operators to pass the /metrics token as METRICS_TOKEN_FILE: it reaches the setting."""
+    (tmp_path / "metrics_token").write_text("scrape-token-from-a-file\n")
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "METRICS_TOKEN_FILE": str(tmp_path / "metrics_token"),
+        "DATABASE_URL": "postgresql://u@h/d",
+    }
+    show = [sys.executable, "-c", "from backend.config import Settings; print(Settings.from_env().metrics_token)"]
+    done = subprocess.run([sys.executable, str(DEPLOY / "entrypoint.py"), *show], env=env, capture_output=True)
+    assert (done.returncode, done.stdout) == (0, b"scrape-token-from-a-file\n"), done.stderr
+
+
 @pytest.fixture
 def http_server() -> Iterator[str]:
     class Handler(http.server.BaseHTTPRequestHandler):
