@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from flask import Flask, Response, current_app, request
+from sqlalchemy.exc import DBAPIError, OperationalError
 from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,19 @@ def _handle_http_exception(exc: HTTPException) -> Response:
     return response
 
 
+def database_unavailable(exc: Exception) -> bool:
+    """The database cannot be reached or answer now (down, restarting, refusing connections, a connection
+    timeout, a dropped connection, SQLite busy): worth retrying, unlike a failing statement."""
+    return isinstance(exc, OperationalError) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
+
+
+def _handle_database_error(exc: DBAPIError) -> Response:
+    if not database_unavailable(exc):
+        return _handle_unexpected(exc)
+    log.error("database unavailable on %s %s: %s", request.method, request.path, exc.orig or exc)
+    return error_response(APIError(503, "SERVICE_UNAVAILABLE", "The database cannot be reached right now; try again"))
+
+
 def _handle_unexpected(exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.path)
     return error_response(APIError(500, "INTERNAL_ERROR", "Internal server error"))
@@ -102,4 +116,5 @@ def _handle_unexpected(exc: Exception) -> Response:
 def register_error_handlers(app: Flask) -> None:
     app.register_error_handler(APIError, _handle_api_error)
     app.register_error_handler(HTTPException, _handle_http_exception)
+    app.register_error_handler(DBAPIError, _handle_database_error)
     app.register_error_handler(Exception, _handle_unexpected)

@@ -32,7 +32,7 @@ from werkzeug.exceptions import HTTPException, NotFound
 from backend.chains.registry import ChainRegistry
 from backend.dashboard import display, forms, security, services
 from backend.dashboard.forms import Form
-from backend.errors import APIError
+from backend.errors import APIError, database_unavailable
 from backend.events.services import EVENT_TYPES
 from backend.extensions import db
 from backend.intents.models import STATUSES
@@ -186,8 +186,11 @@ def _merchant_error(err: merchants.MerchantError) -> Response:
 
 @bp.errorhandler(Exception)
 def _unexpected(exc: Exception) -> Response:
-    log.exception("dashboard: unhandled error on %s %s", request.method, request.path)
     db.session.rollback()
+    if database_unavailable(exc):
+        log.error("dashboard: database unavailable on %s %s: %s", request.method, request.path, exc)
+        return error_page(503)
+    log.exception("dashboard: unhandled error on %s %s", request.method, request.path)
     return error_page(500)
 
 

@@ -1,0 +1,62 @@
+"""The error envelope for failures no view raises itself: a database that cannot be reached."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from backend.chains.registry import ChainRegistry
+from tests.conftest import free_port, make_settings
+
+UNAVAILABLE = {
+    "success": False,
+    "error": {"code": "SERVICE_UNAVAILABLE", "message": "The database cannot be reached right now; try again"},
+}
+
+
+@pytest.fixture
+def unreachable_app(chains: ChainRegistry) -> Iterator[Any]:
+    """An app whose PostgreSQL refuses connections (nothing listens on its port)."""
+    from backend.app import create_app
+    from backend.extensions import db
+
+    application = create_app(
+        make_settings(f"postgresql+psycopg2://payintent@127.0.0.1:{free_port()}/payintent"), chains=chains
+    )
+    with application.app_context():
+        yield application
+        db.session.remove()
+        db.engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("path", "headers"),
+    [
+        ("/api/v1/x402/intents", {"Authorization": "Bearer sk_test_" + "a" * 43}),  # the key lookup
+        ("/api/v1/checkout/intents/4b0c6a8e-52b4-4d44-9a0b-3c1f7a0e2d11", {}),  # the public checkout API
+    ],
+)
+def test_the_api_answers_503_without_a_trace_when_the_database_is_unreachable(unreachable_app, caplog, path, headers):
+    with caplog.at_level(logging.ERROR):
+        response = unreachable_app.test_client().get(path, headers=headers)
+    assert response.status_code == 503
+    assert response.content_type == "application/json"
+    assert response.get_json() == UNAVAILABLE
+    (record,) = [r for r in caplog.records if "database unavailable" in r.getMessage()]
+    assert record.exc_info is None  # an expected condition: one line, no traceback
+    assert "Connection refused" in record.getMessage()
+
+
+def test_the_dashboard_shows_its_503_page_when_the_database_is_unreachable(unreachable_app):
+    from backend.dashboard import security
+
+    client = unreachable_app.test_client()
+    with client.session_transaction() as session:  # logged in: each page loads the merchant
+        session.update({security._MERCHANT: "mer_x", security._SID: "sid", security._STARTED: int(time.time())})
+    response = client.get("/dashboard/")
+    assert response.status_code == 503
+    assert "Temporarily unavailable" in response.get_data(as_text=True)
