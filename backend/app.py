@@ -9,7 +9,7 @@ from flask import Flask, request
 from backend.chains.registry import ChainRegistry
 from backend.config import Settings
 from backend.errors import APIError, register_error_handlers
-from backend.extensions import api, db
+from backend.extensions import api, connect_args, db
 from backend.jsonio import ExactJSONProvider, dumps, strict_loads
 from backend.observability.hooks import init_app as init_observability
 from backend.schemas import FlatMetadata, HttpUrl, UsdcAmount
@@ -18,11 +18,15 @@ MAX_REQUEST_BYTES = 64 * 1024
 
 
 def _engine_options(url: str) -> dict[str, Any]:
-    options: dict[str, Any] = {"json_serializer": dumps, "json_deserializer": strict_loads}
+    options: dict[str, Any] = {
+        "json_serializer": dumps,
+        "json_deserializer": strict_loads,
+        "connect_args": connect_args(url),
+    }
     if url.startswith("postgresql"):
+        # pool_pre_ping: a pooled connection the server dropped (a restart, an idle timeout) is replaced when
+        # checked out, instead of failing the request that gets it.
         options.update(pool_pre_ping=True, pool_size=5, max_overflow=10, pool_recycle=1800)
-    elif url.startswith("sqlite"):
-        options["connect_args"] = {"timeout": 30, "check_same_thread": False}
     return options
 
 

@@ -9,7 +9,7 @@ from flask_smorest import Api
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import JSON, DateTime, MetaData, event
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.types import TypeDecorator
 
@@ -59,6 +59,20 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 
 JSONType = JSON().with_variant(JSONB(), "postgresql")
+
+# How long opening a PostgreSQL connection may take: an unreachable server fails the request (503) instead of
+# holding it for the TCP timeout. ``?connect_timeout=N`` in DATABASE_URL overrides it.
+POSTGRESQL_CONNECT_TIMEOUT_SECONDS = 5
+
+
+def connect_args(database_url: str) -> dict[str, Any]:
+    """The driver's connection arguments, for every engine of ours (the app's and the migrations')."""
+    url = make_url(database_url)
+    if url.get_backend_name() == "sqlite":
+        return {"timeout": 30, "check_same_thread": False}
+    if url.get_backend_name() == "postgresql" and "connect_timeout" not in url.query:
+        return {"connect_timeout": POSTGRESQL_CONNECT_TIMEOUT_SECONDS}
+    return {}
 
 
 @event.listens_for(Engine, "connect")

@@ -35,7 +35,9 @@ def current_revision(database_url: str) -> str | None:
     from alembic.migration import MigrationContext
     from sqlalchemy import create_engine, pool
 
-    engine = create_engine(database_url, poolclass=pool.NullPool)
+    from backend.extensions import connect_args
+
+    engine = create_engine(database_url, poolclass=pool.NullPool, connect_args=connect_args(database_url))
     try:
         with engine.connect() as connection:
             return MigrationContext.configure(connection).get_current_revision()

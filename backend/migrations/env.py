@@ -6,7 +6,7 @@ from alembic import context
 from sqlalchemy import create_engine, pool
 
 import backend.models  # noqa: F401  (registers every table)
-from backend.extensions import db
+from backend.extensions import connect_args, db
 
 config = context.config
 target_metadata = db.metadata
@@ -24,7 +24,8 @@ def run_migrations_offline() -> None:
 
 
 def run_migrations_online() -> None:
-    engine = create_engine(config.attributes["database_url"], poolclass=pool.NullPool)
+    url = config.attributes["database_url"]
+    engine = create_engine(url, poolclass=pool.NullPool, connect_args=connect_args(url))
     with engine.connect() as connection:
         context.configure(
             connection=connection,
