@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from collections.abc import Callable
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
 from functools import wraps
 from typing import Any, TypeVar
 
 from flask import Flask
 from redis import Redis
-from rq import Queue
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rq import Queue, SimpleWorker
+
+log = logging.getLogger(__name__)
 
 DEFAULT_QUEUE = "payintent"
+REDIS_RETRY_MAX_SECONDS = 10.0
 
 F = TypeVar("F", bound=Callable[..., Any])
 _job_app: Flask | None = None
@@ -79,3 +89,61 @@ def app_redis(*, fast: bool = False) -> Redis | None:
         options = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5} if fast else {}
         redis = current_app.extensions[name] = redis_from_url(url, **options)
     return redis
+
+
+def work(queues: list[str], connection: Redis, *, burst: bool = False) -> None:
+    """Run an RQ ``SimpleWorker`` on ``queues`` until it is stopped (SIGTERM/SIGINT) or, in burst mode, idle.
+
+    RQ survives Redis going away while it waits for a job, but not while a job runs: recording the
+    job's end then raises out of its work loop. Here such a loss waits for Redis to answer again
+    (backing off up to REDIS_RETRY_MAX_SECONDS) and starts a new worker, so a Redis restart does not
+    take the worker or the relayer down with it. The interrupted job needs nothing: the database
+    holds every durable fact and the periodic sweeps pick up what it left open.
+    """
+    while True:
+        worker = SimpleWorker([queue(name, connection) for name in queues], connection=connection)
+        try:
+            worker.work(burst=burst, with_scheduler=False, logging_level="INFO")
+            return
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            if burst or worker._stop_requested:
+                raise
+            log.warning("lost Redis while working (%s); waiting for it, then starting again", type(exc).__name__)
+            try:
+                with _stop_on_signals():
+                    wait_for_redis(connection)
+            except _Stop:
+                return
+
+
+class _Stop(Exception):
+    """SIGTERM or SIGINT while waiting for Redis: the worker stops (there is no job to finish)."""
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(_signum: int, _frame: Any) -> None:
+        raise _Stop
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def wait_for_redis(connection: Redis) -> None:
+    """Until Redis answers PING, retrying after 0.5 s, 1 s, 2 s ... up to REDIS_RETRY_MAX_SECONDS."""
+    delay = 0.5
+    while True:
+        try:
+            connection.ping()
+            return
+        except (RedisConnectionError, RedisTimeoutError):
+            time.sleep(delay)
+            delay = min(delay * 2, REDIS_RETRY_MAX_SECONDS)

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
-from rq import SimpleWorker
 
 from backend.idempotency.tasks import purge_idempotency_keys
 from backend.intents.tasks import expire_intents
-from backend.queueing import DEFAULT_QUEUE, job_app, queue
+from backend.queueing import DEFAULT_QUEUE, job_app, queue, work
 from backend.settlement.tasks import reconcile_settlements
 from backend.webhooks.tasks import WEBHOOK_QUEUE, Dispatcher, deliver_webhooks
 
@@ -74,8 +73,7 @@ def run_worker(
         ticker = threading.Thread(target=_ticker, args=(connection, stop), name="periodic", daemon=True)
         ticker.start()
     try:
-        worker = SimpleWorker([queue(name, connection) for name in queues], connection=connection)
-        worker.work(burst=burst, with_scheduler=False, logging_level="INFO")
+        work(list(queues), connection, burst=burst)
     finally:
         stop.set()
         if ticker is not None:

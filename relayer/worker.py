@@ -6,12 +6,11 @@ import logging
 
 from flask import Flask
 from redis import Redis
-from rq import SimpleWorker
 
 from backend.chains.evm import evm_chain
 from backend.chains.registry import Network
 from backend.observability.logs import register_secret
-from backend.queueing import queue, set_job_app
+from backend.queueing import set_job_app, work
 from relayer import tasks
 from relayer.keys import RelayKeyError, load_relay_accounts, load_solana_relays
 
@@ -34,8 +33,7 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False) -> None:
         log.info("relayer: %d relay account(s) on %s: %s", len(loaded), network, ", ".join(a.address for a in loaded))
     set_job_app(app)
     queue_name = app.config["PAYINTENT_SETTINGS"].relayer_queue
-    worker = SimpleWorker([queue(queue_name, connection)], connection=connection)
-    worker.work(burst=burst, with_scheduler=False, logging_level="INFO")
+    work([queue_name], connection, burst=burst)
 
 
 def check_chain_id(network: Network | None) -> None:
