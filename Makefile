@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 NODE_STAMP := node_modules/.installed
 CHECKOUT := checkout-ui/dist/index.html
 
-.PHONY: install browser run test test-db lint fmt bench contracts clean
+.PHONY: install browser run test test-db drills lint fmt bench contracts clean
 
 install: $(STAMP) $(NODE_STAMP) $(CHECKOUT)
 
@@ -52,6 +52,11 @@ test: install browser
 # Only the tests that touch a database or Redis (.ci/run points them at the machine's servers).
 test-db: install
 	$(BIN)/python -m pytest -m "db or redis" $(PYTEST_ARGS)
+
+# Reliability drills: faults against the full local stack (docs/drills.md); fails on a double charge,
+# a charge the service did not record, a payment left unsettled or a lost webhook event.
+drills: install
+	$(BIN)/python drills/run.py $(DRILLS_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,0 +1,278 @@
+"""Buyers who insist, and the ledger that checks nothing was lost or paid twice.
+
+A :class:`Buyer` thread creates one intent (with an Idempotency-Key, retried through outages) and
+pays it the way an impatient agent would: an answer that is not an outcome (a dropped connection,
+a 5xx, "still settling") makes it wait for the intent, then post again, half the time the same
+authorization and half the time a freshly signed one (a new nonce: the one way a buyer could be
+charged twice). It stops when the intent reads ``paid`` or its deadline passes.
+
+:func:`audit` then checks, per drill, against the chain (Anvil, directly) and the database:
+each intent's authorizations executed on chain (double-charged when more than one, unrecorded when
+one moved money but the intent is not paid), buyer and merchant balances against the paid
+amounts, one confirmed settlement and one ``payment.completed`` event per paid intent, and every
+event of the drill received by both webhook receivers (lost when one never arrived).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from drills.helpers import received
+from drills.stack import RECEIVERS, Stack
+
+INTENTS = "/api/v1/x402/intents"
+PAY = "/api/v1/x402/pay"
+ATOMIC = Decimal(1_000_000)
+
+
+@dataclass
+class Payment:
+    key: str
+    network: str
+    buyer: dict[str, str]
+    amount: Decimal
+    intent_id: str | None = None
+    nonces: list[str] = field(default_factory=list)
+    answers: Counter[str] = field(default_factory=Counter)
+    paid: bool = False
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def atomic(self) -> int:
+        return int(self.amount * ATOMIC)
+
+
+def make_payments(stack: Stack, tag: str, count: int, rng: random.Random) -> list[Payment]:
+    return [
+        Payment(
+            key=f"drill-{tag}-{i}-{rng.getrandbits(32):08x}",
+            network=stack.networks[i % len(stack.networks)],
+            buyer=stack.buyers[i % len(stack.buyers)],
+            amount=Decimal(rng.randint(100, 999)) / 100,
+        )
+        for i in range(count)
+    ]
+
+
+def _code(status: int, body: Any) -> str:
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return f"{status} {body['error'].get('code')}"
+    return str(status)
+
+
+class Buyer(threading.Thread):
+    def __init__(self, stack: Stack, payment: Payment, deadline: float, seed: int) -> None:
+        super().__init__(name=f"buyer-{payment.key}", daemon=True)
+        self.stack = stack
+        self.p = payment
+        self.deadline = deadline
+        self.rng = random.Random(seed)
+
+    def call(self, method: str, path: str, body: Any = None, **kwargs: Any) -> tuple[int, Any]:
+        try:
+            status, answer = self.stack.api(method, path, body, **kwargs)
+        except OSError as exc:  # the API is down or died mid-request
+            self.p.answers[f"connection {type(exc).__name__}"] += 1
+            return 0, None
+        if status != 200 or method != "GET":
+            self.p.answers[_code(status, answer)] += 1
+        return status, answer
+
+    def run(self) -> None:
+        try:
+            requirement = self.create()
+            if requirement is not None:
+                self.pay(requirement)
+        except Exception as exc:  # a bug of the drill itself: reported, never taken for a service fault
+            self.p.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.p.done.set()
+
+    def create(self) -> dict[str, Any] | None:
+        body = {"amount_usdc": self.p.amount, "order_id": self.p.key, "description": "drill"}
+        while time.monotonic() < self.deadline:
+            status, answer = self.call("POST", INTENTS, body, idempotency_key=self.p.key, timeout=30)
+            if status in (200, 201):
+                self.p.intent_id = answer["data"]["intent_id"]
+                return next(r for r in answer["data"]["payment_requirements"] if r["network"] == self.p.network)
+            time.sleep(0.5)
+        return None
+
+    def signed(self, requirement: dict[str, Any]) -> dict[str, Any]:
+        from payintent.eip3009 import sign_authorization
+
+        payload = sign_authorization(self.p.buyer["private_key"], requirement)
+        self.p.nonces.append(payload["nonce"])  # recorded before anything is sent
+        return {
+            "intent_id": self.p.intent_id,
+            "payment_signature": {"scheme": "exact", "network": self.p.network, "x402Version": 1, "payload": payload},
+        }
+
+    def pay(self, requirement: dict[str, Any]) -> None:
+        body = self.signed(requirement)
+        while time.monotonic() < self.deadline:
+            status, answer = self.call("POST", PAY, body, timeout=60)
+            code = _code(status, answer)
+            if status == 200 or code == "409 ALREADY_PAID":
+                self.p.paid = True
+                return
+            if self.wait_paid(20 if status in (0, 504) or code.endswith("PAYMENT_IN_PROGRESS") else 2):
+                return
+            if self.rng.random() < 0.5 or code.endswith(("SETTLEMENT_FAILED", "NONCE_ALREADY_USED", "EXPIRED")):
+                body = self.signed(requirement)
+            time.sleep(self.rng.uniform(0.2, 1.0))
+
+    def wait_paid(self, seconds: float) -> bool:
+        """Poll the intent until it reads paid (True) or `seconds` pass (False)."""
+        until = min(self.deadline, time.monotonic() + seconds)
+        while time.monotonic() < until:
+            status, answer = self.call("GET", f"{INTENTS}/{self.p.intent_id}", timeout=10)
+            if status == 200 and answer["data"]["status"] == "paid":
+                self.p.paid = True
+                return True
+            time.sleep(0.5)
+        return False
+
+
+def start_buyers(stack: Stack, payments: list[Payment], deadline: float, rng: random.Random) -> list[Buyer]:
+    buyers = [Buyer(stack, p, deadline, rng.getrandbits(32)) for p in payments]
+    for buyer in buyers:
+        buyer.start()
+    return buyers
+
+
+def wait_all(payments: list[Payment], deadline: float) -> None:
+    for p in payments:
+        p.done.wait(max(0.0, deadline - time.monotonic()))
+
+
+# --- the audit -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Figures:
+    attempted: int = 0
+    settled: int = 0
+    double_charged: int = 0
+    unrecorded: int = 0
+    events: int = 0
+    lost: int = 0
+    redelivered: int = 0
+    answers: Counter[str] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Snapshot:
+    """Balances before a drill: buyers per network, the payout address per network."""
+
+    buyers: dict[tuple[str, str], int]
+    payout: str
+
+
+def snapshot(stack: Stack) -> Snapshot:
+    balances = {(n, b["address"]): stack.balance(n, b["address"]) for n in stack.networks for b in stack.buyers}
+    return Snapshot(balances, stack.payout)
+
+
+def _rows(stack: Stack, intent_ids: list[str]) -> tuple[dict[str, Any], Counter[str], dict[str, list[str]]]:
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(stack.database_url, poolclass=sa.pool.NullPool)
+    ids = sa.bindparam("ids", expanding=True)
+    try:
+        with engine.connect() as conn:
+            intents = {
+                row.id: row
+                for row in conn.execute(
+                    sa.text("SELECT id, status, amount_atomic, chain FROM intents WHERE id IN :ids").bindparams(ids),
+                    {"ids": intent_ids},
+                )
+            }
+            confirmed = Counter(
+                row.intent_id
+                for row in conn.execute(
+                    sa.text("SELECT intent_id FROM settlements WHERE status = 'confirmed' AND intent_id IN :ids")
+                    .bindparams(ids),
+                    {"ids": intent_ids},
+                )
+            )  # fmt: skip
+            events: dict[str, list[str]] = defaultdict(list)
+            for row in conn.execute(
+                sa.text("SELECT id, type, intent_id FROM events WHERE intent_id IN :ids").bindparams(ids),
+                {"ids": intent_ids},
+            ):
+                events[row.type].append(row.id)
+                if row.type == "payment.completed":
+                    events[f"completed:{row.intent_id}"].append(row.id)
+    finally:
+        engine.dispose()
+    return intents, confirmed, events
+
+
+def audit(stack: Stack, payments: list[Payment], before: Snapshot, events_deadline: float) -> Figures:
+    figures = Figures(attempted=len(payments))
+    for p in payments:
+        figures.answers.update(p.answers)
+        if p.error:
+            figures.problems.append(f"the buyer of {p.key} broke: {p.error}")
+    created = [p for p in payments if p.intent_id]
+    if len(created) != len(payments):
+        figures.problems.append(f"{len(payments) - len(created)} intents were never created")
+    intents, confirmed, events = _rows(stack, [p.intent_id for p in created if p.intent_id])
+    paid_by_buyer: Counter[tuple[str, str]] = Counter()
+    paid_by_network: Counter[str] = Counter()
+    for p in created:
+        intent = intents[p.intent_id]
+        executed = sum(1 for nonce in p.nonces if stack.authorization_used(p.network, p.buyer["address"], nonce))
+        is_paid = intent.status == "paid"
+        figures.settled += is_paid
+        figures.double_charged += max(0, executed - 1)
+        if executed and not is_paid:
+            figures.unrecorded += 1
+        if is_paid and executed != 1:
+            figures.problems.append(f"intent {p.intent_id} is paid but {executed} of its authorizations executed")
+        if is_paid and confirmed[p.intent_id] != 1:
+            figures.problems.append(f"intent {p.intent_id} is paid with {confirmed[p.intent_id]} confirmed settlements")
+        if is_paid and len(events.get(f"completed:{p.intent_id}", [])) != 1:
+            figures.problems.append(f"intent {p.intent_id}: {len(events.get(f'completed:{p.intent_id}', []))} "
+                                    "payment.completed events")  # fmt: skip
+        if is_paid:
+            paid_by_buyer[(p.network, p.buyer["address"])] += intent.amount_atomic
+            paid_by_network[p.network] += intent.amount_atomic
+        if not is_paid:
+            figures.problems.append(f"intent {p.intent_id} is {intent.status} at the end (answers {dict(p.answers)})")
+    for (network, address), before_balance in before.buyers.items():
+        spent = before_balance - stack.balance(network, address)
+        if spent != paid_by_buyer[(network, address)]:
+            figures.problems.append(
+                f"buyer {address} on {network} spent {spent} atomic USDC for {paid_by_buyer[(network, address)]} paid"
+            )
+    for network in stack.networks:
+        got = stack.balance(network, before.payout)
+        if got != paid_by_network[network]:
+            figures.problems.append(f"the merchant got {got} atomic USDC on {network} for {paid_by_network[network]}")
+    expected = {event_id for kind, ids in events.items() if ":" not in kind for event_id in ids}
+    figures.events = len(expected) * len(RECEIVERS)
+    figures.lost, figures.redelivered = _deliveries(stack, expected, events_deadline)
+    return figures
+
+
+def _deliveries(stack: Stack, expected: set[str], deadline: float) -> tuple[int, int]:
+    """(lost, redelivered): events of `expected` missing at a receiver by `deadline`, and extra copies."""
+    while True:
+        counts = {name: Counter(str(body.get("id")) for body in received(stack.receiver_log[name]))
+                  for name in RECEIVERS}  # fmt: skip
+        lost = sum(1 for name in RECEIVERS for event_id in expected if counts[name][event_id] == 0)
+        if lost == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    redelivered = sum(max(0, counts[name][event_id] - 1) for name in RECEIVERS for event_id in expected)
+    return lost, redelivered

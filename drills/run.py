@@ -1,0 +1,330 @@
+"""``make drills``: scripted faults against the full local stack, with the money and the events checked
+after each.
+
+Every drill pays real intents on the devnet (drills/payments.py: buyers that retry, half the time
+with a freshly signed authorization) while one part of the stack fails, then audits the chain and
+the database: payments attempted and settled, double charges and unrecorded charges (both must be
+0), and events lost (every event must reach both webhook receivers; 0 lost). A drill whose audit
+finds a problem, or whose payments do not all settle, fails the run (exit 1).
+
+    .venv/bin/python drills/run.py                    # all six, about 6 minutes
+    .venv/bin/python drills/run.py --only relayer api --seed 7
+    .venv/bin/python drills/run.py --write            # ... and update docs/drills.md's results
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import _common as common  # noqa: E402
+
+from drills.payments import Figures, Payment, audit, make_payments, snapshot, start_buyers, wait_all  # noqa: E402
+from drills.stack import RECEIVERS, DrillError, Stack  # noqa: E402
+
+DOC = ROOT / "docs" / "drills.md"
+HEADING = "## Results"
+DRAIN_SECONDS = 240.0  # after the last fault: the reconciler re-sends a stale settlement after 30-45 s
+
+
+@dataclass
+class Outcome:
+    payments: list[Payment]
+    faults: str
+    in_flight: int = 0  # payments started and not yet settled when a fault struck
+
+
+Drill = Callable[[Stack, random.Random], Outcome]
+
+
+def _in_flight(payments: list[Payment]) -> int:
+    return sum(1 for p in payments if not p.done.is_set())
+
+
+def _outages(stack: Stack, rng: random.Random, tag: str, waves: int, down: Callable[[], None],
+             up: Callable[[], None], seconds: float) -> tuple[list[Payment], int]:  # fmt: skip
+    """Per wave: 5 buyers start, the part goes `down()` 0.05-0.4 s later (their payments in flight),
+    5 more buyers start during the outage, and after `seconds` it comes back `up()`. Then every buyer
+    is waited for. Returns the payments and how many were in flight at the faults."""
+    per_wave = 5
+    payments = make_payments(stack, tag, waves * 2 * per_wave, rng)
+    deadline = time.monotonic() + waves * (seconds + 15) + DRAIN_SECONDS
+    in_flight = 0
+    for wave in range(waves):
+        before, during = (payments[(2 * wave + i) * per_wave : (2 * wave + i + 1) * per_wave] for i in (0, 1))
+        start_buyers(stack, before, deadline, rng)
+        time.sleep(rng.uniform(0.05, 0.4))
+        in_flight += _in_flight(before)
+        down()
+        start_buyers(stack, during, deadline, rng)
+        time.sleep(seconds)
+        up()
+        time.sleep(1.0)
+    wait_all(payments, deadline)
+    return payments, in_flight
+
+
+def relayer_drill(stack: Stack, rng: random.Random) -> Outcome:
+    """The relayer killed at random points of 50 settlements: SIGKILL at a random moment, or a crash
+    (PAYINTENT_FAULT) right after the transaction is recorded, after the broadcast, before the finish."""
+    from relayer.faults import POINTS
+
+    modes = ("sigkill", *POINTS)
+    crashes_before = Counter(stack.crashes)
+    payments = make_payments(stack, "relayer", 50, rng)
+    deadline = time.monotonic() + 10 * 15 + DRAIN_SECONDS
+    kills = in_flight = 0
+    try:
+        for wave in range(10):
+            group = payments[wave * 5 : (wave + 1) * 5]
+            mode = modes[wave % len(modes)]
+            if mode != "sigkill":  # this wave meets a relayer that dies when a settlement reaches `mode`
+                stack.restart("relayer", fault=mode)
+            start_buyers(stack, group, deadline, rng)
+            if mode == "sigkill":
+                time.sleep(rng.uniform(0.02, 0.4))  # a settlement takes about half a second on the devnet
+                in_flight += _in_flight(group)
+                stack.restart("relayer")
+                kills += 1
+            else:
+                time.sleep(2.0)  # the supervisor starts it again (without a fault) after its crash
+            time.sleep(1.0)
+        wait_all(payments, deadline)
+    finally:
+        if stack.relayer_fault:
+            stack.restart("relayer")
+    crashes = stack.crashes - crashes_before
+    faults = [f"{kills} x SIGKILL", *(f"{n} x crash {point}" for point, n in sorted(crashes.items()))]
+    return Outcome(payments, ", ".join(faults), in_flight)
+
+
+def api_drill(stack: Stack, rng: random.Random) -> Outcome:
+    """The API (gunicorn and its workers) SIGKILLed while /pay calls are in flight, 1 s down, three times."""
+    payments, in_flight = _outages(
+        stack, rng, "api", 3, lambda: stack.take_down("api"), lambda: stack.bring_up("api"), seconds=1.0
+    )
+    return Outcome(payments, "3 x API SIGKILL mid-/pay, 1 s down", in_flight)
+
+
+def redis_drill(stack: Stack, rng: random.Random) -> Outcome:
+    """Redis flushed (every queue, lock and nonce hint gone), killed, and started again empty, twice."""
+    payments, in_flight = _outages(stack, rng, "redis", 2, stack.flush_and_kill_redis, stack.start_redis, seconds=3.0)
+    return Outcome(payments, "2 x Redis FLUSHALL + kill, 3 s down", in_flight)
+
+
+def postgres_drill(stack: Stack, rng: random.Random) -> Outcome:
+    """PostgreSQL stopped hard (pg_ctl -m immediate: a crash) for 3 s, twice."""
+    payments, in_flight = _outages(
+        stack, rng, "postgres", 2, stack.stop_postgres, stack.start_postgres_again, seconds=3.0
+    )
+    return Outcome(payments, "2 x PostgreSQL crash, 3 s down", in_flight)
+
+
+def rpc_drill(stack: Stack, rng: random.Random) -> Outcome:
+    """Every chain's RPC endpoint refusing connections for 8 s, twice."""
+
+    def down() -> None:
+        for network in stack.networks:
+            stack.kill(f"rpc-{network}")
+
+    def up() -> None:
+        for network in stack.networks:
+            stack.start_proxy(network)
+
+    payments, in_flight = _outages(stack, rng, "rpc", 2, down, up, seconds=8.0)
+    return Outcome(payments, "2 x every chain RPC down 8 s", in_flight)
+
+
+def webhooks_drill(stack: Stack, rng: random.Random) -> Outcome:
+    """Both receivers down for a whole retry cycle (the worker's clock moved through the schedule):
+    receiver A comes back before the last attempt and gets everything from the schedule; receiver B
+    stays down through all five attempts, then its failed deliveries are replayed through the API."""
+    from backend.webhooks.services import MAX_ATTEMPTS, RETRY_DELAYS_SECONDS
+
+    for name in RECEIVERS:
+        stack.kill(name)
+    payments = make_payments(stack, "webhooks", 10, rng)
+    wait_all(payments, _start(stack, payments, rng))
+    ids = [p.intent_id for p in payments if p.intent_id]
+    _wait_attempts(stack, ids, 1)
+    offset = 0.0
+    for number, delay in enumerate(RETRY_DELAYS_SECONDS, start=2):
+        if number == MAX_ATTEMPTS:
+            stack.start_receiver(RECEIVERS[0])
+        offset += delay + 1
+        stack.set_clock_offset(offset)
+        _wait_attempts(stack, ids, number)
+    stack.set_clock_offset(0)
+    stack.start_receiver(RECEIVERS[1])
+    replayed = _replay_failed(stack)
+    return Outcome(
+        payments,
+        f"receivers down {offset / 3600:.1f} h of worker clock ({MAX_ATTEMPTS} attempts); A back before the last "
+        f"attempt, B's {replayed} failed deliveries replayed",
+    )
+
+
+def _start(stack: Stack, payments: list[Payment], rng: random.Random) -> float:
+    deadline = time.monotonic() + DRAIN_SECONDS
+    start_buyers(stack, payments, deadline, rng)
+    return deadline
+
+
+def _wait_attempts(stack: Stack, intent_ids: list[str], number: int, timeout: float = 60) -> None:
+    """Until every delivery of these intents' events has made `number` attempts (or has succeeded)."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(stack.database_url, poolclass=sa.pool.NullPool)
+    query = sa.text(
+        "SELECT count(*) FROM webhook_deliveries d JOIN events e ON e.id = d.event_id "
+        "WHERE e.intent_id IN :ids AND d.replay_of IS NULL AND d.attempt_count < :n AND d.status != 'succeeded'"
+    ).bindparams(sa.bindparam("ids", expanding=True))
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            with engine.connect() as conn:
+                behind = conn.execute(query, {"ids": intent_ids, "n": number}).scalar()
+            if behind == 0:
+                return
+            if time.monotonic() > deadline:
+                raise DrillError(f"{behind} webhook deliveries did not make attempt {number} within {timeout:.0f} s")
+            time.sleep(0.3)
+    finally:
+        engine.dispose()
+
+
+def _replay_failed(stack: Stack) -> int:
+    status, body = stack.api("GET", "/api/v1/webhooks/deliveries?status=failed&limit=100")
+    if status != 200:
+        raise DrillError(f"listing failed deliveries answered {status}: {body}")
+    replayed = 0
+    for delivery in body["data"]["deliveries"]:
+        status, answer = stack.api("POST", f"/api/v1/webhooks/deliveries/{delivery['delivery_id']}/replay")
+        if status != 202:
+            raise DrillError(f"replaying {delivery['delivery_id']} answered {status}: {answer}")
+        replayed += 1
+    return replayed
+
+
+DRILLS: dict[str, Drill] = {
+    "relayer": relayer_drill,
+    "api": api_drill,
+    "redis": redis_drill,
+    "postgres": postgres_drill,
+    "rpc": rpc_drill,
+    "webhooks": webhooks_drill,
+}
+
+
+def run_one(stack: Stack, name: str, drill: Drill, rng: random.Random) -> tuple[Figures, Outcome, float]:
+    stack.new_payout_wallets()
+    before = snapshot(stack)
+    started = time.monotonic()
+    exits_before = len(stack.unexpected_exits)
+    outcome = drill(stack, rng)
+    figures = audit(stack, outcome.payments, before, time.monotonic() + 90)
+    if figures.settled != figures.attempted:
+        figures.problems.append(f"{figures.attempted - figures.settled} of {figures.attempted} payments never settled")
+    figures.problems += [f"{exit} (restarted)" for exit in stack.unexpected_exits[exits_before:]]
+    if figures.lost:
+        figures.problems.append(f"{figures.lost} webhook deliveries of this drill's events never arrived")
+    return figures, outcome, time.monotonic() - started
+
+
+Row = tuple[str, Figures, Outcome, float]
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        "| drill | faults | attempted | in flight at a fault | settled | double-charged | unrecorded | events | lost "
+        "| redelivered | s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, f, outcome, seconds in rows:
+        lines.append(
+            f"| {name} | {outcome.faults} | {f.attempted} | {outcome.in_flight} | {f.settled} | {f.double_charged} | "
+            f"{f.unrecorded} | {f.events} | {f.lost} | {f.redelivered} | {seconds:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def answers_lines(rows: list[Row]) -> list[str]:
+    lines = []
+    for name, f, _outcome, _seconds in rows:
+        seen = ", ".join(f"{code}: {n}" for code, n in sorted(f.answers.items()))
+        lines.append(f"- {name}: {seen or 'none'}")
+    return lines
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=list(DRILLS), help="run only these drills")
+    parser.add_argument("--seed", type=int, help="random seed (printed; default: random)")
+    parser.add_argument("--write", action="store_true", help=f"rewrite the results in {DOC.relative_to(ROOT)}")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the services' logs even when all passed")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+    rng = random.Random(seed)
+    clock_started = time.monotonic()
+    common.stop_on_signals()
+    rows: list[Row] = []
+    session = common.Session("drills", keep_logs=args.keep_logs)
+    with session:
+        print(f"drills: seed {seed}; starting PostgreSQL, Redis, 3 Anvil chains, API, worker, relayer ...", flush=True)
+        stack = Stack(session)
+        stack.start()
+        print(f"stack up in {time.monotonic() - clock_started:.0f} s; logs in {session.workdir}", flush=True)
+        for name in args.only or list(DRILLS):
+            print(f"\n== {name}: {(DRILLS[name].__doc__ or '').split(chr(10))[0]}", flush=True)
+            figures, outcome, seconds = run_one(stack, name, DRILLS[name], rng)
+            rows.append((name, figures, outcome, seconds))
+            print(table([rows[-1]]).splitlines()[-1], flush=True)
+            for problem in figures.problems:
+                print(f"  PROBLEM: {problem}", flush=True)
+            session.problems += [f"{name}: {p}" for p in figures.problems]
+    if session.exit_code is not None:
+        return session.exit_code
+    report = _report(rows, seed, argv)
+    print("\n" + report.split("\n", 4)[4])
+    status = common.finish([], session.problems, clock_started, HEADING, None)
+    if args.write and status == 0:
+        common.write_section(report, HEADING, DOC)
+        print(f"wrote the section '{HEADING}' of {DOC.relative_to(ROOT)}")
+    return status
+
+
+def _report(rows: list[Row], seed: int, argv: list[str] | None) -> str:
+    command = " ".join(["drills/run.py", *(sys.argv[1:] if argv is None else argv)])
+    return "\n".join(
+        [
+            HEADING,
+            "",
+            "Written by `drills/run.py --write` (the last run on the development machine; CI runs them on every push).",
+            "",
+            table(rows),
+            "",
+            "Answers the buyers got, by HTTP status and error code (a connection error: the API was down):",
+            "",
+            *answers_lines(rows),
+            "",
+            f"Run: `{command}`, seed {seed}, commit {common.git_commit()}, {common.machine()}.",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

