@@ -21,7 +21,7 @@ _ERROR_DESCRIPTIONS = {
     402: "The payment could not be settled (SETTLEMENT_FAILED, with a reason)",
     410: "The intent expired (INTENT_EXPIRED)",
     415: "Body is not application/json (UNSUPPORTED_MEDIA_TYPE)",
-    503: "A chain or the settlement queue is unavailable (CHAIN_UNAVAILABLE)",
+    503: "A chain, the settlement queue or the database is unavailable (CHAIN_UNAVAILABLE, SERVICE_UNAVAILABLE): retry",
     504: "Accepted but still settling (SETTLEMENT_PENDING): read the intent",
     422: "Idempotency-Key reused with a different request (IDEMPOTENCY_KEY_REUSED)",
 }

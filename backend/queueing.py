@@ -91,7 +91,7 @@ def app_redis(*, fast: bool = False) -> Redis | None:
     return redis
 
 
-def work(queues: list[str], connection: Redis, *, burst: bool = False) -> None:
+def work(queues: list[str], connection: Redis, *, burst: bool = False, logging_level: str = "INFO") -> None:
     """Run an RQ ``SimpleWorker`` on ``queues`` until it is stopped (SIGTERM/SIGINT) or, in burst mode, idle.
 
     RQ survives Redis going away while it waits for a job, but not while a job runs: recording the
@@ -103,7 +103,7 @@ def work(queues: list[str], connection: Redis, *, burst: bool = False) -> None:
     while True:
         worker = SimpleWorker([queue(name, connection) for name in queues], connection=connection)
         try:
-            worker.work(burst=burst, with_scheduler=False, logging_level="INFO")
+            worker.work(burst=burst, with_scheduler=False, logging_level=logging_level)  # RQ sets its loggers' level
             return
         except (RedisConnectionError, RedisTimeoutError) as exc:
             if burst or worker._stop_requested:

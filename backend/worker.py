@@ -73,7 +73,7 @@ def run_worker(
         ticker = threading.Thread(target=_ticker, args=(connection, stop), name="periodic", daemon=True)
         ticker.start()
     try:
-        work(list(queues), connection, burst=burst)
+        work(list(queues), connection, burst=burst, logging_level=job_app().config["PAYINTENT_SETTINGS"].log_level)
     finally:
         stop.set()
         if ticker is not None:

@@ -32,8 +32,8 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False) -> None:
         check_chain_id(registry.get(network))
         log.info("relayer: %d relay account(s) on %s: %s", len(loaded), network, ", ".join(a.address for a in loaded))
     set_job_app(app)
-    queue_name = app.config["PAYINTENT_SETTINGS"].relayer_queue
-    work([queue_name], connection, burst=burst)
+    settings = app.config["PAYINTENT_SETTINGS"]
+    work([settings.relayer_queue], connection, burst=burst, logging_level=settings.log_level)
 
 
 def check_chain_id(network: Network | None) -> None:
