@@ -276,3 +276,65 @@ def _deliveries(stack: Stack, expected: set[str], deadline: float) -> tuple[int,
         time.sleep(0.5)
     redelivered = sum(max(0, counts[name][event_id] - 1) for name in RECEIVERS for event_id in expected)
     return lost, redelivered
+
+
+# --- the audit's control: planted faults it must find ----------------------------------------------------
+
+
+def execute_behind_the_service(stack: Stack, p: Payment, requirement: dict[str, Any]) -> None:
+    """Sign a new authorization for the payment's requirement and execute it on chain directly, as
+    the devnet's deployer: money moves without the service knowing (what a bug could do)."""
+    import json
+
+    from eth_account import Account
+    from web3 import Web3
+
+    from payintent.eip3009 import sign_authorization
+
+    payload = sign_authorization(p.buyer["private_key"], requirement)
+    p.nonces.append(payload["nonce"])
+    w3 = Web3(Web3.HTTPProvider(stack.anvil_url[p.network]))
+    abi = json.loads((stack.root / "devnet" / "artifacts" / "TestUSDC.json").read_text())["abi"]
+    token = w3.eth.contract(address=Web3.to_checksum_address(stack.usdc[p.network]), abi=abi)
+    call = token.get_function_by_signature(
+        "transferWithAuthorization(address,address,uint256,uint256,uint256,bytes32,bytes)"
+    )(
+        Web3.to_checksum_address(payload["from"]), Web3.to_checksum_address(payload["to"]), int(payload["value"]),
+        int(payload["validAfter"]), int(payload["validBefore"]), bytes.fromhex(payload["nonce"][2:]),
+        bytes.fromhex(payload["signature"][2:]),
+    )  # fmt: skip
+    deployer = Account.from_key(stack.deployer_key)
+    tx = call.build_transaction({"from": deployer.address, "nonce": w3.eth.get_transaction_count(deployer.address)})
+    receipt = w3.eth.wait_for_transaction_receipt(
+        w3.eth.send_raw_transaction(deployer.sign_transaction(tx).raw_transaction)
+    )
+    if receipt["status"] != 1:
+        raise RuntimeError("the planted transfer reverted")
+
+
+def control(stack: Stack, rng: random.Random) -> list[str]:
+    """Plant one double charge, one unrecorded charge and one missing event; the audit must report
+    exactly those. Returns problems (empty when it did)."""
+    stack.new_payout_wallets()
+    before = snapshot(stack)
+    paid, unpaid = make_payments(stack, "control", 2, rng)
+    deadline = time.monotonic() + 120
+    buyer = Buyer(stack, paid, deadline, rng.getrandbits(32))
+    requirement = buyer.create()
+    assert requirement is not None
+    buyer.pay(requirement)  # settles through the service
+    execute_behind_the_service(stack, paid, requirement)  # a second authorization for the same intent
+    other = Buyer(stack, unpaid, deadline, rng.getrandbits(32)).create()
+    assert other is not None
+    execute_behind_the_service(stack, unpaid, other)  # money moved, no /pay, the intent stays pending
+    figures = audit(stack, [paid, unpaid], before, time.monotonic() + 30)
+    lost, _ = _deliveries(stack, {"evt_planted_never_sent"}, time.monotonic())
+    problems = []
+    if (figures.double_charged, figures.unrecorded, lost) != (1, 1, len(RECEIVERS)):
+        problems.append(
+            f"the audit's control: planted 1 double charge, 1 unrecorded charge, 1 missing event; it found "
+            f"{figures.double_charged}, {figures.unrecorded}, {lost} missing deliveries"
+        )
+    if not any("spent" in problem for problem in figures.problems):
+        problems.append("the audit's control: the buyers' balances did not show the planted charges")
+    return problems

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import _common as common  # noqa: E402
 
-from drills.payments import Figures, Payment, audit, make_payments, snapshot, start_buyers, wait_all  # noqa: E402
+from drills.payments import Figures, Payment, audit, control, make_payments, snapshot, start_buyers, wait_all  # noqa: E402
 from drills.stack import RECEIVERS, DrillError, Stack  # noqa: E402
 
 DOC = ROOT / "docs" / "drills.md"
@@ -286,16 +286,26 @@ def main(argv: list[str] | None = None) -> int:
     with session:
         print(f"drills: seed {seed}; starting PostgreSQL, Redis, 3 Anvil chains, API, worker, relayer ...", flush=True)
         stack = Stack(session)
-        stack.start()
-        print(f"stack up in {time.monotonic() - clock_started:.0f} s; logs in {session.workdir}", flush=True)
-        for name in args.only or list(DRILLS):
-            print(f"\n== {name}: {(DRILLS[name].__doc__ or '').split(chr(10))[0]}", flush=True)
-            figures, outcome, seconds = run_one(stack, name, DRILLS[name], rng)
-            rows.append((name, figures, outcome, seconds))
-            print(table([rows[-1]]).splitlines()[-1], flush=True)
-            for problem in figures.problems:
-                print(f"  PROBLEM: {problem}", flush=True)
-            session.problems += [f"{name}: {p}" for p in figures.problems]
+        try:
+            stack.start()
+            print(f"stack up in {time.monotonic() - clock_started:.0f} s; logs in {session.workdir}", flush=True)
+            for name in args.only or list(DRILLS):
+                print(f"\n== {name}: {(DRILLS[name].__doc__ or '').split(chr(10))[0]}", flush=True)
+                figures, outcome, seconds = run_one(stack, name, DRILLS[name], rng)
+                rows.append((name, figures, outcome, seconds))
+                print(table([rows[-1]]).splitlines()[-1], flush=True)
+                for problem in figures.problems:
+                    print(f"  PROBLEM: {problem}", flush=True)
+                session.problems += [f"{name}: {p}" for p in figures.problems]
+            print(
+                "\n== control: the audit must find a planted double charge, unrecorded charge and lost event",
+                flush=True,
+            )
+            found = control(stack, rng)
+            print("  " + ("; ".join(found) if found else "all three found"), flush=True)
+            session.problems += found
+        finally:
+            stack.stop_supervising()
     if session.exit_code is not None:
         return session.exit_code
     report = _report(rows, seed, argv)
@@ -320,6 +330,8 @@ def _report(rows: list[Row], seed: int, argv: list[str] | None) -> str:
             "Answers the buyers got, by HTTP status and error code (a connection error: the API was down):",
             "",
             *answers_lines(rows),
+            "",
+            "Control: the audit found the planted double charge, unrecorded charge and missing event.",
             "",
             f"Run: `{command}`, seed {seed}, commit {common.git_commit()}, {common.machine()}.",
         ]

@@ -86,6 +86,7 @@ class Stack:
         self.procs = session.procs
         self.workdir = session.workdir
         self.proc: dict[str, subprocess.Popen[Any]] = {}
+        self.root = common.ROOT
         self.clock_file = self.workdir / "clock_offset"
         self.api_port = _free_port()
         self.receiver_port = {name: _free_port() for name in RECEIVERS}
@@ -95,6 +96,7 @@ class Stack:
         self.unexpected_exits: list[str] = []  # a service that died without the drill killing it
         self._stopping = threading.Event()
         self.held_down: set[str] = set()  # supervised services the drill keeps down on purpose
+        self._supervisor: threading.Thread | None = None
 
     # --- start -----------------------------------------------------------------------------------
 
@@ -130,8 +132,14 @@ class Stack:
             )
             if status != 201:
                 raise DrillError(f"registering the webhook endpoint answered {status}: {body}")
-        threading.Thread(target=self._supervise, name="supervisor", daemon=True).start()
-        self.session.on_stop.insert(0, self._stopping.set)
+        self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+        self._supervisor.start()
+
+    def stop_supervising(self) -> None:
+        """Before the processes are stopped: a supervisor would start them again."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=120)
 
     def _supervise(self) -> None:
         """What systemd or a container's restart policy does: start a service again when it dies."""
@@ -190,6 +198,8 @@ class Stack:
         os.environ["PAYINTENT_VAR_DIR"] = str(self.workdir / "var")
         self.session.on_stop.append(devnet.down)
         info, _ = devnet.up(devnet.free_port_base())
+        state = json.loads((self.workdir / "var" / "devnet" / "state.json").read_text())
+        self.deployer_key = state["deployer"]["private_key"]  # the token's owner; never used by the service
         self.buyers: list[dict[str, str]] = info["buyers"]
         doc = json.loads(Path(info["chains_file"]).read_text())
         doc["networks"] = [n for n in doc["networks"] if n.get("kind", "evm") == "evm"]  # the drills are EVM's
