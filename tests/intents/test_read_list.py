@@ -5,7 +5,10 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from sqlalchemy import update
 
+from backend.extensions import db
+from backend.intents.models import Intent
 from tests.intents.helpers import URL, create, mark_paid
 
 
@@ -77,6 +80,54 @@ def test_list_filters_by_status(client, merchant):
         page = client.get(f"{URL}?status={status}", headers=merchant.headers).get_json()["data"]
         assert [i["intent_id"] for i in page["intents"]] == expected
     assert client.get(f"{URL}?status=pending", headers=merchant.headers).get_json()["data"]["total"] == 1
+
+
+def test_totals_follow_the_filters_on_every_page(client, merchant, other_merchant, clock):
+    """The total counts what the filters match (the computed expired status included), not the page."""
+    paid = create(client, merchant, order_id="o-a")["intent_id"]
+    cancelled = create(client, merchant, order_id="o-a")["intent_id"]
+    held = create(client, merchant, order_id="o-b")["intent_id"]
+    overdue = create(client, merchant, order_id="o-b")["intent_id"]
+    swept = create(client, merchant)["intent_id"]
+    clock.advance(minutes=20)
+    fresh = [create(client, merchant)["intent_id"] for _ in range(2)]
+    create(client, other_merchant, order_id="o-a")
+    mark_paid(paid)
+    client.delete(f"{URL}/{cancelled}", headers=merchant.headers)
+    db.session.execute(update(Intent).where(Intent.id == held).values(settlement_id="stl_held"))
+    db.session.execute(update(Intent).where(Intent.id == swept).values(status="expired"))
+    db.session.commit()
+    clock.advance(minutes=15)  # the first five are past their expiry; only `swept` was written as expired
+    expected = {
+        "": {fresh[1], fresh[0], swept, overdue, held, cancelled, paid},
+        "status=pending": {fresh[1], fresh[0], held},
+        "status=expired": {overdue, swept},
+        "status=paid": {paid},
+        "status=cancelled": {cancelled},
+        "order_id=o-a": {paid, cancelled},
+        "order_id=o-b&status=expired": {overdue},
+        "order_id=o-b&status=pending": {held},
+        "order_id=nope": set(),
+    }
+    for query, ids in expected.items():
+        seen = []
+        for offset in range(0, len(ids) + 2):
+            page = client.get(f"{URL}?{query}&limit=1&offset={offset}", headers=merchant.headers).get_json()["data"]
+            assert page["total"] == len(ids), (query, offset)
+            assert len(page["intents"]) == (1 if offset < len(ids) else 0), (query, offset)
+            seen += [i["intent_id"] for i in page["intents"]]
+        assert set(seen) == ids and len(seen) == len(ids), query
+
+
+def test_pages_of_intents_created_in_the_same_instant_neither_repeat_nor_skip(client, merchant, clock):
+    """Ties on created_at are ordered by id, descending, the same way on every page."""
+    ids = [create(client, merchant)["intent_id"] for _ in range(7)]  # the frozen clock: one created_at
+    pages = [
+        client.get(f"{URL}?limit=3&offset={offset}", headers=merchant.headers).get_json()["data"]
+        for offset in (0, 3, 6)
+    ]
+    assert [i["intent_id"] for p in pages for i in p["intents"]] == sorted(ids, reverse=True)
+    assert {p["total"] for p in pages} == {7}
 
 
 @pytest.mark.parametrize(
