@@ -111,7 +111,8 @@ def submit_payment(
             auth, start_block = _check_evm(submission, requirement, network, now)
         settlement_id = services.claim(intent, network, auth, start_block)
     except APIError as err:
-        if err.code not in _NO_FAILURE_EVENT:
+        # A 5xx is the service's own trouble (a chain RPC down), not the payment failing: no payment.failed.
+        if err.code not in _NO_FAILURE_EVENT and err.http_status < 500:
             db.session.rollback()
             services.record_failed_attempt(intent, err.extra.get("reason") or err.message, err.code)
         raise

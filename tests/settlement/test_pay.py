@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from backend.events.models import Event
 from backend.extensions import db
@@ -286,5 +286,7 @@ def test_unreachable_chain_is_chain_unavailable_and_claims_nothing(db_url, redis
         assert response.get_json()["error"]["code"] == "CHAIN_UNAVAILABLE"
         assert "127.0.0.1" not in response.get_data(as_text=True)  # no RPC URL leaks to the caller
         assert db.session.get(Intent, intent["intent_id"]).settlement_id is None
+        # Our outage is not the payment failing: no payment.failed for merchants to act on (drills: 50+ per outage).
+        assert db.session.scalar(select(func.count()).select_from(Event).where(Event.type == "payment.failed")) == 0
         db.session.remove()
         db.engine.dispose()
