@@ -51,6 +51,9 @@ class Settings:
     webhook_allow_private_targets: bool
     pay_wait_seconds: float = 30.0
     relayer_queue: str = "relayer"
+    # The networks this relayer settles (RELAYER_NETWORKS, comma-separated CAIP-2 ids); empty: every
+    # network it holds keys for. One relayer per chain is one relayer per network listed here.
+    relayer_networks: tuple[str, ...] = ()
     # Parallel webhook senders per worker process (a slow receiver holds one of them, not the queue).
     webhook_concurrency: int = 8
     # The spec's response deadline; not read from the environment (tests shorten it).
@@ -90,6 +93,7 @@ class Settings:
             webhook_allow_private_targets=_env_bool("WEBHOOK_ALLOW_PRIVATE_TARGETS"),
             pay_wait_seconds=float(_env("PAY_WAIT_SECONDS", "30")),
             relayer_queue=_env("RELAYER_QUEUE", "relayer"),
+            relayer_networks=tuple(n.strip() for n in _env("RELAYER_NETWORKS", "").split(",") if n.strip()),
             webhook_concurrency=max(1, int(_env("WEBHOOK_CONCURRENCY", "8"))),
             checkout_dist_dir=_env("CHECKOUT_DIST_DIR", "") or cls.checkout_dist_dir,
             api_requests_per_minute_per_key=int(_env("API_RATE_LIMIT_PER_KEY", "1200")),

@@ -40,6 +40,13 @@ def redis_from_url(url: str | None = None, **options: Any) -> Redis:
     return Redis.from_url(url, **options)
 
 
+def relayer_queue(base: str, network: str) -> str:
+    """The queue of one network's relayer jobs: ``RELAYER_QUEUE:<CAIP-2 id>``. A relayer listens on the
+    queues of the networks it holds keys for, so relayers can be split by chain (deploy/healthcheck.py
+    knows this naming too)."""
+    return f"{base}:{network}"
+
+
 def queue(name: str, connection: Redis) -> Queue:
     return Queue(name, connection=connection)
 

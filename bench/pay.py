@@ -620,7 +620,10 @@ class Stack:
                 logs = "".join(p.read_text()[-1500:] for p in self.workdir.glob(f"relayer-a{accounts}-*.log"))
                 raise BenchError(f"a relayer exited with {dead[0].returncode}:\n{logs}")
 
-        common.wait_registered(self.redis, "relayer", self.relayers, "relayers", check, timeout=90, poll=0.2)
+        from backend.queueing import relayer_queue
+
+        first = relayer_queue("relayer", self.networks[0])  # a relayer listens on every network it has keys for
+        common.wait_registered(self.redis, first, self.relayers, "relayers", check, timeout=90, poll=0.2)
         self.relayer_setup = (accounts, count)
 
     def stop_relayers(self) -> None:
@@ -866,9 +869,14 @@ class Stack:
         from rq.job import Job
         from rq.registry import FailedJobRegistry
 
-        registry = FailedJobRegistry(queue=Queue("relayer", connection=self.redis))
+        from backend.queueing import relayer_queue
+
+        registries = [
+            FailedJobRegistry(queue=Queue(relayer_queue("relayer", network), connection=self.redis))
+            for network in self.networks
+        ]
         found = []
-        for job_id in registry.get_job_ids():
+        for job_id in (job_id for registry in registries for job_id in registry.get_job_ids()):
             if job_id in self.seen_failed_jobs:
                 continue
             self.seen_failed_jobs.add(job_id)

@@ -2,7 +2,7 @@
 
     python /app/deploy/healthcheck.py http http://127.0.0.1:8000/healthz   # the api answers 200
     python /app/deploy/healthcheck.py worker    # an RQ worker of this container listens on the worker queue
-    python /app/deploy/healthcheck.py relayer   # an RQ worker of this container listens on RELAYER_QUEUE
+    python /app/deploy/healthcheck.py relayer   # an RQ worker of this container listens on a RELAYER_QUEUE:<network>
 
 A worker or relayer counts as healthy once it has registered with Redis (what the tests wait for
 before they send it work): that proves it started, loaded its configuration (the relayer: its
@@ -36,7 +36,9 @@ def check_http(url: str, timeout: float = 3.0) -> str | None:
     return None if status == 200 else f"{url}: HTTP {status}"
 
 
-def check_rq(queue_name: str, hostname: str | None = None) -> str | None:
+def check_rq(queue_name: str, hostname: str | None = None, *, per_network: bool = False) -> str | None:
+    """None when an RQ worker of this host listens on ``queue_name`` (``per_network``: on one of its
+    network queues, ``<queue_name>:<network>``, as backend.queueing.relayer_queue names them)."""
     from redis import Redis, RedisError
     from rq import Worker
 
@@ -47,9 +49,14 @@ def check_rq(queue_name: str, hostname: str | None = None) -> str | None:
     connection = Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3)
     try:
         workers = Worker.all(connection=connection)
-        if any(w.hostname == hostname and queue_name in w.queue_names() for w in workers):
+
+        def listens(names: list[str]) -> bool:
+            return any(n.startswith(f"{queue_name}:") for n in names) if per_network else queue_name in names
+
+        if any(w.hostname == hostname and listens(w.queue_names()) for w in workers):
             return None
-        return f"no worker of {hostname} listens on queue {queue_name!r}"
+        wanted = f"{queue_name}:<network>" if per_network else queue_name
+        return f"no worker of {hostname} listens on queue {wanted!r}"
     except RedisError as exc:
         return f"redis: {exc}"
     finally:
@@ -67,7 +74,7 @@ def main(argv: list[str]) -> int:
     elif argv == ["worker"]:
         problem = check_rq(WORKER_QUEUE)
     elif argv == ["relayer"]:
-        problem = check_rq(os.environ.get("RELAYER_QUEUE", "").strip() or RELAYER_QUEUE_DEFAULT)
+        problem = check_rq(os.environ.get("RELAYER_QUEUE", "").strip() or RELAYER_QUEUE_DEFAULT, per_network=True)
     else:
         print("usage: healthcheck.py http URL | worker | relayer", file=sys.stderr)
         return 2

@@ -1,4 +1,9 @@
-"""``payintent relayer``: an RQ worker on the relayer queue, the only process holding relay keys."""
+"""``payintent relayer``: an RQ worker on the relayer queues of its networks, the only process holding relay keys.
+
+Each network has its own queue (``RELAYER_QUEUE:<network>``, backend.queueing.relayer_queue). A
+relayer listens on the queues of the networks it holds keys for, narrowed by RELAYER_NETWORKS: one
+relayer per chain is a relayer with RELAYER_NETWORKS set to that chain.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from redis import Redis
 from backend.chains.evm import evm_chain
 from backend.chains.registry import Network
 from backend.observability.logs import register_secret
-from backend.queueing import set_job_app, work
+from backend.queueing import relayer_queue, set_job_app, work
 from relayer import tasks
 from relayer.keys import RelayKeyError, load_relay_accounts, load_solana_relays
 
@@ -18,13 +23,22 @@ log = logging.getLogger(__name__)
 
 
 def run_relayer(app: Flask, connection: Redis, *, burst: bool = False) -> None:
-    accounts = load_relay_accounts(app.extensions["payintent.chains"])
+    settings = app.config["PAYINTENT_SETTINGS"]
+    registry = app.extensions["payintent.chains"]
+    chosen = set(settings.relayer_networks)
+    unknown = sorted(n for n in chosen if registry.get(n) is None)
+    if unknown:
+        raise RelayKeyError(f"RELAYER_NETWORKS names networks the chains file does not have: {', '.join(unknown)}")
+    accounts = {n: a for n, a in load_relay_accounts(registry).items() if not chosen or n in chosen}
+    solana_relays = {n: k for n, k in load_solana_relays(registry).items() if not chosen or n in chosen}
+    missing = sorted(chosen - set(accounts) - set(solana_relays))
+    if missing:
+        raise RelayKeyError(f"no relay keys for {', '.join(missing)} (named in RELAYER_NETWORKS)")
     register_secret(*(account.key.hex() for loaded in accounts.values() for account in loaded))  # never logged
     tasks.RELAY_ACCOUNTS.clear()
     tasks.RELAY_ACCOUNTS.update(accounts)
-    registry = app.extensions["payintent.chains"]
     tasks.SOLANA_RELAYS.clear()
-    tasks.SOLANA_RELAYS.update(load_solana_relays(registry))
+    tasks.SOLANA_RELAYS.update(solana_relays)
     register_secret(*(str(keypair) for keypair in tasks.SOLANA_RELAYS.values()))  # its base58 secret
     for network_id, keypair in tasks.SOLANA_RELAYS.items():
         log.info("relayer: fee payer %s on %s", keypair.pubkey(), network_id)
@@ -32,8 +46,15 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False) -> None:
         check_chain_id(registry.get(network))
         log.info("relayer: %d relay account(s) on %s: %s", len(loaded), network, ", ".join(a.address for a in loaded))
     set_job_app(app)
-    settings = app.config["PAYINTENT_SETTINGS"]
-    work([settings.relayer_queue], connection, burst=burst, logging_level=settings.log_level)
+    networks = sorted({*accounts, *solana_relays})
+    if not networks:
+        if burst:
+            log.warning("relayer: no relay keys for any configured network; nothing to settle")
+            return
+        raise RelayKeyError("no relay keys for any configured network (RELAY_KEYS, RELAY_KEYS_FILE)")
+    queues = [relayer_queue(settings.relayer_queue, network) for network in networks]
+    log.info("relayer: listening on %s", ", ".join(queues))
+    work(queues, connection, burst=burst, logging_level=settings.log_level)
 
 
 def check_chain_id(network: Network | None) -> None:

@@ -554,7 +554,7 @@ def test_worker_and_relayer_health_checks(redis_url, monkeypatch):
     from rq import Worker
 
     from backend.config import Settings
-    from backend.queueing import DEFAULT_QUEUE
+    from backend.queueing import DEFAULT_QUEUE, relayer_queue
 
     _, healthcheck = _entrypoint()
     assert healthcheck.WORKER_QUEUE == DEFAULT_QUEUE
@@ -564,7 +564,7 @@ def test_worker_and_relayer_health_checks(redis_url, monkeypatch):
     assert healthcheck.main(["worker"]) == 1  # nothing registered yet
     connection = Redis.from_url(redis_url)
     worker = Worker(["payintent-webhooks", DEFAULT_QUEUE], connection=connection)
-    relayer = Worker(["relayer-eu"], connection=connection)
+    relayer = Worker([relayer_queue("relayer-eu", "eip155:84532")], connection=connection)
     worker.register_birth()
     relayer.register_birth()
     try:
@@ -573,6 +573,7 @@ def test_worker_and_relayer_health_checks(redis_url, monkeypatch):
         monkeypatch.setenv("RELAYER_QUEUE", "relayer-eu")
         assert healthcheck.main(["relayer"]) == 0
         assert healthcheck.check_rq(DEFAULT_QUEUE, hostname="another-container") is not None
+        assert healthcheck.check_rq("relayer-eu") is not None  # the relayer listens on its network's queue only
     finally:
         worker.register_death()
         relayer.register_death()

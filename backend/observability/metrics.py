@@ -121,20 +121,21 @@ class StateCollector:
         )
 
     def _queues(self) -> Iterator[Metric]:
-        from backend.queueing import DEFAULT_QUEUE, app_redis, queue
+        from backend.queueing import DEFAULT_QUEUE, app_redis, queue, relayer_queue
         from backend.webhooks.tasks import WEBHOOK_QUEUE
 
         redis = app_redis(fast=True)
         if redis is None:
             raise RuntimeError("REDIS_URL is not set")
-        relayer_queue = self.app.config["PAYINTENT_SETTINGS"].relayer_queue
+        base = self.app.config["PAYINTENT_SETTINGS"].relayer_queue
+        relayer_queues = [relayer_queue(base, network.network) for network in self.app.extensions["payintent.chains"]]
         family = GaugeMetricFamily(
             "payintent_queue_depth",
-            f"Jobs waiting in each RQ queue ({relayer_queue}: settlements for the relayer; "
+            f"Jobs waiting in each RQ queue ({base}:<network>: settlements for that network's relayers; "
             f"{DEFAULT_QUEUE}, {WEBHOOK_QUEUE}: the worker's)",
             labels=["queue"],
         )
-        for name in dict.fromkeys((relayer_queue, DEFAULT_QUEUE, WEBHOOK_QUEUE)):
+        for name in dict.fromkeys((*relayer_queues, DEFAULT_QUEUE, WEBHOOK_QUEUE)):
             family.add_metric([name], queue(name, redis).count)
         yield family
 

@@ -26,6 +26,7 @@ from backend.extensions import db
 from backend.intents.models import Intent
 from backend.money import from_atomic
 from backend.observability.logs import current_request_id
+from backend.queueing import relayer_queue
 from backend.settlement import models as st
 from backend.settlement import services, solana
 from backend.settlement.services import PaymentSubmission
@@ -48,9 +49,9 @@ def load_payable_intent(merchant_id: str | None, intent_id: str) -> Intent:
     return intent
 
 
-def enqueue_settlement(redis: Redis, settlement_id: str, queue_name: str) -> None:
-    """Wake a relayer listening on ``queue_name`` (RELAYER_QUEUE) for this settlement."""
-    Queue(queue_name, connection=redis).enqueue(
+def enqueue_settlement(redis: Redis, settlement_id: str, queue_name: str, network: str) -> None:
+    """Wake a relayer of ``network`` (listening on RELAYER_QUEUE's queue for it) for this settlement."""
+    Queue(relayer_queue(queue_name, network), connection=redis).enqueue(
         SETTLE_JOB,
         settlement_id,
         job_id=f"settle-{settlement_id}",
@@ -117,7 +118,7 @@ def submit_payment(
             services.record_failed_attempt(intent, err.extra.get("reason") or err.message, err.code)
         raise
     try:
-        enqueue_settlement(redis, settlement_id, queue_name)
+        enqueue_settlement(redis, settlement_id, queue_name, network.network)
         redis.blpop([SETTLED_KEY.format(settlement_id)], timeout=wait_seconds)
     except RedisError as exc:
         log.warning("queue unavailable for settlement %s (the reconciler will send it): %s", settlement_id, exc)

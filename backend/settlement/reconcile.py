@@ -114,7 +114,7 @@ def reconcile(registry: ChainRegistry, redis: Redis | None, queue_name: str = "r
                 # Not executed and still valid: (re)send. Sending the same authorization twice is
                 # harmless: the token executes a nonce once.
                 services.touch(settlement.id)
-                enqueue_settlement(redis, settlement.id, queue_name)
+                enqueue_settlement(redis, settlement.id, queue_name, settlement.network)
                 counts["resent"] += 1
             else:
                 counts["waiting"] += 1

@@ -169,11 +169,13 @@ def request_payee_account(redis: Any, queue_name: str, network: Network, owner: 
     from rq import Queue
     from rq.exceptions import DuplicateJobError
 
+    from backend.queueing import relayer_queue
+
     if redis is None:
         return
     key = PAYEE_READY_KEY.format(network.network, owner)
     with contextlib.suppress(DuplicateJobError):  # already asked: wait for that one
-        Queue(queue_name, connection=redis).enqueue(
+        Queue(relayer_queue(queue_name, network.network), connection=redis).enqueue(
             PAYEE_ACCOUNT_JOB,
             network.network,
             owner,

@@ -15,7 +15,7 @@ from sqlalchemy import select, update
 from backend.app import create_app
 from backend.chains.registry import ChainRegistry
 from backend.extensions import db
-from backend.queueing import queue
+from backend.queueing import queue, relayer_queue
 from backend.settlement.models import Settlement
 from payintent.eip3009 import sign_authorization
 from tests.conftest import free_port, make_settings
@@ -142,9 +142,10 @@ def test_queue_depth_is_read_from_redis_and_a_dead_redis_costs_only_its_own_metr
     app = with_metrics_token(create_app(make_settings(db_url, redis_url=redis_url, relayer_queue=name)))
     connection = Redis.from_url(redis_url)
     for n in range(3):
-        queue(name, connection).enqueue("relayer.tasks.settle", f"stl_{n}")
+        queue(relayer_queue(name, BASE_SEPOLIA), connection).enqueue("relayer.tasks.settle", f"stl_{n}")
     samples = scrape(app.test_client())
-    assert value(samples, "payintent_queue_depth", queue=name) == 3
+    assert value(samples, "payintent_queue_depth", queue=relayer_queue(name, BASE_SEPOLIA)) == 3
+    assert value(samples, "payintent_queue_depth", queue=relayer_queue(name, "eip155:11155111")) == 0
     assert value(samples, "payintent_queue_depth", queue="payintent") == 0
     assert value(samples, "payintent_queue_depth", queue="payintent-webhooks") == 0
     assert value(samples, "payintent_metrics_source_up", source="redis") == 1
@@ -212,7 +213,7 @@ def test_a_payment_on_the_devnet_shows_in_metrics_and_in_the_relayers_log(pay_cl
         old = value(before, f"{LATENCY}_count", status=status, **pay_route) or 0
         assert value(samples, f"{LATENCY}_count", status=status, **pay_route) - old == added
     assert value(samples, "payintent_settlement_oldest_open_seconds") == 0  # none left in flight
-    assert value(samples, "payintent_queue_depth", queue=RELAYER_QUEUE) == 0  # the relayer took the job
+    assert value(samples, "payintent_queue_depth", queue=relayer_queue(RELAYER_QUEUE, network)) == 0  # taken
     # Gas: cached for 30 s (this app read it before paying); a fresh app reads what the chain holds now.
     relay = db.session.get(Settlement, settlement_id).relay_address
     assert relay in devnet.chains.get(network).relay_addresses

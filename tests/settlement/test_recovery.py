@@ -47,8 +47,8 @@ class Isolated:
         self.shop = create_merchant(app, f"iso-{uuid.uuid4().hex[:8]}@example.com",
                                     {n: self.payout for n in devnet.networks})  # fmt: skip
 
-    def relayer(self, fault: str | None = None) -> subprocess.Popen[bytes]:
-        extra = {"RELAYER_QUEUE": self.queue, **({"PAYINTENT_FAULT": fault} if fault else {})}
+    def relayer(self, fault: str | None = None, **env: str) -> subprocess.Popen[bytes]:
+        extra = {"RELAYER_QUEUE": self.queue, **({"PAYINTENT_FAULT": fault} if fault else {}), **env}
         return start_relayer(self.db_url, self.redis_url, self.devnet.info["chains_file"], **extra)
 
     def intent_row(self, intent_id: str) -> Intent:
@@ -377,3 +377,49 @@ def test_paying_yourself_is_refused(iso):
     response = pay(iso.client, selfish, intent, NETWORK, sign_authorization(buyer.key, requirement(intent, NETWORK)))
     assert response.status_code == 400
     assert response.get_json()["error"]["code"] == "PAYER_IS_RECIPIENT"
+
+
+def test_one_relayer_per_chain_settles_only_its_network(iso):
+    """RELAYER_NETWORKS: a Base Sepolia relayer settles Base Sepolia and leaves an Ethereum Sepolia
+    settlement in that network's queue, which the Ethereum Sepolia relayer then settles."""
+    from rq import Queue
+
+    from backend.queueing import relayer_queue
+
+    other = "eip155:11155111"
+    base_only = iso.relayer(RELAYER_NETWORKS=NETWORK)
+    try:
+        first, second = create_intent(iso.client, iso.shop, 2), create_intent(iso.client, iso.shop, 3)
+        response = pay(iso.client, iso.shop, first, NETWORK,
+                       sign_authorization(iso.devnet.buyer(0).key, requirement(first, NETWORK)))  # fmt: skip
+        assert response.status_code == 200, response.get_json()
+        response = pay(iso.client, iso.shop, second, other,
+                       sign_authorization(iso.devnet.buyer(0).key, requirement(second, other)))  # fmt: skip
+        assert response.status_code == 504  # nobody settles that chain yet (PAY_WAIT_SECONDS is 3 here)
+        assert Queue(relayer_queue(iso.queue, other), connection=Redis.from_url(iso.redis_url)).count == 1
+        assert iso.settlement(second["intent_id"]).status == "pending"  # the Base Sepolia relayer left it alone
+        ethereum_only = iso.relayer(RELAYER_NETWORKS=other)
+        try:
+            assert iso.wait_paid(second["intent_id"]).status == "paid"
+        finally:
+            stop_process(ethereum_only)
+        assert iso.devnet.balance(other, iso.payout) == 3_000_000
+        assert iso.devnet.balance(NETWORK, iso.payout) == 2_000_000
+    finally:
+        stop_process(base_only)
+
+
+def test_relayer_refuses_networks_it_cannot_settle(iso):
+    """RELAYER_NETWORKS naming an unknown network, or one without keys, stops the relayer at start-up."""
+    env = {**os.environ, "DATABASE_URL": iso.db_url, "REDIS_URL": iso.redis_url,
+           "CHAINS_FILE": iso.devnet.info["chains_file"], "RELAYER_QUEUE": iso.queue}  # fmt: skip
+    done = subprocess.run([PAYINTENT, "relayer"], env={**env, "RELAYER_NETWORKS": "eip155:1"},
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode != 0
+    assert "RELAYER_NETWORKS names networks the chains file does not have: eip155:1" in done.stdout + done.stderr
+    all_keys = json.loads(Path(iso.devnet.info["relay_keys_file"]).read_text())
+    base_keys = json.dumps({NETWORK: all_keys[NETWORK]})  # this relayer holds Base Sepolia's keys only
+    narrowed = {**env, "RELAY_KEYS": base_keys, "RELAYER_NETWORKS": "eip155:11155111"}
+    done = subprocess.run([PAYINTENT, "relayer"], env=narrowed, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "no relay keys for eip155:11155111 (named in RELAYER_NETWORKS)" in done.stdout + done.stderr
