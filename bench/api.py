@@ -215,14 +215,26 @@ def free_port() -> int:
 
 
 def request(
-    port: int, method: str, path: str, token: str = "", body: Any = None, timeout: float = 10
+    port: int,
+    method: str,
+    path: str,
+    token: str = "",
+    body: Any = None,
+    timeout: float = 10,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, Any]:
+    """One HTTP request on a new connection; the answer's status and JSON (or text). A ``Decimal`` in
+    ``body`` is sent as an exact JSON number."""
+    import simplejson
+
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
     try:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = dict(headers or {})
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
         payload = None
         if body is not None:
-            payload = json.dumps(body)
+            payload = simplejson.dumps(body, use_decimal=True)
             headers["Content-Type"] = "application/json"
         conn.request(method, path, body=payload, headers=headers)
         response = conn.getresponse()

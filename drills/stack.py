@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import secrets
@@ -25,10 +24,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import simplejson
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import _common as common
+import api as bench_api
 
 HELPERS = str(Path(__file__).resolve().with_name("helpers.py"))
 RECEIVERS = ("receiver-a", "receiver-b")
@@ -317,35 +315,13 @@ class Stack:
 
     # --- the API ---------------------------------------------------------------------------------
 
-    def _request(
-        self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 60
-    ) -> tuple[int, Any]:
-        conn = http.client.HTTPConnection(common.HOST, self.api_port, timeout=timeout)
-        try:
-            all_headers = dict(headers or {})
-            payload = None
-            if body is not None:
-                payload = simplejson.dumps(body, use_decimal=True)
-                all_headers["Content-Type"] = "application/json"
-            conn.request(method, path, body=payload, headers=all_headers)
-            response = conn.getresponse()
-            raw = response.read()
-            try:
-                return response.status, json.loads(raw)
-            except ValueError:
-                return response.status, raw.decode("utf-8", "replace")
-        finally:
-            conn.close()
-
     def api(self, method: str, path: str, body: Any = None, *, idempotency_key: str | None = None,
             timeout: float = 60) -> tuple[int, Any]:  # fmt: skip
-        headers = {"Authorization": f"Bearer {self.api_key}"}
-        if idempotency_key:
-            headers["Idempotency-Key"] = idempotency_key
-        return self._request(method, path, body, headers, timeout)
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return bench_api.request(self.api_port, method, path, self.api_key, body, timeout, headers)
 
     def get(self, path: str) -> tuple[int, Any]:
-        return self._request("GET", path, timeout=5)
+        return bench_api.request(self.api_port, "GET", path, timeout=5)
 
     def new_payout_wallets(self) -> None:
         """A fresh, empty payout address on every network: the next intents pay it (one per drill)."""
