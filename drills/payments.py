@@ -217,6 +217,21 @@ def _rows(stack: Stack, intent_ids: list[str]) -> tuple[dict[str, Any], Counter[
     return intents, confirmed, events
 
 
+def _intents_per_order(stack: Stack, order_ids: list[str]) -> Counter[str]:
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(stack.database_url, poolclass=sa.pool.NullPool)
+    query = sa.text("SELECT order_id FROM intents WHERE order_id IN :ids").bindparams(
+        sa.bindparam("ids", expanding=True)
+    )
+    try:
+        with engine.connect() as conn:
+            found = Counter(row.order_id for row in conn.execute(query, {"ids": order_ids}))
+    finally:
+        engine.dispose()
+    return Counter({key: found[key] for key in order_ids})
+
+
 def audit(stack: Stack, payments: list[Payment], before: Snapshot, events_deadline: float) -> Figures:
     figures = Figures(attempted=len(payments))
     for p in payments:
@@ -226,6 +241,9 @@ def audit(stack: Stack, payments: list[Payment], before: Snapshot, events_deadli
     created = [p for p in payments if p.intent_id]
     if len(created) != len(payments):
         figures.problems.append(f"{len(payments) - len(created)} intents were never created")
+    for key, count in _intents_per_order(stack, [p.key for p in payments]).items():
+        if count != 1:  # a create retried through an outage must not make a second intent (Idempotency-Key)
+            figures.problems.append(f"{count} intents for order {key}")
     intents, confirmed, events = _rows(stack, [p.intent_id for p in created if p.intent_id])
     paid_by_buyer: Counter[tuple[str, str]] = Counter()
     paid_by_network: Counter[str] = Counter()
@@ -234,6 +252,10 @@ def audit(stack: Stack, payments: list[Payment], before: Snapshot, events_deadli
         executed = sum(1 for nonce in p.nonces if stack.authorization_used(p.network, p.buyer["address"], nonce))
         is_paid = intent.status == "paid"
         figures.settled += is_paid
+        if intent.amount_atomic != p.atomic:
+            figures.problems.append(f"intent {p.intent_id} asks {intent.amount_atomic} atomic USDC, not {p.atomic}")
+        if p.paid and not is_paid:
+            figures.problems.append(f"intent {p.intent_id}: the API said paid, the intent is {intent.status}")
         figures.double_charged += max(0, executed - 1)
         if executed and not is_paid:
             figures.unrecorded += 1
