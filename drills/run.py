@@ -20,7 +20,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +42,7 @@ class Outcome:
     payments: list[Payment]
     faults: str
     in_flight: int = 0  # payments started and not yet settled when a fault struck
+    problems: list[str] = field(default_factory=list)
 
 
 Drill = Callable[[Stack, random.Random], Outcome]
@@ -167,10 +168,13 @@ def webhooks_drill(stack: Stack, rng: random.Random) -> Outcome:
     stack.set_clock_offset(0)
     stack.start_receiver(RECEIVERS[1])
     replayed = _replay_failed(stack)
+    a, b = (stack.endpoint_id[name] for name in RECEIVERS)
+    problems = [] if set(replayed) <= {b} else [f"{replayed[a]} deliveries to A failed though A was back in time"]
     return Outcome(
         payments,
         f"receivers down {offset / 3600:.1f} h of worker clock ({MAX_ATTEMPTS} attempts); A back before the last "
-        f"attempt, B's {replayed} failed deliveries replayed",
+        f"attempt, B's {replayed[b]} failed deliveries replayed",
+        problems=problems,
     )
 
 
@@ -203,16 +207,17 @@ def _wait_attempts(stack: Stack, intent_ids: list[str], number: int, timeout: fl
         engine.dispose()
 
 
-def _replay_failed(stack: Stack) -> int:
+def _replay_failed(stack: Stack) -> Counter[str]:
+    """Replay every failed delivery through the API, as a merchant would; how many, by endpoint."""
     status, body = stack.api("GET", "/api/v1/webhooks/deliveries?status=failed&limit=100")
     if status != 200:
         raise DrillError(f"listing failed deliveries answered {status}: {body}")
-    replayed = 0
+    replayed: Counter[str] = Counter()
     for delivery in body["data"]["deliveries"]:
         status, answer = stack.api("POST", f"/api/v1/webhooks/deliveries/{delivery['delivery_id']}/replay")
         if status != 202:
             raise DrillError(f"replaying {delivery['delivery_id']} answered {status}: {answer}")
-        replayed += 1
+        replayed[delivery["webhook_id"]] += 1
     return replayed
 
 
@@ -235,6 +240,7 @@ def run_one(stack: Stack, name: str, drill: Drill, rng: random.Random) -> tuple[
     figures = audit(stack, outcome.payments, before, time.monotonic() + 90)
     if figures.settled != figures.attempted:
         figures.problems.append(f"{figures.attempted - figures.settled} of {figures.attempted} payments never settled")
+    figures.problems += outcome.problems
     figures.problems += [f"{exit} (restarted)" for exit in stack.unexpected_exits[exits_before:]]
     if figures.lost:
         figures.problems.append(f"{figures.lost} webhook deliveries of this drill's events never arrived")

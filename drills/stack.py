@@ -89,6 +89,7 @@ class Stack:
         self.api_port = _free_port()
         self.receiver_port = {name: _free_port() for name in RECEIVERS}
         self.receiver_log = {name: self.workdir / f"{name}.jsonl" for name in RECEIVERS}
+        self.endpoint_id: dict[str, str] = {}
         self.lock = threading.RLock()  # held by the supervisor and by every kill-and-start
         self.crashes: Counter[str] = Counter()  # relayer crashes at PAYINTENT_FAULT points
         self.unexpected_exits: list[str] = []  # a service that died without the drill killing it
@@ -130,6 +131,7 @@ class Stack:
             )
             if status != 201:
                 raise DrillError(f"registering the webhook endpoint answered {status}: {body}")
+            self.endpoint_id[name] = body["data"]["webhook_id"]
         self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         self._supervisor.start()
 
