@@ -423,3 +423,14 @@ def test_relayer_refuses_networks_it_cannot_settle(iso):
     done = subprocess.run([PAYINTENT, "relayer"], env=narrowed, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "no relay keys for eip155:11155111 (named in RELAYER_NETWORKS)" in done.stdout + done.stderr
+
+
+def test_relayer_hands_log_level_to_rq(iso):
+    """RQ sets its own loggers' level: the relayer hands it LOG_LEVEL (it was always INFO)."""
+    env = {**os.environ, "DATABASE_URL": iso.db_url, "REDIS_URL": iso.redis_url, "LOG_FORMAT": "text",
+           "CHAINS_FILE": iso.devnet.info["chains_file"], "RELAYER_QUEUE": iso.queue}  # fmt: skip
+    for level, logged in (("WARNING", False), ("INFO", True)):
+        done = subprocess.run([PAYINTENT, "relayer", "--burst"], env={**env, "LOG_LEVEL": level},
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert ("INFO rq.worker" in done.stderr) is logged, (level, done.stderr)
