@@ -12,6 +12,7 @@ already running is left running).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -118,17 +119,19 @@ def relay_keys_configured() -> bool:
 
 
 def wait_registered(proc: subprocess.Popen[Any], redis_url: str, timeout: float = 60) -> None:
-    """Until the RQ worker in ``proc`` (the relayer, a worker) has registered in Redis: it then takes jobs."""
-    from redis import Redis
+    """Until the RQ worker in ``proc`` (the relayer, a worker) has registered in Redis: it then takes jobs.
+    A Redis that does not answer yet (starting, restarting) counts as "not registered yet"."""
+    from redis import Redis, RedisError
     from rq import Worker
 
-    connection = Redis.from_url(redis_url)
+    connection = Redis.from_url(redis_url, socket_timeout=2)
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             # Registration first: a worker may register, take a job and exit (tests' crash faults) between polls.
-            if any(w.pid == proc.pid for w in Worker.all(connection=connection)):
-                return
+            with contextlib.suppress(RedisError):
+                if any(w.pid == proc.pid for w in Worker.all(connection=connection)):
+                    return
             if proc.poll() is not None:
                 raise RuntimeError(f"{proc.args} exited during start-up; see its output above")
             time.sleep(0.1)

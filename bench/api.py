@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import simplejson
 from _common import (
     DOC,
     HOST,
@@ -225,8 +226,6 @@ def request(
 ) -> tuple[int, Any]:
     """One HTTP request on a new connection; the answer's status and JSON (or text). A ``Decimal`` in
     ``body`` is sent as an exact JSON number."""
-    import simplejson
-
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
     try:
         headers = dict(headers or {})

@@ -311,12 +311,13 @@ def execute_behind_the_service(stack: Stack, p: Payment, requirement: dict[str, 
     from eth_account import Account
     from web3 import Web3
 
+    from devnet.stack import ARTIFACT
     from payintent.eip3009 import sign_authorization
 
     payload = sign_authorization(p.buyer["private_key"], requirement)
     p.nonces.append(payload["nonce"])
     w3 = Web3(Web3.HTTPProvider(stack.anvil_url[p.network]))
-    abi = json.loads((stack.root / "devnet" / "artifacts" / "TestUSDC.json").read_text())["abi"]
+    abi = json.loads(ARTIFACT.read_text())["abi"]
     token = w3.eth.contract(address=Web3.to_checksum_address(stack.usdc[p.network]), abi=abi)
     call = token.get_function_by_signature(
         "transferWithAuthorization(address,address,uint256,uint256,uint256,bytes32,bytes)"

@@ -37,14 +37,6 @@ class DrillError(common.BenchError):
     """The stack could not be started or restarted (the drill is broken, not failed)."""
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((common.HOST, 0))
-        return int(sock.getsockname()[1])
-
-
 def _wait(what: str, ready: Any, timeout: float = 60, proc: subprocess.Popen[Any] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -56,16 +48,6 @@ def _wait(what: str, ready: Any, timeout: float = 60, proc: subprocess.Popen[Any
         if time.monotonic() > deadline:
             raise DrillError(f"{what} was not ready within {timeout:.0f} s")
         time.sleep(0.1)
-
-
-def rpc(url: str, method: str, params: list[Any]) -> Any:
-    import requests
-
-    answer = requests.post(url, json={"jsonrpc": "2.0", "id": 1, "method": method, "params": params}, timeout=10)
-    body = answer.json()
-    if "error" in body:
-        raise DrillError(f"{method} on {url}: {body['error']}")
-    return body["result"]
 
 
 def _selector(signature: str) -> str:
@@ -84,10 +66,9 @@ class Stack:
         self.procs = session.procs
         self.workdir = session.workdir
         self.proc: dict[str, subprocess.Popen[Any]] = {}
-        self.root = common.ROOT
         self.clock_file = self.workdir / "clock_offset"
-        self.api_port = _free_port()
-        self.receiver_port = {name: _free_port() for name in RECEIVERS}
+        self.api_port = bench_api.free_port()
+        self.receiver_port = {name: bench_api.free_port() for name in RECEIVERS}
         self.receiver_log = {name: self.workdir / f"{name}.jsonl" for name in RECEIVERS}
         self.endpoint_id: dict[str, str] = {}
         self.lock = threading.RLock()  # held by the supervisor and by every kill-and-start
@@ -206,7 +187,7 @@ class Stack:
         self.networks = [n["network"] for n in doc["networks"]]
         self.anvil_url = {n["network"]: n["rpc_url"] for n in doc["networks"]}
         self.usdc = {n["network"]: n["usdc_address"] for n in doc["networks"]}
-        self.proxy_port = {network: _free_port() for network in self.networks}
+        self.proxy_port = {network: bench_api.free_port() for network in self.networks}
         for network in self.networks:
             self.start_proxy(network)
         for network in doc["networks"]:
@@ -247,17 +228,12 @@ class Stack:
         self.wait_registered(proc, "the relayer")
 
     def wait_registered(self, proc: subprocess.Popen[Any], what: str) -> None:
-        from redis import Redis
-        from rq import Worker
+        from backend.devstack import wait_registered
 
-        def registered() -> bool:
-            connection = Redis.from_url(self.redis_url, socket_timeout=2)
-            try:
-                return any(w.pid == proc.pid for w in Worker.all(connection=connection))
-            finally:
-                connection.close()
-
-        _wait(what, registered, 90, proc)
+        try:
+            wait_registered(proc, self.redis_url, timeout=90)
+        except RuntimeError as exc:
+            raise DrillError(f"{what}: {exc}") from None
 
     # --- faults ----------------------------------------------------------------------------------
 
@@ -336,11 +312,16 @@ class Stack:
 
     # --- the chain, read directly (never through the forwarders) -----------------------------------
 
+    def _call(self, network: str, data: str) -> int:
+        from devnet.anvil import rpc
+
+        return int(
+            rpc(self.anvil_url[network], "eth_call", [{"to": self.usdc[network], "data": data}, "latest"], 10), 16
+        )
+
     def balance(self, network: str, address: str) -> int:
-        data = "0x" + BALANCE_OF + address[2:].lower().rjust(64, "0")
-        return int(rpc(self.anvil_url[network], "eth_call", [{"to": self.usdc[network], "data": data}, "latest"]), 16)
+        return self._call(network, "0x" + BALANCE_OF + address[2:].lower().rjust(64, "0"))
 
     def authorization_used(self, network: str, payer: str, nonce: str) -> bool:
         data = "0x" + AUTHORIZATION_STATE + payer[2:].lower().rjust(64, "0") + nonce.removeprefix("0x").rjust(64, "0")
-        answer = rpc(self.anvil_url[network], "eth_call", [{"to": self.usdc[network], "data": data}, "latest"])
-        return int(answer, 16) != 0
+        return self._call(network, data) != 0
