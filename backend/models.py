@@ -1,5 +1,6 @@
 """Imports every domain's models so ``db.metadata`` knows all tables (Alembic, tests)."""
 
+from backend.dashboard.models import PendingReveal
 from backend.events.models import Event
 from backend.idempotency.models import IdempotencyRecord
 from backend.intents.models import Intent
@@ -13,6 +14,7 @@ __all__ = [
     "IdempotencyRecord",
     "Intent",
     "Merchant",
+    "PendingReveal",
     "Settlement",
     "Wallet",
     "WebhookAttempt",

@@ -85,6 +85,12 @@ def end_session() -> None:
     session.clear()
 
 
+def session_id() -> str | None:
+    """The random id of this login session (None when not logged in)."""
+    sid = session.get(_SID)
+    return sid if isinstance(sid, str) and sid else None
+
+
 def session_merchant_id() -> str | None:
     """The logged-in merchant's id, or None (no session, too old, or logged out)."""
     merchant_id, sid, started = session.get(_MERCHANT), session.get(_SID), session.get(_STARTED)

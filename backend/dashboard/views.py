@@ -2,8 +2,9 @@
 
 Every POST carries the session's CSRF token and answers with a redirect (post/redirect/get);
 bad input re-renders its form with status 400. Secrets (API keys, webhook signing secrets) are
-shown once: the POST puts them in the session for exactly one page view, which removes them.
-Another merchant's objects are 404, like unknown ones.
+shown once: the POST keeps them server-side (``reveals``) and puts only a random handle in the
+session; the next page rendered by a GET shows the secret and deletes it. The session cookie never
+carries a secret. Another merchant's objects are 404, like unknown ones.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from flask import (
 from werkzeug.exceptions import HTTPException, NotFound
 
 from backend.chains.registry import ChainRegistry
-from backend.dashboard import display, forms, security, services
+from backend.dashboard import display, forms, reveals, security, services
 from backend.dashboard.forms import Form
 from backend.errors import APIError, database_unavailable
 from backend.events.services import EVENT_TYPES
@@ -84,11 +85,23 @@ def _merchant_id() -> str:
     return g.merchant.id  # type: ignore[no-any-return]
 
 
+def _take_reveal(http_status: int) -> reveals.Reveal | None:
+    """The secret waiting for this page, if it is a successful GET by the merchant who made it (then never again)."""
+    merchant, session_id = g.get("merchant"), security.session_id()
+    if request.method != "GET" or http_status >= 400 or _REVEAL not in session:
+        return None  # an error page leaves it for the next page
+    handle = session.pop(_REVEAL)
+    if merchant is None or session_id is None:
+        return None
+    return reveals.take(handle, merchant.id, session_id)
+
+
 def render(template: str, http_status: int = 200, /, **context: Any) -> Response:
+    reveal = _take_reveal(http_status)
     page = render_template(
         f"dashboard/{template}",
         merchant=g.get("merchant"),
-        reveal=session.pop(_REVEAL, None) if request.method == "GET" else None,
+        reveal=reveal,
         csrf_token=security.csrf_token,
         csrf_field=security.CSRF_FIELD,
         display=display,
@@ -102,9 +115,13 @@ def error_page(status: int, message: str | None = None, title: str | None = None
     return render("error.html", status, status=status, title=title or default_title, message=message or default_message)
 
 
-def _reveal(kind: str, secret: str, subject: str) -> None:
-    """Show ``secret`` on the next page rendered (by a GET), and never again."""
-    session[_REVEAL] = {"kind": kind, "secret": secret, "subject": subject}
+def _reveal(merchant_id: str, kind: str, secret: str, subject: str) -> None:
+    """Show ``secret`` on the next page rendered (by a GET), and never again; the session gets a handle only."""
+    session_id = security.session_id()
+    if session_id is None:  # cannot happen: every caller is logged in
+        raise RuntimeError("a secret can only be revealed in a logged-in session")
+    reveals.discard(session.pop(_REVEAL, None))
+    session[_REVEAL] = reveals.store(merchant_id, session_id, kind, secret, subject)
 
 
 def login_required(view: Callable[..., Any]) -> Callable[..., Any]:
@@ -208,7 +225,7 @@ def signup() -> Any:
     if issued is None:
         return render("signup.html", 400, form=form)
     security.start_session(issued.key.merchant_id)
-    _reveal("api_key", issued.secret, "your first API key")
+    _reveal(issued.key.merchant_id, "api_key", issued.secret, "your first API key")
     flash("Your account is ready. Next: register a wallet so intents can be paid.", "success")
     return redirect(url_for(".overview"))
 
@@ -243,6 +260,9 @@ def login() -> Any:
 
 @bp.post("/logout")
 def logout() -> Any:
+    session_id = security.session_id()
+    if session_id is not None:
+        reveals.forget_session(session_id)
     security.end_session()
     flash("You are logged out.", "success")
     return redirect(url_for(".login"))
@@ -268,7 +288,7 @@ def keys() -> Any:
 @login_required
 def create_key() -> Any:
     issued = merchants.create_api_key(_merchant_id())
-    _reveal("api_key", issued.secret, f"API key {issued.key.display_prefix}\u2026")
+    _reveal(_merchant_id(), "api_key", issued.secret, f"API key {issued.key.display_prefix}\u2026")
     flash("API key created.", "success")
     return redirect(url_for(".keys"))
 
@@ -360,7 +380,7 @@ def create_webhook() -> Any:
             raise
         form.error("url", err.message + ".")
         return _webhooks_page(form, 409)
-    _reveal("webhook_secret", secret, f"the signing secret of {endpoint.url}")
+    _reveal(_merchant_id(), "webhook_secret", secret, f"the signing secret of {endpoint.url}")
     flash("Webhook endpoint added.", "success")
     return redirect(url_for(".webhook_detail", webhook_id=endpoint.id))
 
@@ -409,7 +429,7 @@ def rotate_webhook_secret(webhook_id: str) -> Any:
             back=url_for(".webhook_detail", webhook_id=webhook_id),
         )
     endpoint, secret = webhooks.rotate_secret(_merchant_id(), webhook_id)
-    _reveal("webhook_secret", secret, f"the new signing secret of {endpoint.url}")
+    _reveal(_merchant_id(), "webhook_secret", secret, f"the new signing secret of {endpoint.url}")
     flash("Signing secret rotated.", "success")
     return redirect(url_for(".webhook_detail", webhook_id=webhook_id))
 
