@@ -227,7 +227,9 @@ def signup() -> Any:
     security.start_session(issued.key.merchant_id)
     _reveal(issued.key.merchant_id, "api_key", issued.secret, "your first API key")
     flash("Your account is ready. Next: register a wallet so intents can be paid.", "success")
-    return redirect(url_for(".overview"))
+    response = redirect(url_for(".overview"))
+    security.remember_device(response, form.values["email"])
+    return response
 
 
 @bp.route("/login", methods=["GET", "POST"])
@@ -255,7 +257,9 @@ def login() -> Any:
         return render("login.html", 400, form=form, next_page=next_page)
     security.clear_login_failures(email, ip)
     security.start_session(merchant.id)
-    return redirect(next_page or url_for(".overview"))
+    response = redirect(next_page or url_for(".overview"))
+    security.remember_device(response, email)
+    return response
 
 
 @bp.post("/logout")
