@@ -13,17 +13,27 @@ COPY checkout-ui/index.html checkout-ui/vite.config.ts checkout-ui/tsconfig.json
 COPY checkout-ui/src ./src
 RUN npm run build
 
-# 2. The payintent wheel (backend, relayer, payintent; the dashboard's templates and static files are
-#    package data of backend). Built apart so no source tree is left in the final image.
+# 2. Swagger UI for the API docs page (/api/v1/docs), served by the app (no CDN): the swagger-ui-dist version
+#    package-lock.json locks, fetched with `npm pack` (no install scripts), checked against the lock's integrity
+#    hash, and only the files the page needs (deploy/swagger_ui.mjs, which `make install` runs too).
+FROM node:20-bookworm-slim AS swagger-ui
+WORKDIR /build
+COPY package.json package-lock.json ./
+COPY deploy/swagger_ui.mjs deploy/
+RUN node deploy/swagger_ui.mjs --pack /build/swagger-ui
+
+# 3. The payintent wheel (backend, relayer, payintent; the dashboard's templates and static files and Swagger UI
+#    are package data of backend). Built apart so no source tree is left in the final image.
 FROM python:3.11-slim AS wheel
 WORKDIR /build
 COPY pyproject.toml README.md ./
 COPY backend backend
+COPY --from=swagger-ui /build/swagger-ui backend/static/apidocs/swagger-ui
 COPY relayer relayer
 COPY payintent payintent
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-# 3. The runtime: the runtime dependencies pinned by constraints.txt (no dev dependencies), the wheel,
+# 4. The runtime: the runtime dependencies pinned by constraints.txt (no dev dependencies), the wheel,
 #    the checkout bundle, the entrypoint and health checks; runs as an unprivileged user.
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 \

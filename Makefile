@@ -7,10 +7,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NODE_STAMP := node_modules/.installed
 CHECKOUT := checkout-ui/dist/index.html
+SWAGGER_UI := backend/static/apidocs/swagger-ui/swagger-ui-bundle.js
 
 .PHONY: install browser run test test-db drills lint fmt bench contracts clean
 
-install: $(STAMP) $(NODE_STAMP) $(CHECKOUT)
+install: $(STAMP) $(NODE_STAMP) $(CHECKOUT) $(SWAGGER_UI)
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
@@ -29,6 +30,11 @@ $(NODE_STAMP): package.json package-lock.json
 $(CHECKOUT): checkout-ui/package.json checkout-ui/package-lock.json checkout-ui/index.html checkout-ui/vite.config.ts checkout-ui/tsconfig.json $(wildcard checkout-ui/src/*)
 	@command -v npm >/dev/null || { echo "Node 20+ with npm is required (https://nodejs.org)"; exit 1; }
 	cd checkout-ui && npm ci --no-audit --no-fund --loglevel=error && npm run build --silent
+
+# Swagger UI for the API docs page (/api/v1/docs), served by the app itself (no CDN): the files the page needs,
+# copied from node_modules/swagger-ui-dist (pinned in package.json) into backend/static/apidocs/swagger-ui/.
+$(SWAGGER_UI): $(NODE_STAMP) deploy/swagger_ui.mjs
+	node deploy/swagger_ui.mjs
 
 # The e2e suite drives headless Chromium: found on PATH (or CHROMIUM=...), else installed from Debian's packages.
 browser:
@@ -71,4 +77,4 @@ bench: install
 	$(BIN)/python bench/webhooks.py
 
 clean:
-	rm -rf $(VENV) node_modules checkout-ui/node_modules checkout-ui/dist var .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) node_modules checkout-ui/node_modules checkout-ui/dist backend/static/apidocs/swagger-ui var .pytest_cache .ruff_cache *.egg-info

@@ -50,8 +50,8 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
         OPENAPI_VERSION="3.1.0",
         OPENAPI_URL_PREFIX="/api/v1",
         OPENAPI_JSON_PATH="openapi.json",
-        OPENAPI_SWAGGER_UI_PATH="docs",
-        OPENAPI_SWAGGER_UI_URL="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/",
+        # No OPENAPI_SWAGGER_UI_*: flask-smorest's page loads Swagger UI from a CDN through an inline script;
+        # backend.apidocs serves /api/v1/docs from the package instead, under a strict CSP.
         API_SPEC_OPTIONS={
             "info": {
                 "description": "Stablecoin payment intents settled on chain (x402 / EIP-3009). Every call needs "
@@ -81,9 +81,11 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
     api.register_blueprint(checkout_blp)
     register_error_handlers(app)
 
+    from backend.apidocs import bp as apidocs_bp
     from backend.checkout.pages import bp as checkout_page_bp
     from backend.dashboard import init_app as init_dashboard
 
+    app.register_blueprint(apidocs_bp)
     app.register_blueprint(checkout_page_bp)
 
     init_dashboard(app)
