@@ -4,6 +4,11 @@ Delivery is at-least-once with the same event ``id`` on every attempt. A worker 
 delivery with a lease (a conditional UPDATE, ``FOR UPDATE SKIP LOCKED`` on PostgreSQL), sends it,
 and records the attempt only while its lease is still the one on the row, so two workers never
 send or record the same attempt; a crashed worker's lease runs out and the delivery is due again.
+
+Claims are fair between merchants: a merchant has at most WEBHOOK_MAX_IN_FLIGHT_PER_MERCHANT
+attempts in flight (live leases) across all workers, and a claim serves the merchant with the
+fewest in flight first, then its least busy endpoint, then the oldest due delivery. So one
+merchant's slow, dead or unresolvable endpoints and their backlog hold a few senders, never all.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, case, func, insert, or_, select, update
+from sqlalchemy import Integer, bindparam, case, func, insert, or_, select, update
 from sqlalchemy import event as sa_event
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -39,9 +44,21 @@ MAX_ATTEMPTS = len(RETRY_DELAYS_SECONDS) + 1
 # Longer than any attempt can take (10 s deadline, DB writes); a crashed worker's delivery is due again after it.
 LEASE_SECONDS = 60
 MAX_ENDPOINTS_PER_MERCHANT = 16
-# At most this many attempts to one endpoint are in flight at once, across all workers, so a slow or
-# dead endpoint with a backlog occupies a few senders and every other endpoint keeps being served.
+# At most this many attempts of one merchant are in flight at once, across all workers (the default of
+# WEBHOOK_MAX_IN_FLIGHT_PER_MERCHANT; keep it below the sender count), so a merchant whose endpoints are
+# slow or dead, fed a backlog of test events, occupies a few senders and every other merchant is served.
+DEFAULT_MAX_IN_FLIGHT_PER_MERCHANT = 2
+# ... and to one endpoint (when the merchant's cap is higher than this).
 MAX_IN_FLIGHT_PER_ENDPOINT = 4
+# PostgreSQL advisory lock class (with hashtext(merchant_id)): one claim of a merchant's deliveries at a time.
+_CLAIM_LOCK_CLASS = 0x5748
+_CLAIM_TRIES = 8
+# Test events and replays cost the caller one request each: at most this many of them may wait to be
+# delivered to one endpoint, which bounds the backlog a merchant can pile up for the senders to wade
+# through (a soft bound: simultaneous requests may pass it by a few).
+MAX_PENDING_ON_DEMAND_PER_ENDPOINT = 100
+# Longer than a delivery stays pending while workers run (its five attempts span about 2.6 hours).
+_ON_DEMAND_WINDOW = timedelta(hours=4)
 _WAKE_FLAG = "payintent.webhooks.wake"
 
 _deliveries = WebhookDelivery.__table__
@@ -193,12 +210,34 @@ def _add_delivery(
     return delivery_id
 
 
+def _check_on_demand_backlog(endpoint_id: str, now: datetime) -> None:
+    """409 TOO_MANY_PENDING_DELIVERIES when the endpoint's pending test and replayed deliveries reach the cap."""
+    pending = db.session.scalar(
+        select(func.count())
+        .select_from(_deliveries)
+        .where(
+            _deliveries.c.endpoint_id == endpoint_id,
+            _deliveries.c.created_at >= now - _ON_DEMAND_WINDOW,
+            _deliveries.c.status == wm.PENDING,
+            or_(_deliveries.c.event_id.startswith("evt_test_", autoescape=True), _deliveries.c.replay_of.is_not(None)),
+        )
+    )
+    if (pending or 0) >= MAX_PENDING_ON_DEMAND_PER_ENDPOINT:
+        raise APIError(
+            409,
+            "TOO_MANY_PENDING_DELIVERIES",
+            f"{MAX_PENDING_ON_DEMAND_PER_ENDPOINT} test or replayed deliveries to this endpoint are still pending; "
+            "send more once they have been delivered or have failed",
+        )
+
+
 def replay_delivery(merchant_id: str, delivery_id: str) -> str:
     """Send a delivery's event again to the same endpoint (same event id) as a new delivery."""
     original = get_delivery_row(merchant_id, delivery_id)
     endpoint = db.session.get(WebhookEndpoint, original.endpoint_id)
     if endpoint is None or endpoint.deleted_at is not None:
         raise APIError(409, "WEBHOOK_DELETED", "The delivery's webhook endpoint was deleted; nothing to replay to")
+    _check_on_demand_backlog(original.endpoint_id, clock.now())
     new_id = _add_delivery(
         original.endpoint_id, merchant_id, original.event_id, original.event_type, clock.now(), replay_of=original.id
     )
@@ -212,6 +251,7 @@ def send_test_event(merchant_id: str, webhook_id: str, event_type: str) -> tuple
     from backend.webhooks.samples import sample_data
 
     get_endpoint(merchant_id, webhook_id)
+    _check_on_demand_backlog(webhook_id, clock.now())
     event = record_event(
         merchant_id, event_type, sample_data(event_type, clock.now()), simulated=True, endpoint_id=webhook_id
     )
@@ -249,6 +289,7 @@ class ClaimedDelivery:
     url: str
     secret: str
     payload: str
+    merchant_id: str | None = None
 
 
 def _due(now: Any) -> Any:
@@ -261,27 +302,73 @@ def _due(now: Any) -> Any:
 
 # The delivery hot path: statements built once (bind parameters only), two per claim, two per record.
 _NOW = bindparam("now", type_=UTCDateTime())
-_BUSY_ENDPOINTS = (
-    select(_deliveries.c.endpoint_id)
-    .where(_deliveries.c.lease_expires_at > _NOW, _deliveries.c.status == wm.PENDING)
-    .group_by(_deliveries.c.endpoint_id)
-    .having(func.count() >= MAX_IN_FLIGHT_PER_ENDPOINT)
-)
-_OLDEST_DUE = (
-    select(_deliveries.c.id)
-    .join(_endpoints, _endpoints.c.id == _deliveries.c.endpoint_id)
-    .where(*_due(_NOW), _endpoints.c.deleted_at.is_(None), _deliveries.c.endpoint_id.not_in(_BUSY_ENDPOINTS))
-    .order_by(_deliveries.c.next_attempt_at)
-    .limit(1)
-    .with_for_update(of=_deliveries, skip_locked=True)
-    .scalar_subquery()
-)
-# One statement picks and leases (SKIP LOCKED on PostgreSQL; SQLite runs it under its write lock).
+_MERCHANT_CAP = bindparam("merchant_cap", type_=Integer())
+# Attempts in flight: live leases (a finished attempt clears its lease; a crashed worker's runs out).
+_leased = _deliveries.alias("leased")
+_LIVE = (_leased.c.lease_expires_at > _NOW, _leased.c.status == wm.PENDING)
+_MERCHANT_LOAD = (
+    select(_leased.c.merchant_id, func.count().label("n")).where(*_LIVE).group_by(_leased.c.merchant_id)
+).subquery("merchant_load")
+_ENDPOINT_LOAD = (
+    select(_leased.c.endpoint_id, func.count().label("n")).where(*_LIVE).group_by(_leased.c.endpoint_id)
+).subquery("endpoint_load")
+_merchant_busy = func.coalesce(_MERCHANT_LOAD.c.n, 0)
+_endpoint_busy = func.coalesce(_ENDPOINT_LOAD.c.n, 0)
+
+
+def _fairest_due(*columns: Any) -> Any:
+    """The due delivery to send next: of a live endpoint, its merchant and endpoint under their caps;
+    the merchant with the fewest attempts in flight first, then its least busy endpoint, then the oldest."""
+    return (
+        select(*columns)
+        .join(_endpoints, _endpoints.c.id == _deliveries.c.endpoint_id)
+        .outerjoin(_MERCHANT_LOAD, _MERCHANT_LOAD.c.merchant_id == _deliveries.c.merchant_id)
+        .outerjoin(_ENDPOINT_LOAD, _ENDPOINT_LOAD.c.endpoint_id == _deliveries.c.endpoint_id)
+        .where(
+            *_due(_NOW),
+            _endpoints.c.deleted_at.is_(None),
+            _merchant_busy < _MERCHANT_CAP,
+            _endpoint_busy < MAX_IN_FLIGHT_PER_ENDPOINT,
+        )
+        .order_by(_merchant_busy, _endpoint_busy, _deliveries.c.next_attempt_at, _deliveries.c.id)
+        .limit(1)
+        .with_for_update(of=_deliveries, skip_locked=True)
+    )
+
+
+_LEASE_VALUES = {"lease_token": bindparam("token"), "lease_expires_at": bindparam("lease_until", type_=UTCDateTime())}
+_LEASED = (_deliveries.c.id, _deliveries.c.attempt_count, _deliveries.c.event_id, _deliveries.c.endpoint_id,
+           _deliveries.c.merchant_id)  # fmt: skip
+# SQLite: one statement picks and leases, under the database's write lock (claims run one at a time).
 _CLAIM = (
     update(_deliveries)
-    .where(_deliveries.c.id == _OLDEST_DUE, *_due(_NOW))
-    .values(lease_token=bindparam("token"), lease_expires_at=bindparam("lease_until", type_=UTCDateTime()))
-    .returning(_deliveries.c.id, _deliveries.c.attempt_count, _deliveries.c.event_id, _deliveries.c.endpoint_id)
+    .where(_deliveries.c.id == _fairest_due(_deliveries.c.id).scalar_subquery(), *_due(_NOW))
+    .values(**_LEASE_VALUES)
+    .returning(*_LEASED)
+)
+# PostgreSQL: claims run concurrently (READ COMMITTED, SKIP LOCKED), so counting leases in the claim's
+# own snapshot could let two senders both take a merchant's last slot. The candidate is picked and
+# row-locked first; then the merchant's advisory lock is taken (claims of one merchant queue there for
+# a moment) and the lease is written only if a fresh count, which sees every earlier claim of that
+# merchant as committed, still leaves room.
+_CANDIDATE = _fairest_due(_deliveries.c.id, _deliveries.c.merchant_id)
+_MERCHANT_LOCK = select(func.pg_advisory_xact_lock(_CLAIM_LOCK_CLASS, func.hashtext(bindparam("merchant_id"))))
+_merchant_in_flight = (
+    select(func.count()).select_from(_leased).where(_leased.c.merchant_id == _deliveries.c.merchant_id, *_LIVE)
+).scalar_subquery()
+_endpoint_in_flight = (
+    select(func.count()).select_from(_leased).where(_leased.c.endpoint_id == _deliveries.c.endpoint_id, *_LIVE)
+).scalar_subquery()
+_LEASE = (
+    update(_deliveries)
+    .where(
+        _deliveries.c.id == bindparam("candidate"),
+        *_due(_NOW),
+        _merchant_in_flight < _MERCHANT_CAP,
+        _endpoint_in_flight < MAX_IN_FLIGHT_PER_ENDPOINT,
+    )
+    .values(**_LEASE_VALUES)
+    .returning(*_LEASED)
 )
 _SENDING = select(
     _endpoints.c.url,
@@ -312,21 +399,41 @@ _RECORD = (
 _INSERT_ATTEMPT = insert(_attempts)
 
 
-def claim_due(now: datetime) -> ClaimedDelivery | None:
-    """Lease the oldest due delivery to this caller, or None when nothing is due.
+def claim_due(now: datetime, merchant_cap: int = DEFAULT_MAX_IN_FLIGHT_PER_MERCHANT) -> ClaimedDelivery | None:
+    """Lease the fairest due delivery (see ``_fairest_due``) to this caller, or None when nothing is due.
 
-    Deliveries of deleted endpoints are skipped, and so are endpoints that already have
-    MAX_IN_FLIGHT_PER_ENDPOINT live leases.
+    Deliveries of deleted endpoints are skipped, and so are merchants with ``merchant_cap`` live
+    leases and endpoints with MAX_IN_FLIGHT_PER_ENDPOINT, counted across all workers.
     """
     token = uuid.uuid4().hex
-    lease_until = now + timedelta(seconds=LEASE_SECONDS)
-    leased = db.session.execute(_CLAIM, {"now": now, "token": token, "lease_until": lease_until}).first()
+    params = {"now": now, "token": token, "lease_until": now + timedelta(seconds=LEASE_SECONDS),
+              "merchant_cap": max(1, merchant_cap)}  # fmt: skip
+    if db.session.get_bind().dialect.name == "postgresql":
+        leased = _lease_serialised_per_merchant(params)
+    else:
+        leased = db.session.execute(_CLAIM, params).first()
     if leased is None:
         db.session.rollback()
         return None
     row = db.session.execute(_SENDING, {"endpoint_id": leased.endpoint_id, "event_id": leased.event_id}).one()
     db.session.commit()
-    return ClaimedDelivery(leased.id, token, leased.attempt_count, leased.event_id, row.url, row.secret, row.payload)
+    return ClaimedDelivery(
+        leased.id, token, leased.attempt_count, leased.event_id, row.url, row.secret, row.payload, leased.merchant_id
+    )
+
+
+def _lease_serialised_per_merchant(params: dict[str, Any]) -> Any:
+    """PostgreSQL's claim (see ``_LEASE``); the leased row, or None when nothing can be claimed."""
+    for _ in range(_CLAIM_TRIES):
+        candidate = db.session.execute(_CANDIDATE, params).first()
+        if candidate is None:
+            return None
+        db.session.execute(_MERCHANT_LOCK, {"merchant_id": candidate.merchant_id})
+        leased = db.session.execute(_LEASE, {**params, "candidate": candidate.id}).first()
+        if leased is not None:
+            return leased
+        db.session.rollback()  # another sender took the merchant's last slot meanwhile: pick again
+    return None
 
 
 def _clean(text: str | None, limit: int) -> str | None:
@@ -369,13 +476,18 @@ def record_attempt(claimed: ClaimedDelivery, attempted_at: datetime, result: tra
 
 
 def deliver_one(
-    *, allow_private: bool, deadline: float = transport.DEADLINE_SECONDS, on_claim: Callable[[], None] | None = None
+    *,
+    allow_private: bool,
+    deadline: float = transport.DEADLINE_SECONDS,
+    on_claim: Callable[[], None] | None = None,
+    merchant_cap: int = DEFAULT_MAX_IN_FLIGHT_PER_MERCHANT,
+    dns_timeout: float = transport.DNS_TIMEOUT_SECONDS,
 ) -> bool:
-    """Claim, sign, send and record one due delivery; False when nothing was due.
+    """Claim, sign, send and record one due delivery; False when nothing could be claimed.
 
     ``on_claim`` runs right after a claim, before sending (the dispatcher wakes another sender there).
     """
-    claimed = claim_due(clock.now())
+    claimed = claim_due(clock.now(), merchant_cap)
     if claimed is None:
         return False
     if on_claim is not None:
@@ -384,7 +496,15 @@ def deliver_one(
     body = claimed.payload.encode("utf-8")
     headers = signature_headers(claimed.secret, claimed.event_id, body, int(attempted_at.timestamp()))
     try:
-        result = transport.post(claimed.url, body, headers, allow_private=allow_private, deadline=deadline)
+        result = transport.post(
+            claimed.url,
+            body,
+            headers,
+            allow_private=allow_private,
+            deadline=deadline,
+            dns_timeout=dns_timeout,
+            owner=claimed.merchant_id,
+        )
     except Exception as exc:  # a bug or an odd answer must cost one attempt, not loop forever
         log.exception("webhook delivery %s: sending failed unexpectedly", claimed.id)
         result = transport.SendResult(False, None, 0, f"internal error: {type(exc).__name__}", None)
@@ -399,10 +519,19 @@ def deliver_one(
     return True
 
 
-def deliver_due(*, allow_private: bool, deadline: float = transport.DEADLINE_SECONDS, limit: int = 10_000) -> int:
+def deliver_due(
+    *,
+    allow_private: bool,
+    deadline: float = transport.DEADLINE_SECONDS,
+    limit: int = 10_000,
+    merchant_cap: int = DEFAULT_MAX_IN_FLIGHT_PER_MERCHANT,
+    dns_timeout: float = transport.DNS_TIMEOUT_SECONDS,
+) -> int:
     """Deliver due deliveries one after another until none is due; returns how many were attempted."""
     sent = 0
-    while sent < limit and deliver_one(allow_private=allow_private, deadline=deadline):
+    options = {"allow_private": allow_private, "deadline": deadline, "merchant_cap": merchant_cap,
+               "dns_timeout": dns_timeout}  # fmt: skip
+    while sent < limit and deliver_one(**options):
         sent += 1
     return sent
 
