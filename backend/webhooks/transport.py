@@ -280,6 +280,9 @@ class _Alarm:
         self.cancelled = False
 
 
+_RECHECK_SECONDS = 0.05
+
+
 class _Watchdog:
     """One thread for the process that shuts a connection's socket down when its deadline passes,
     unblocking any read or write on it."""
@@ -319,9 +322,15 @@ class _Watchdog:
                     self._cond.wait(timeout=delay)
                     continue
                 heapq.heappop(self._heap)
-            alarm.fired = True
-            sock = alarm.conn.sock
-            if sock is not None and not alarm.cancelled:
+                alarm.fired = True
+                sock = alarm.conn.sock
+                if sock is None:
+                    # Still connecting: shut the socket as soon as it exists, or a TLS handshake or an
+                    # answer trickled after a late connect would only meet per-read timeouts.
+                    self._seq += 1
+                    heapq.heappush(self._heap, (time.monotonic() + _RECHECK_SECONDS, self._seq, alarm))
+                    continue
+            if not alarm.cancelled:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
 

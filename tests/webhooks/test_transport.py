@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import ipaddress
 import socket
 import threading
@@ -234,3 +235,20 @@ def test_a_trickling_tls_handshake_is_cut_at_the_deadline():
     result = post(f"https://127.0.0.1:{server.port}/", b"{}", {}, allow_private=True, deadline=1.0)
     assert time.monotonic() - started < 1.5
     assert not result.succeeded and result.error.startswith("timeout")
+
+
+def test_a_deadline_that_passes_while_connecting_still_cuts_the_connection_once_it_exists():
+    # The watchdog fires before the socket exists (a connect that completes at the last moment): the
+    # socket must still be shut when it appears, or a trickled handshake or answer would run on.
+    server = _Trickle(b"HTTP/1.1 200 OK\r\n", b"", head_gap=0.2, body_gap=0)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    alarm = transport._watchdog.arm(conn, 0.01)
+    time.sleep(0.1)  # fired, nothing to shut yet
+    assert alarm.fired
+    started = time.monotonic()
+    conn.connect()
+    conn.request("POST", "/", b"{}")
+    with pytest.raises((OSError, http.client.HTTPException)):
+        conn.getresponse()
+    transport._watchdog.disarm(alarm)
+    assert time.monotonic() - started < 1.0  # not the 17 x 0.2 s of the trickle, nor the 5 s timeout
