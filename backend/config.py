@@ -56,6 +56,11 @@ class Settings:
     relayer_networks: tuple[str, ...] = ()
     # Parallel webhook senders per worker process (a slow receiver holds one of them, not the queue).
     webhook_concurrency: int = 8
+    # Attempts of one merchant in flight at once across all workers: keep it below webhook_concurrency,
+    # so one merchant's slow or dead endpoints never hold every sender (docs/webhooks.md).
+    webhook_max_in_flight_per_merchant: int = 2
+    # Name resolution's share of the webhook deadline; a host not resolved in time fails the attempt.
+    webhook_dns_timeout_seconds: float = 5.0
     # The spec's response deadline; not read from the environment (tests shorten it).
     webhook_timeout_seconds: float = 10.0
     # Rate limits per minute (0: off): each API key, each client IP on the keyed API, and failed
@@ -95,6 +100,8 @@ class Settings:
             relayer_queue=_env("RELAYER_QUEUE", "relayer"),
             relayer_networks=tuple(n.strip() for n in _env("RELAYER_NETWORKS", "").split(",") if n.strip()),
             webhook_concurrency=max(1, int(_env("WEBHOOK_CONCURRENCY", "8"))),
+            webhook_max_in_flight_per_merchant=max(1, int(_env("WEBHOOK_MAX_IN_FLIGHT_PER_MERCHANT", "2"))),
+            webhook_dns_timeout_seconds=min(10.0, max(0.1, float(_env("WEBHOOK_DNS_TIMEOUT_SECONDS", "5")))),
             checkout_dist_dir=_env("CHECKOUT_DIST_DIR", "") or cls.checkout_dist_dir,
             api_requests_per_minute_per_key=int(_env("API_RATE_LIMIT_PER_KEY", "1200")),
             api_requests_per_minute_per_ip=int(_env("API_RATE_LIMIT_PER_IP", "2400")),

@@ -4,14 +4,14 @@ Delivery is at-least-once with the same event ``id`` on every attempt. A worker 
 delivery with a lease (a conditional UPDATE, ``FOR UPDATE SKIP LOCKED`` on PostgreSQL), sends it,
 and records the attempt only while its lease is still the one on the row, so two workers never
 send or record the same attempt; a crashed worker's lease runs out and the delivery is due again.
+
+Claims are fair between merchants (``backend.webhooks.claims``).
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -28,6 +28,14 @@ from backend.ids import prefixed_id
 from backend.jsonio import strict_loads
 from backend.webhooks import models as wm
 from backend.webhooks import transport
+from backend.webhooks.claims import (  # noqa: F401  (LEASE_SECONDS, MAX_IN_FLIGHT_PER_ENDPOINT: re-exported)
+    DEFAULT_MAX_IN_FLIGHT_PER_MERCHANT,
+    LEASE_SECONDS,
+    MAX_IN_FLIGHT_PER_ENDPOINT,
+    ClaimedDelivery,
+    claim_due,
+    due,
+)
 from backend.webhooks.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint
 from payintent.webhooks import new_secret, signature_headers
 
@@ -36,12 +44,13 @@ log = logging.getLogger(__name__)
 # The spec's schedule: attempt 1 at once, then 1 min, 5 min, 30 min and 2 h after the previous one.
 RETRY_DELAYS_SECONDS: tuple[int, ...] = (60, 300, 1800, 7200)
 MAX_ATTEMPTS = len(RETRY_DELAYS_SECONDS) + 1
-# Longer than any attempt can take (10 s deadline, DB writes); a crashed worker's delivery is due again after it.
-LEASE_SECONDS = 60
 MAX_ENDPOINTS_PER_MERCHANT = 16
-# At most this many attempts to one endpoint are in flight at once, across all workers, so a slow or
-# dead endpoint with a backlog occupies a few senders and every other endpoint keeps being served.
-MAX_IN_FLIGHT_PER_ENDPOINT = 4
+# Test events and replays cost the caller one request each: at most this many of them may wait to be
+# delivered to one endpoint, which bounds the backlog a merchant can pile up for the senders to wade
+# through (a soft bound: simultaneous requests may pass it by a few).
+MAX_PENDING_ON_DEMAND_PER_ENDPOINT = 100
+# Longer than a delivery stays pending while workers run (its five attempts span about 2.6 hours).
+_ON_DEMAND_WINDOW = timedelta(hours=4)
 _WAKE_FLAG = "payintent.webhooks.wake"
 
 _deliveries = WebhookDelivery.__table__
@@ -193,12 +202,34 @@ def _add_delivery(
     return delivery_id
 
 
+def _check_on_demand_backlog(endpoint_id: str, now: datetime) -> None:
+    """409 TOO_MANY_PENDING_DELIVERIES when the endpoint's pending test and replayed deliveries reach the cap."""
+    pending = db.session.scalar(
+        select(func.count())
+        .select_from(_deliveries)
+        .where(
+            _deliveries.c.endpoint_id == endpoint_id,
+            _deliveries.c.created_at >= now - _ON_DEMAND_WINDOW,
+            _deliveries.c.status == wm.PENDING,
+            or_(_deliveries.c.event_id.startswith("evt_test_", autoescape=True), _deliveries.c.replay_of.is_not(None)),
+        )
+    )
+    if (pending or 0) >= MAX_PENDING_ON_DEMAND_PER_ENDPOINT:
+        raise APIError(
+            409,
+            "TOO_MANY_PENDING_DELIVERIES",
+            f"{MAX_PENDING_ON_DEMAND_PER_ENDPOINT} test or replayed deliveries to this endpoint are still pending; "
+            "send more once they have been delivered or have failed",
+        )
+
+
 def replay_delivery(merchant_id: str, delivery_id: str) -> str:
     """Send a delivery's event again to the same endpoint (same event id) as a new delivery."""
     original = get_delivery_row(merchant_id, delivery_id)
     endpoint = db.session.get(WebhookEndpoint, original.endpoint_id)
     if endpoint is None or endpoint.deleted_at is not None:
         raise APIError(409, "WEBHOOK_DELETED", "The delivery's webhook endpoint was deleted; nothing to replay to")
+    _check_on_demand_backlog(original.endpoint_id, clock.now())
     new_id = _add_delivery(
         original.endpoint_id, merchant_id, original.event_id, original.event_type, clock.now(), replay_of=original.id
     )
@@ -212,6 +243,7 @@ def send_test_event(merchant_id: str, webhook_id: str, event_type: str) -> tuple
     from backend.webhooks.samples import sample_data
 
     get_endpoint(merchant_id, webhook_id)
+    _check_on_demand_backlog(webhook_id, clock.now())
     event = record_event(
         merchant_id, event_type, sample_data(event_type, clock.now()), simulated=True, endpoint_id=webhook_id
     )
@@ -239,55 +271,7 @@ def _forget_wake(session: Session) -> None:
 
 # --- delivering ----------------------------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class ClaimedDelivery:
-    id: str
-    lease_token: str
-    attempt_count: int
-    event_id: str
-    url: str
-    secret: str
-    payload: str
-
-
-def _due(now: Any) -> Any:
-    return (
-        _deliveries.c.status == wm.PENDING,
-        _deliveries.c.next_attempt_at <= now,
-        or_(_deliveries.c.lease_expires_at.is_(None), _deliveries.c.lease_expires_at < now),
-    )
-
-
-# The delivery hot path: statements built once (bind parameters only), two per claim, two per record.
-_NOW = bindparam("now", type_=UTCDateTime())
-_BUSY_ENDPOINTS = (
-    select(_deliveries.c.endpoint_id)
-    .where(_deliveries.c.lease_expires_at > _NOW, _deliveries.c.status == wm.PENDING)
-    .group_by(_deliveries.c.endpoint_id)
-    .having(func.count() >= MAX_IN_FLIGHT_PER_ENDPOINT)
-)
-_OLDEST_DUE = (
-    select(_deliveries.c.id)
-    .join(_endpoints, _endpoints.c.id == _deliveries.c.endpoint_id)
-    .where(*_due(_NOW), _endpoints.c.deleted_at.is_(None), _deliveries.c.endpoint_id.not_in(_BUSY_ENDPOINTS))
-    .order_by(_deliveries.c.next_attempt_at)
-    .limit(1)
-    .with_for_update(of=_deliveries, skip_locked=True)
-    .scalar_subquery()
-)
-# One statement picks and leases (SKIP LOCKED on PostgreSQL; SQLite runs it under its write lock).
-_CLAIM = (
-    update(_deliveries)
-    .where(_deliveries.c.id == _OLDEST_DUE, *_due(_NOW))
-    .values(lease_token=bindparam("token"), lease_expires_at=bindparam("lease_until", type_=UTCDateTime()))
-    .returning(_deliveries.c.id, _deliveries.c.attempt_count, _deliveries.c.event_id, _deliveries.c.endpoint_id)
-)
-_SENDING = select(
-    _endpoints.c.url,
-    _endpoints.c.secret,
-    select(_events.c.payload).where(_events.c.id == bindparam("event_id")).scalar_subquery().label("payload"),
-).where(_endpoints.c.id == bindparam("endpoint_id"))
+# Claims: backend.webhooks.claims. Recording an attempt runs two statements, built once.
 _CANCELLED = _deliveries.c.status == wm.CANCELLED
 # Records an attempt if the lease is still ours. An endpoint deleted while the attempt was in flight
 # leaves the delivery cancelled (the attempt is still logged).
@@ -310,23 +294,6 @@ _RECORD = (
     )
 )
 _INSERT_ATTEMPT = insert(_attempts)
-
-
-def claim_due(now: datetime) -> ClaimedDelivery | None:
-    """Lease the oldest due delivery to this caller, or None when nothing is due.
-
-    Deliveries of deleted endpoints are skipped, and so are endpoints that already have
-    MAX_IN_FLIGHT_PER_ENDPOINT live leases.
-    """
-    token = uuid.uuid4().hex
-    lease_until = now + timedelta(seconds=LEASE_SECONDS)
-    leased = db.session.execute(_CLAIM, {"now": now, "token": token, "lease_until": lease_until}).first()
-    if leased is None:
-        db.session.rollback()
-        return None
-    row = db.session.execute(_SENDING, {"endpoint_id": leased.endpoint_id, "event_id": leased.event_id}).one()
-    db.session.commit()
-    return ClaimedDelivery(leased.id, token, leased.attempt_count, leased.event_id, row.url, row.secret, row.payload)
 
 
 def _clean(text: str | None, limit: int) -> str | None:
@@ -369,13 +336,18 @@ def record_attempt(claimed: ClaimedDelivery, attempted_at: datetime, result: tra
 
 
 def deliver_one(
-    *, allow_private: bool, deadline: float = transport.DEADLINE_SECONDS, on_claim: Callable[[], None] | None = None
+    *,
+    allow_private: bool,
+    deadline: float = transport.DEADLINE_SECONDS,
+    on_claim: Callable[[], None] | None = None,
+    merchant_cap: int = DEFAULT_MAX_IN_FLIGHT_PER_MERCHANT,
+    dns_timeout: float = transport.DNS_TIMEOUT_SECONDS,
 ) -> bool:
-    """Claim, sign, send and record one due delivery; False when nothing was due.
+    """Claim, sign, send and record one due delivery; False when nothing could be claimed.
 
     ``on_claim`` runs right after a claim, before sending (the dispatcher wakes another sender there).
     """
-    claimed = claim_due(clock.now())
+    claimed = claim_due(clock.now(), merchant_cap)
     if claimed is None:
         return False
     if on_claim is not None:
@@ -384,7 +356,15 @@ def deliver_one(
     body = claimed.payload.encode("utf-8")
     headers = signature_headers(claimed.secret, claimed.event_id, body, int(attempted_at.timestamp()))
     try:
-        result = transport.post(claimed.url, body, headers, allow_private=allow_private, deadline=deadline)
+        result = transport.post(
+            claimed.url,
+            body,
+            headers,
+            allow_private=allow_private,
+            deadline=deadline,
+            dns_timeout=dns_timeout,
+            owner=claimed.merchant_id,
+        )
     except Exception as exc:  # a bug or an odd answer must cost one attempt, not loop forever
         log.exception("webhook delivery %s: sending failed unexpectedly", claimed.id)
         result = transport.SendResult(False, None, 0, f"internal error: {type(exc).__name__}", None)
@@ -399,10 +379,19 @@ def deliver_one(
     return True
 
 
-def deliver_due(*, allow_private: bool, deadline: float = transport.DEADLINE_SECONDS, limit: int = 10_000) -> int:
+def deliver_due(
+    *,
+    allow_private: bool,
+    deadline: float = transport.DEADLINE_SECONDS,
+    limit: int = 10_000,
+    merchant_cap: int = DEFAULT_MAX_IN_FLIGHT_PER_MERCHANT,
+    dns_timeout: float = transport.DNS_TIMEOUT_SECONDS,
+) -> int:
     """Deliver due deliveries one after another until none is due; returns how many were attempted."""
     sent = 0
-    while sent < limit and deliver_one(allow_private=allow_private, deadline=deadline):
+    options = {"allow_private": allow_private, "deadline": deadline, "merchant_cap": merchant_cap,
+               "dns_timeout": dns_timeout}  # fmt: skip
+    while sent < limit and deliver_one(**options):
         sent += 1
     return sent
 
@@ -415,7 +404,7 @@ def delivery_counts() -> dict[str, int]:
 
 def oldest_due_at(now: datetime) -> datetime | None:
     """When the longest-waiting due delivery (pending, due, not leased) fell due; None if none waits."""
-    return db.session.execute(select(func.min(_deliveries.c.next_attempt_at)).where(*_due(now))).scalar()
+    return db.session.execute(select(func.min(_deliveries.c.next_attempt_at)).where(*due(now))).scalar()
 
 
 # --- logs ----------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from flask import Flask, current_app
 from rq import Queue
@@ -47,10 +47,17 @@ def deliver_webhooks() -> int:
         dispatcher.poke()  # its senders clear the wake flag when they run out of work
         return 0
     clear_wake_flag()
-    settings = current_app.config["PAYINTENT_SETTINGS"]
-    return services.deliver_due(
-        allow_private=settings.webhook_allow_private_targets, deadline=settings.webhook_timeout_seconds
-    )
+    return services.deliver_due(**delivery_options(current_app.config["PAYINTENT_SETTINGS"]))
+
+
+def delivery_options(settings: Any) -> dict[str, Any]:
+    """``services.deliver_one``'s keyword arguments from the settings."""
+    return {
+        "allow_private": settings.webhook_allow_private_targets,
+        "deadline": settings.webhook_timeout_seconds,
+        "merchant_cap": settings.webhook_max_in_flight_per_merchant,
+        "dns_timeout": settings.webhook_dns_timeout_seconds,
+    }
 
 
 def clear_wake_flag() -> None:
@@ -81,6 +88,14 @@ class Dispatcher:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> Dispatcher:
+        cap = self.app.config["PAYINTENT_SETTINGS"].webhook_max_in_flight_per_merchant
+        if cap >= self.size:
+            log.warning(
+                "WEBHOOK_MAX_IN_FLIGHT_PER_MERCHANT=%d is not below WEBHOOK_CONCURRENCY=%d: one merchant's slow "
+                "endpoints can hold every webhook sender of this worker",
+                cap,
+                self.size,
+            )
         for n in range(self.size):
             thread = threading.Thread(target=self._run, name=f"webhook-sender-{n}", daemon=True)
             thread.start()
@@ -114,12 +129,7 @@ class Dispatcher:
             return not self._stopping
 
     def _drain(self) -> None:
-        settings = self.app.config["PAYINTENT_SETTINGS"]
-        options = {
-            "allow_private": settings.webhook_allow_private_targets,
-            "deadline": settings.webhook_timeout_seconds,
-            "on_claim": self.poke,
-        }
+        options = {**delivery_options(self.app.config["PAYINTENT_SETTINGS"]), "on_claim": self.poke}
         with self.app.app_context():
             while not self._stopping:
                 if services.deliver_one(**options):

@@ -6,6 +6,13 @@ address, are refused unless WEBHOOK_ALLOW_PRIVATE_TARGETS is set), and the conne
 the checked address itself, so DNS cannot change the answer between check and connect
 (rebinding). HTTPS verifies the certificate against the URL's host name.
 
+Name resolution has its own, shorter bound (WEBHOOK_DNS_TIMEOUT_SECONDS) inside the deadline, and a
+name server that never answers cannot exhaust resolution for everyone: ``getaddrinfo`` cannot be
+cancelled, so each lookup runs in its own daemon thread that an attempt stops waiting for (no pool
+slot is held for others); lookups of one name are shared (one thread per name at a time); a name
+that failed or did not answer fails at once for a short while (negative cache); and the threads
+left running are capped per owner (the merchant) and for the process.
+
 The deadline is wall-clock for the whole attempt: name resolution, connect, TLS, request and
 response. A watchdog shuts the socket down when it passes, so a receiver that trickles bytes
 cannot hold a sender longer than the deadline. Connections are kept alive per checked address
@@ -23,12 +30,17 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from urllib.parse import SplitResult, urlsplit
 
 DEADLINE_SECONDS = 10.0
+# Name resolution's share of the deadline: a name not resolved within it fails the attempt (retried later).
+DNS_TIMEOUT_SECONDS = 5.0
+# A name whose lookup failed or did not answer fails at once for this long (shorter than the first retry).
+NEGATIVE_TTL_SECONDS = 30.0
+# Lookup threads alive at once (answered or abandoned), for one owner's names and for the process.
+MAX_UNANSWERED_LOOKUPS_PER_OWNER = 4
+MAX_LOOKUPS = 256
 RESPONSE_EXCERPT_BYTES = 1024
 _DRAIN_LIMIT = 64 * 1024
 USER_AGENT = "payintent-webhooks/1"
@@ -47,7 +59,6 @@ _DENIED = tuple(
     )
 )  # fmt: skip
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
-_resolver = ThreadPoolExecutor(max_workers=8, thread_name_prefix="webhook-dns")
 
 
 class TargetRefused(ValueError):
@@ -122,16 +133,112 @@ def check_url_literal(url: str, allow_private: bool) -> None:
         raise TargetRefused(f"{ip} is not a public address")
 
 
-def resolve(host: str, port: int, allow_private: bool, timeout: float = DEADLINE_SECONDS) -> str:
-    """The address to connect to; every address the name resolves to must be allowed."""
-    future = _resolver.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+def _system_lookup(host: str) -> list[str]:
+    """Every address the system resolver gives for ``host`` (blocking; cannot be cancelled)."""
+    return [info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
+
+
+class _Lookup:
+    __slots__ = ("addresses", "done", "error", "owner")
+
+    def __init__(self, owner: str | None) -> None:
+        self.owner = owner
+        self.done = threading.Event()
+        self.addresses: list[str] = []
+        self.error: str | None = None
+
+
+class _Resolver:
+    """Lookups in their own daemon threads, shared per name, with a negative cache and thread caps."""
+
+    def __init__(self, lookup: Callable[[str], list[str]] = _system_lookup) -> None:
+        self.lookup = lookup
+        self._lock = threading.Lock()
+        self._running: dict[str, _Lookup] = {}
+        self._per_owner: dict[str, int] = {}
+        self._failed: dict[str, tuple[float, str]] = {}  # name -> (until, why), monotonic time
+
+    def resolve(self, host: str, timeout: float, owner: str | None) -> list[str]:
+        with self._lock:
+            failed = self._failed.get(host)
+            if failed is not None:
+                if failed[0] > time.monotonic():
+                    raise TargetRefused(f"{failed[1]} (not asked again for {NEGATIVE_TTL_SECONDS:g} s)")
+                del self._failed[host]
+            job = self._running.get(host)
+            if job is None:
+                job = self._start(host, owner)
+        if not job.done.wait(max(timeout, 0.001)):
+            with self._lock:
+                late = job.done.is_set()  # it may have answered since: then use the answer
+                if not late:
+                    self._remember_failure(host, "the host's name servers did not answer")
+            if not late:
+                raise TargetRefused(f"resolving the host took longer than {timeout:.2g} s: no answer")
+        if job.error is not None:
+            raise TargetRefused(f"cannot resolve the host: {job.error}")
+        return job.addresses
+
+    def _start(self, host: str, owner: str | None) -> _Lookup:
+        """A new lookup thread for ``host`` (the lock is held)."""
+        if len(self._running) >= MAX_LOOKUPS:
+            raise TargetRefused("too many unanswered DNS lookups in this worker; try again later")
+        if owner is not None and self._per_owner.get(owner, 0) >= MAX_UNANSWERED_LOOKUPS_PER_OWNER:
+            raise TargetRefused("too many of this merchant's webhook hosts have unanswered DNS lookups")
+        job = _Lookup(owner)
+        self._running[host] = job
+        if owner is not None:
+            self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
+        threading.Thread(target=self._run, args=(host, job), name="webhook-dns", daemon=True).start()
+        return job
+
+    def _run(self, host: str, job: _Lookup) -> None:
+        try:
+            job.addresses = self.lookup(host)
+        except (OSError, UnicodeError) as exc:
+            job.error = str(exc) or type(exc).__name__
+        except Exception as exc:  # an odd resolver failure is the attempt's failure, never a stuck waiter
+            job.error = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            del self._running[host]
+            if job.owner is not None:
+                left = self._per_owner[job.owner] - 1
+                if left:
+                    self._per_owner[job.owner] = left
+                else:
+                    del self._per_owner[job.owner]
+            if job.error is None:
+                self._failed.pop(host, None)  # it answered after all (late): ask again next time
+            else:
+                self._remember_failure(host, f"cannot resolve the host: {job.error}")
+            job.done.set()
+
+    def _remember_failure(self, host: str, why: str) -> None:
+        """Fail ``host`` at once for NEGATIVE_TTL_SECONDS (the lock is held)."""
+        now = time.monotonic()
+        if len(self._failed) >= 10_000:  # bounded: drop what has run out, else forget the lot
+            for name in [n for n, (until, _) in self._failed.items() if until <= now]:
+                del self._failed[name]
+            if len(self._failed) >= 10_000:
+                self._failed.clear()
+        self._failed[host] = (now + NEGATIVE_TTL_SECONDS, why)
+
+
+_resolver = _Resolver()
+
+
+def resolve(
+    host: str, port: int, allow_private: bool, timeout: float = DNS_TIMEOUT_SECONDS, owner: str | None = None
+) -> str:
+    """The address to connect to; every address the name resolves to must be allowed.
+
+    ``owner`` (the merchant) is who the lookup is for: it bounds how many of one owner's lookups may
+    be left running unanswered. ``port`` is the URL's (name resolution does not depend on it).
+    """
     try:
-        infos = future.result(timeout=max(timeout, 0.001))
-    except FutureTimeout:
-        raise TargetRefused(f"resolving the host took longer than {timeout:g} s") from None
-    except (OSError, UnicodeError) as exc:
-        raise TargetRefused(f"cannot resolve the host: {exc}") from None
-    addresses = [info[4][0] for info in infos]
+        addresses = [str(ipaddress.ip_address(host))]  # a literal address: nothing to look up
+    except ValueError:
+        addresses = _resolver.resolve(host, timeout, owner)
     if not addresses:
         raise TargetRefused("the host resolves to no address")
     if not allow_private:
@@ -173,6 +280,9 @@ class _Alarm:
         self.cancelled = False
 
 
+_RECHECK_SECONDS = 0.05
+
+
 class _Watchdog:
     """One thread for the process that shuts a connection's socket down when its deadline passes,
     unblocking any read or write on it."""
@@ -212,9 +322,15 @@ class _Watchdog:
                     self._cond.wait(timeout=delay)
                     continue
                 heapq.heappop(self._heap)
-            alarm.fired = True
-            sock = alarm.conn.sock
-            if sock is not None and not alarm.cancelled:
+                alarm.fired = True
+                sock = alarm.conn.sock
+                if sock is None:
+                    # Still connecting: shut the socket as soon as it exists, or a TLS handshake or an
+                    # answer trickled after a late connect would only meet per-read timeouts.
+                    self._seq += 1
+                    heapq.heappush(self._heap, (time.monotonic() + _RECHECK_SECONDS, self._seq, alarm))
+                    continue
+            if not alarm.cancelled:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
 
@@ -271,8 +387,13 @@ def post(
     *,
     allow_private: bool,
     deadline: float = DEADLINE_SECONDS,
+    dns_timeout: float = DNS_TIMEOUT_SECONDS,
+    owner: str | None = None,
 ) -> SendResult:
-    """POST ``body`` to ``url``; success is a 2xx status received within ``deadline`` seconds."""
+    """POST ``body`` to ``url``; success is a 2xx status received within ``deadline`` seconds.
+
+    Resolving the host may take at most ``dns_timeout`` of it; ``owner`` is the merchant it is for.
+    """
     started = time.monotonic()
 
     def remaining() -> float:
@@ -284,7 +405,7 @@ def post(
     parts = urlsplit(url)
     try:
         host, port = _host_and_port(parts)
-        address = resolve(host, port, allow_private, timeout=remaining())
+        address = resolve(host, port, allow_private, timeout=min(dns_timeout, remaining()), owner=owner)
     except TargetRefused as exc:
         return result(False, None, f"refused: {exc}")
     default_port = port == (443 if parts.scheme == "https" else 80)

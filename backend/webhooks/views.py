@@ -120,13 +120,14 @@ class WebhookTest(MethodView):
 
     @blp.arguments(TestEventSchema())
     @blp.alt_response(202, schema=QueuedDeliveryEnvelope, success=True, description="The test delivery is queued")
-    @blp.errors(400, 401, 404, 415)
+    @blp.errors(400, 401, 404, 409, 415)
     def post(self, args: dict[str, Any]) -> Any:
         """Send a simulated event to an endpoint
 
         Any of the ten event types, with realistic data and no on-chain transaction, signed and
         retried like a real event. Simulated event ids start with evt_test_. Read the delivery to
-        see its attempts.
+        see its attempts. 409 TOO_MANY_PENDING_DELIVERIES while 100 test or replayed deliveries
+        to the endpoint are still pending.
         """
         delivery_id, _ = services.send_test_event(current_merchant_id(), args["webhook_id"], args["event"])
         return _queued(delivery_id)
@@ -173,7 +174,9 @@ class DeliveryReplay(MethodView):
         """Replay a delivery
 
         Sends the same event (same id, same bytes) to the same endpoint again, as a new delivery
-        with its own five attempts. Any delivery can be replayed while its endpoint exists.
+        with its own five attempts. Any delivery can be replayed while its endpoint exists
+        (409 WEBHOOK_DELETED otherwise), and while fewer than 100 test or replayed deliveries to
+        it are pending (409 TOO_MANY_PENDING_DELIVERIES otherwise).
         """
         new_id = services.replay_delivery(current_merchant_id(), delivery_id)
         return _queued(new_id)

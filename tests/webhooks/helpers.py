@@ -7,6 +7,8 @@ from backend.webhooks import services
 from backend.webhooks.models import WebhookAttempt, WebhookDelivery
 
 URL = "/api/v1/webhooks"
+# Host names under this suffix never resolve while a test using the ``hung_dns`` fixture runs.
+HUNG_SUFFIX = ".hang.test"
 
 
 def register(client: Any, merchant: Any, url: str, events: list[str] | None = None) -> dict[str, Any]:

@@ -249,3 +249,29 @@ def test_an_unusable_port_is_refused_at_registration(client, merchant):
                            headers=merchant.headers)  # fmt: skip
     assert response.status_code == 400
     assert "url" in response.get_json()["error"]["fields"]
+
+
+def test_test_events_and_replays_cannot_pile_up_a_backlog(client, merchant, receiver, clock, spec, monkeypatch):  # noqa: F811
+    from backend.webhooks import services
+
+    monkeypatch.setattr(services, "MAX_PENDING_ON_DEMAND_PER_ENDPOINT", 3)
+    endpoint = register(client, merchant, receiver.url("/status/500"))
+    queued = [send_test(client, merchant, endpoint["webhook_id"]) for _ in range(3)]
+    body = {"webhook_id": endpoint["webhook_id"], "event": "payment.completed"}
+    refused = client.post(f"{URL}/test", json=body, headers=merchant.headers)
+    assert refused.status_code == 409
+    check(spec, f"{URL}/test", "post", refused)
+    assert refused.get_json()["error"]["code"] == "TOO_MANY_PENDING_DELIVERIES"
+    replay = client.post(f"{URL}/deliveries/{queued[0]['delivery_id']}/replay", headers=merchant.headers)
+    assert replay.status_code == 409 and replay.get_json()["error"]["code"] == "TOO_MANY_PENDING_DELIVERIES"
+    check(spec, f"{URL}/deliveries/{{delivery_id}}/replay", "post", replay)
+    # Another endpoint is not held back, and once the backlog is worked off, more are accepted.
+    other = register(client, merchant, receiver.url("/ok"))
+    send_test(client, merchant, other["webhook_id"])
+    for _ in range(5):
+        deliver()
+        clock.advance(hours=3)
+    assert {delivery(q["delivery_id"]).status for q in queued} == {"failed"}
+    send_test(client, merchant, endpoint["webhook_id"])
+    again = client.post(f"{URL}/deliveries/{queued[0]['delivery_id']}/replay", headers=merchant.headers)
+    assert again.status_code == 202

@@ -17,6 +17,7 @@ from standardwebhooks import Webhook
 from backend.extensions import db
 from backend.webhooks import services
 from backend.webhooks.models import WebhookAttempt
+from backend.webhooks.transport import SendResult
 from tests.conftest import free_port
 from tests.intents.helpers import create
 from tests.webhooks.helpers import URL, attempts, deliver, delivery, register, send_test
@@ -285,10 +286,30 @@ def test_a_slow_endpoint_cannot_take_every_sender(client, merchant, receiver, cl
         send_test(client, merchant, slow["webhook_id"])
     clock.advance(seconds=1)
     newer = send_test(client, merchant, other["webhook_id"])
-    held = [services.claim_due(clock.current) for _ in range(services.MAX_IN_FLIGHT_PER_ENDPOINT)]
-    assert all(c is not None for c in held)  # four senders busy with the slow endpoint's backlog
-    nxt = services.claim_due(clock.current)
-    assert nxt is not None and nxt.id == newer["delivery_id"]  # the fifth serves the other endpoint
+    cap = services.MAX_IN_FLIGHT_PER_ENDPOINT + 4  # a merchant cap that lets the endpoint cap show
+    first = services.claim_due(clock.current, cap)
+    second = services.claim_due(clock.current, cap)
+    assert first is not None and first.url == slow["url"]  # the oldest
+    assert second is not None and second.id == newer["delivery_id"]  # then the merchant's idle endpoint
+    held = [services.claim_due(clock.current, cap) for _ in range(services.MAX_IN_FLIGHT_PER_ENDPOINT - 1)]
+    assert all(c is not None and c.url == slow["url"] for c in held)  # four senders on the slow endpoint
+    assert services.claim_due(clock.current, cap) is None  # and no more, though three more are due
+
+
+def test_claims_serve_the_merchant_with_the_fewest_attempts_in_flight(client, merchant, other_merchant, clock):
+    busy = register(client, merchant, "http://127.0.0.1:9/busy")
+    for _ in range(10):
+        send_test(client, merchant, busy["webhook_id"])
+    clock.advance(seconds=30)  # the other merchant's event is much newer than the backlog
+    quiet = register(client, other_merchant, "http://127.0.0.1:9/quiet")
+    newer = send_test(client, other_merchant, quiet["webhook_id"])
+    claims = [services.claim_due(clock.current, 2) for _ in range(4)]
+    owners = [c.merchant_id if c else None for c in claims]
+    # Both idle: the oldest; then the merchant with nothing in flight; then the busy one up to its cap.
+    assert owners == [merchant.id, other_merchant.id, merchant.id, None]
+    assert claims[1].id == newer["delivery_id"]
+    services.record_attempt(claims[0], clock.current, SendResult(False, 500, 3, "HTTP 500", None))
+    assert services.claim_due(clock.current, 2).merchant_id == merchant.id  # a slot freed: served again
 
 
 def test_receiver_text_that_a_database_refuses_still_records_the_attempt(client, merchant, receiver, clock):

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import http.client
 import ipaddress
 import socket
 import threading
 import time
+import uuid
+from typing import Any
 
 import pytest
 
+from backend.webhooks import transport
 from backend.webhooks.transport import TargetRefused, address_allowed, post, resolve
+from tests.webhooks.helpers import HUNG_SUFFIX
 
 
 @pytest.mark.parametrize(
@@ -162,3 +167,88 @@ def test_connections_are_kept_alive_between_attempts(receiver):
     ports = {r.client_port for r in receiver.requests}
     assert len(receiver.requests) == 3
     assert len(ports) == 1
+
+
+# --- name resolution that does not answer ------------------------------------------------------
+
+
+def _hung_url(label: str) -> str:
+    return f"http://{label}-{uuid.uuid4().hex[:8]}{HUNG_SUFFIX}/hook"
+
+
+def test_lookups_that_never_answer_do_not_block_other_names(hung_dns):
+    results: list[Any] = []
+    urls = [_hung_url(f"h{n}") for n in range(12)]  # more than any fixed pool of resolver threads
+    threads = [
+        threading.Thread(target=lambda u=u: results.append(post(u, b"{}", {}, allow_private=True, deadline=1.0)))
+        for u in urls
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert len(results) == 12
+    assert all(not r.succeeded and r.error.startswith("refused: resolving the host took") for r in results)
+    # The twelve lookups are still running (getaddrinfo cannot be cancelled); other names resolve at once.
+    started = time.monotonic()
+    assert resolve("localhost", 80, allow_private=True, timeout=1.0) in {"127.0.0.1", "::1"}
+    assert time.monotonic() - started < 0.5
+
+
+def test_a_name_that_did_not_answer_fails_at_once_for_a_while(hung_dns):
+    url = _hung_url("once")
+    started = time.monotonic()
+    first = post(url, b"{}", {}, allow_private=True, deadline=1.0)
+    assert 0.9 <= time.monotonic() - started < 1.5
+    assert not first.succeeded and "took longer than" in first.error
+    started = time.monotonic()
+    second = post(url, b"{}", {}, allow_private=True, deadline=1.0)
+    assert time.monotonic() - started < 0.2  # no second lookup, no second wait
+    assert not second.succeeded and second.error.startswith("refused:") and "did not answer" in second.error
+    assert len(hung_dns) == 1
+
+
+def test_name_resolution_has_its_own_shorter_bound(hung_dns):
+    started = time.monotonic()
+    result = post(_hung_url("bound"), b"{}", {}, allow_private=True, deadline=10.0, dns_timeout=0.5)
+    assert 0.4 <= time.monotonic() - started < 1.0
+    assert not result.succeeded and "took longer than 0.5 s" in result.error
+
+
+def test_one_owners_unanswered_lookups_are_capped_and_others_are_not(hung_dns):
+    owner = f"m_{uuid.uuid4().hex[:8]}"
+    for n in range(transport.MAX_UNANSWERED_LOOKUPS_PER_OWNER):
+        result = post(_hung_url(f"o{n}"), b"{}", {}, allow_private=True, deadline=1.0, dns_timeout=0.2, owner=owner)
+        assert "took longer than" in result.error
+    started = time.monotonic()
+    capped = post(_hung_url("more"), b"{}", {}, allow_private=True, deadline=1.0, owner=owner)
+    assert time.monotonic() - started < 0.2
+    assert capped.error.startswith("refused:") and "unanswered" in capped.error
+    # The cap is the owner's: another merchant's name still resolves (and localhost is contacted).
+    assert resolve("localhost", 80, allow_private=True, timeout=1.0, owner="m_other") in {"127.0.0.1", "::1"}
+
+
+def test_a_trickling_tls_handshake_is_cut_at_the_deadline():
+    # A TLS record header announcing a long handshake message, then one byte at a time.
+    server = _Trickle(b"\x16\x03\x03\x3e\x80", b"\x02" * 200, head_gap=0, body_gap=0.2)
+    started = time.monotonic()
+    result = post(f"https://127.0.0.1:{server.port}/", b"{}", {}, allow_private=True, deadline=1.0)
+    assert time.monotonic() - started < 1.5
+    assert not result.succeeded and result.error.startswith("timeout")
+
+
+def test_a_deadline_that_passes_while_connecting_still_cuts_the_connection_once_it_exists():
+    # The watchdog fires before the socket exists (a connect that completes at the last moment): the
+    # socket must still be shut when it appears, or a trickled handshake or answer would run on.
+    server = _Trickle(b"HTTP/1.1 200 OK\r\n", b"", head_gap=0.2, body_gap=0)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    alarm = transport._watchdog.arm(conn, 0.01)
+    time.sleep(0.1)  # fired, nothing to shut yet
+    assert alarm.fired
+    started = time.monotonic()
+    conn.connect()
+    conn.request("POST", "/", b"{}")
+    with pytest.raises((OSError, http.client.HTTPException)):
+        conn.getresponse()
+    transport._watchdog.disarm(alarm)
+    assert time.monotonic() - started < 1.0  # not the 17 x 0.2 s of the trickle, nor the 5 s timeout
