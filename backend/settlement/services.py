@@ -279,14 +279,19 @@ def touch(settlement_id: str) -> None:
     db.session.commit()
 
 
+# Failures after which the authorization can still execute (its signature is out): a revert, or an
+# intent paid by another settlement before this one was sent.
+STILL_EXECUTABLE = ("SETTLEMENT_FAILED", "ALREADY_PAID")
+
+
 def released_but_valid(now_ts: int, limit: int = 200) -> list[Settlement]:
-    """Settlements that failed on a revert while their authorization can still execute."""
+    """Settlements released while their authorization may still execute (validBefore after ``now_ts``)."""
     return list(
         db.session.scalars(
             select(Settlement)
             .where(
                 Settlement.status == st.FAILED,
-                Settlement.failure_code == "SETTLEMENT_FAILED",
+                Settlement.failure_code.in_(STILL_EXECUTABLE),
                 Settlement.valid_before > now_ts,
             )
             .order_by(Settlement.valid_before)
