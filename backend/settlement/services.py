@@ -33,6 +33,9 @@ from backend.settlement.x402 import X402_VERSIONS, X402Payment, check_accepted
 
 log = logging.getLogger(__name__)
 
+# failure_code of a settlement that executed after its intent was paid by another (a second charge).
+DUPLICATE_PAYMENT = "DUPLICATE_PAYMENT"
+
 
 @dataclass(frozen=True)
 class PaymentSubmission:
@@ -195,12 +198,15 @@ def complete_settlement(settlement_id: str, tx_hash: str) -> bool:
     if not tx_hash:
         raise ValueError("a settlement is completed with the hash of the transaction that executed it")
     now = clock.now()
-    db.session.execute(
+    done = db.session.execute(
         update(Settlement)
         .where(Settlement.id == settlement_id, Settlement.status != st.CONFIRMED)
         .values(status=st.CONFIRMED, tx_hash=tx_hash, finished_at=now, updated_at=now,
                 failure_code=None, failure_reason=None)
     )  # fmt: skip
+    if done.rowcount != 1:  # another process completed it in the meantime (and wrote its event)
+        db.session.rollback()
+        return True
     paid = db.session.execute(
         update(Intent)
         .where(Intent.id == settlement.intent_id, Intent.status != PAID)
@@ -226,15 +232,46 @@ def complete_settlement(settlement_id: str, tx_hash: str) -> bool:
             intent_id=intent.id,
         )
     else:
-        # The buyer paid twice (e.g. submitted a released authorization themselves): keep a durable mark.
+        # The buyer paid twice (e.g. a released authorization was executed after another one paid the
+        # intent): keep a durable mark, and tell the merchant, who must refund it. Written once: this
+        # branch runs only for the call that moved the settlement to confirmed.
         db.session.execute(
             update(Settlement)
             .where(Settlement.id == settlement_id)
-            .values(failure_code="DUPLICATE_PAYMENT", failure_reason="executed after the intent was already paid")
+            .values(failure_code=DUPLICATE_PAYMENT, failure_reason="executed after the intent was already paid")
+        )
+        intent = db.session.get(Intent, settlement.intent_id, populate_existing=True)
+        assert intent is not None
+        record_event(
+            intent.merchant_id,
+            "payment.duplicate",
+            {
+                "intent_id": intent.id,
+                "order_id": intent.order_id,
+                "amount_usdc": from_atomic(settlement.amount_atomic),
+                "tx_hash": tx_hash,
+                "buyer_address": settlement.payer,
+                "chain": settlement.network,
+                "settlement_id": settlement_id,
+                "paid_tx_hash": intent.tx_hash,
+                "detected_at": now,
+            },
+            intent_id=intent.id,
         )
         log.error("settlement %s executed on chain but intent %s was already paid", settlement_id, settlement.intent_id)
     db.session.commit()
     return True
+
+
+def duplicate_payments(intent_id: str) -> list[Settlement]:
+    """Authorizations that executed after the intent was already paid (the buyer was charged again)."""
+    return list(
+        db.session.scalars(
+            select(Settlement)
+            .where(Settlement.intent_id == intent_id, Settlement.failure_code == DUPLICATE_PAYMENT)
+            .order_by(Settlement.finished_at)
+        )
+    )
 
 
 def fail_settlement(settlement_id: str, code: str, reason: str) -> bool:
