@@ -9,9 +9,10 @@ longer execute (it reverted, was cancelled by the buyer, or its ``validBefore`` 
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -20,6 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from backend import clock
 from backend.chains.registry import ChainRegistry, Network
 from backend.errors import APIError
+from backend.events.models import Event
 from backend.events.services import record_event
 from backend.extensions import db
 from backend.ids import prefixed_id
@@ -91,8 +93,38 @@ def check_payable(intent: Intent, now: datetime) -> None:
         raise APIError(410, "INTENT_EXPIRED", "This intent expired and accepts no payment")
 
 
-def record_failed_attempt(intent: Intent, reason: str, code: str) -> None:
-    """payment.failed for an attempt refused before any claim; the intent stays as it was."""
+# Anyone with an intent id can make payment attempts fail (the public checkout route needs no key), so the
+# payment.failed events of refused attempts are capped per intent: within FAILED_EVENT_WINDOW, at most one
+# per error code and at most FAILED_EVENTS_PER_WINDOW in all (settlement failures count, and are always written).
+FAILED_EVENT_WINDOW = timedelta(hours=1)
+FAILED_EVENTS_PER_WINDOW = 5
+
+
+def record_failed_attempt(intent: Intent, reason: str, code: str) -> bool:
+    """payment.failed for an attempt refused before any claim; the intent stays as it was.
+
+    Returns whether the event was written: not when the intent already had one with this code, or
+    ``FAILED_EVENTS_PER_WINDOW`` of them, in the last ``FAILED_EVENT_WINDOW`` (see docs/webhooks.md).
+    """
+    now = clock.now()
+    # Take the intent's row lock (PostgreSQL) or the write lock (SQLite) first: concurrent attempts on
+    # one intent then count one after the other and cannot all slip under the cap.
+    db.session.execute(update(Intent).where(Intent.id == intent.id).values(updated_at=Intent.updated_at))
+    recent = db.session.scalars(
+        select(Event.payload)
+        .where(
+            Event.intent_id == intent.id,
+            Event.type == "payment.failed",
+            Event.simulated.is_(False),
+            Event.created_at > now - FAILED_EVENT_WINDOW,
+        )
+        .limit(FAILED_EVENTS_PER_WINDOW)
+    ).all()
+    codes = {json.loads(payload)["data"].get("code") for payload in recent}
+    if len(recent) >= FAILED_EVENTS_PER_WINDOW or code in codes:
+        db.session.commit()
+        log.debug("payment.failed for intent %s (%s) not sent: already told in the last hour", intent.id, code)
+        return False
     record_event(
         intent.merchant_id,
         "payment.failed",
@@ -101,6 +133,7 @@ def record_failed_attempt(intent: Intent, reason: str, code: str) -> None:
         intent_id=intent.id,
     )  # fmt: skip
     db.session.commit()
+    return True
 
 
 def claim(intent: Intent, network: Network, auth: EvmAuthorization, start_block: int | None) -> str:
