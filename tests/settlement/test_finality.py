@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from redis import Redis
-from sqlalchemy import select
+from sqlalchemy import select, update
 from web3 import Web3
 
 from backend import clock as clock_module
@@ -30,13 +30,15 @@ from backend.chains.evm import evm_chain
 from backend.chains.registry import ChainRegistry
 from backend.events.models import Event
 from backend.extensions import db
+from backend.settlement.models import Settlement
 from backend.settlement.reconcile import EXPIRY_GRACE_SECONDS, reconcile
 from payintent.eip3009 import sign_authorization
 from relayer.faults import CRASH_EXIT_CODE
 from tests.conftest import make_settings, truncate_all
 from tests.settlement.conftest import stop_process
+from tests.settlement.test_duplicate import _execute
 from tests.settlement.test_pay import create_intent, pay, requirement
-from tests.settlement.test_recovery import Isolated
+from tests.settlement.test_recovery import Isolated, _token
 
 NETWORK = "eip155:84532"
 CONFIRMATIONS = 3
@@ -223,3 +225,52 @@ def test_a_reorg_that_undoes_the_payment_is_not_paid_and_the_payment_is_sent_aga
     final = w3.eth.get_transaction_receipt(row.tx_hash)
     assert final["status"] == 1 and w3.eth.block_number - final["blockNumber"] + 1 >= CONFIRMATIONS
     assert len(careful.events("payment.completed", intent_id)) == 1
+
+
+def test_used_with_its_log_out_of_the_search_range_is_never_released(careful, chain):
+    """authorizationState says used, but the log search (from the height the API read at /pay, which a
+    lagging or load-balanced RPC may answer too high) does not find the transaction: still not unused."""
+    intent = create_intent(careful.client, careful.shop, 1)
+    intent_id = intent["intent_id"]
+    payload = sign_authorization(careful.devnet.buyer(2).key, requirement(intent, NETWORK))
+    assert pay(careful.client, careful.shop, intent, NETWORK, payload).status_code == 504  # no relayer
+    w3, token = _token(careful.devnet, NETWORK)
+    executed = _execute(w3, token, payload)  # anyone may submit it: an outsider does
+    start_block = careful.settlement(intent_id).start_block
+    executed_in = int(w3.eth.get_transaction_receipt(executed)["blockNumber"])  # type: ignore[arg-type]
+    with_lag = executed_in + 6  # the search starts (5 blocks before it) just after the execution
+    db.session.execute(update(Settlement).where(Settlement.intent_id == intent_id).values(start_block=with_lag))
+    db.session.commit()
+    chain.mine(timestamp=int(payload["validBefore"]) + EXPIRY_GRACE_SECONDS + 30)
+    chain.mine(CONFIRMATIONS)  # all of it final
+
+    counts = careful.reconcile_later()
+    assert counts["finished"] == 0 and counts["waiting"] == 1 and counts["resent"] == 0
+    row = careful.intent_row(intent_id)
+    assert row.status == "pending" and row.settlement_id is not None  # the money moved: never released
+    assert careful.events("payment.failed", intent_id) == []
+
+    db.session.execute(update(Settlement).where(Settlement.intent_id == intent_id).values(start_block=start_block))
+    db.session.commit()  # the log is found again (in the tests' terms: the RPC caught up)
+    assert careful.reconcile_later(300)["finished"] == 1
+    row = careful.intent_row(intent_id)
+    assert row.status == "paid" and row.tx_hash == executed
+
+
+def test_an_unused_authorization_is_released_only_once_a_final_block_is_past_its_validity(careful, chain):
+    """Unused at the chain's head, whose clock is past validBefore + 60 s: that head may still be replaced
+    (a reorg) by blocks from before validBefore that execute it. Released once that block is final."""
+    intent = create_intent(careful.client, careful.shop, 1)
+    intent_id = intent["intent_id"]
+    payload = sign_authorization(careful.devnet.buyer(0).key, requirement(intent, NETWORK))
+    assert pay(careful.client, careful.shop, intent, NETWORK, payload).status_code == 504  # nobody sends it
+    chain.pause()
+    chain.mine(timestamp=int(payload["validBefore"]) + EXPIRY_GRACE_SECONDS + 30)  # 1 block of 3 past it
+    assert careful.reconcile_later()["finished"] == 0
+    assert careful.intent_row(intent_id).settlement_id is not None
+    chain.mine(CONFIRMATIONS - 1)  # now final
+    assert careful.reconcile_later(300)["finished"] == 1
+    settlement = careful.settlement(intent_id)
+    assert settlement.status == "failed" and settlement.failure_code == "AUTHORIZATION_EXPIRED"
+    assert careful.intent_row(intent_id).settlement_id is None
+    assert careful.devnet.balance(NETWORK, careful.payout) == 0
