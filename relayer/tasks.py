@@ -4,8 +4,10 @@ Rules that keep it exactly once:
 - one job at a time per settlement (a Redis lock held for the whole job);
 - the chain is asked first (a retry may find the authorization already executed);
 - nothing is sent for an intent that another settlement has already paid;
-- a revert releases the intent only when none of our transactions for it can still be mined,
-  and the reconciler keeps watching such a settlement until its validBefore.
+- a revert releases the intent only when none of our transactions for it can still be mined and
+  the authorization is not used on chain (final or not), and the reconciler keeps watching such a
+  settlement past its validBefore;
+- paid only once final: with confirmations > 1 the chain is asked again after the wait (a reorg).
 """
 
 from __future__ import annotations
