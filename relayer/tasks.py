@@ -4,8 +4,10 @@ Rules that keep it exactly once:
 - one job at a time per settlement (a Redis lock held for the whole job);
 - the chain is asked first (a retry may find the authorization already executed);
 - nothing is sent for an intent that another settlement has already paid;
-- a revert releases the intent only when none of our transactions for it can still be mined,
-  and the reconciler keeps watching such a settlement until its validBefore.
+- a revert releases the intent only when none of our transactions for it can still be mined and
+  the authorization is not used on chain (final or not), and the reconciler keeps watching such a
+  settlement past its validBefore;
+- paid only once final: with confirmations > 1 the chain is asked again after the wait (a reorg).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from backend.queueing import RedisNotConfigured, app_job, app_redis
 from backend.settlement import models as st
 from backend.settlement import services
 from backend.settlement.flow import notify_settled
-from backend.settlement.reconcile import finish_from_chain
+from backend.settlement.reconcile import FINISHED, Outcome, settle_from_chain
 from backend.settlement.solana import solana_chain
 from relayer import evm, solana
 from relayer.faults import crash_point
@@ -117,8 +119,12 @@ def _settle(settlement_id: str, redis: Redis) -> str:
     # A retry first asks the chain what already happened. A fresh settlement (never sent) skips it:
     # /pay has just read authorizationState, and if anyone executed it since, the gas estimate
     # reverts and _reverted asks the chain then.
-    if settlement.status != st.PENDING and finish_from_chain(chain, settlement):
-        return "finished-from-chain"
+    if settlement.status != st.PENDING:
+        outcome = settle_from_chain(chain, settlement)
+        if outcome in FINISHED:
+            return "finished-from-chain"
+        if outcome is Outcome.NOT_FINAL:
+            return "waiting-for-confirmations"  # executed, not final: nothing to send; the reconciler finishes it
     if settlement.status == st.SUBMITTED and settlement.tx_hash:
         receipt = chain.receipt(settlement.tx_hash)
         if receipt is not None:
@@ -157,17 +163,29 @@ def _submitted(settlement_id: str, tx_hash: str, relay_address: str) -> None:
 
 def _finish(chain: EvmChain, settlement: st.Settlement, tx_hash: str, receipt: dict[str, Any]) -> str:
     if receipt.get("status") == 1:
+        if chain.network.confirmations <= 1:
+            services.complete_settlement(settlement.id, tx_hash)  # mined is final on this network
+            return "confirmed"
         if not evm.wait_confirmations(chain, int(receipt["blockNumber"]), RECEIPT_TIMEOUT_SECONDS):
             return "waiting-for-confirmations"  # the reconciler finishes it once final
-        services.complete_settlement(settlement.id, tx_hash)
-        return "confirmed"
+        # The chain's height passing the receipt's block proves nothing if a reorg dropped that block
+        # while we waited: the chain decides again, with the log and its finality read now.
+        outcome = settle_from_chain(chain, settlement)
+        if outcome is Outcome.USED:
+            return "confirmed"
+        if outcome in FINISHED:
+            return "finished-from-chain"
+        return "waiting-for-confirmations" if outcome is Outcome.NOT_FINAL else "reorged-out"
     return _reverted(chain, settlement, f"transaction {tx_hash} reverted")
 
 
 def _reverted(chain: EvmChain, settlement: st.Settlement, reason: str) -> str:
     """A revert: the chain decides (someone may have executed or cancelled it); else release the intent."""
-    if finish_from_chain(chain, settlement):
+    outcome = settle_from_chain(chain, settlement)
+    if outcome in FINISHED:
         return "finished-from-chain"
+    if outcome is Outcome.NOT_FINAL:
+        return "waiting-for-confirmations"  # executed (by anyone), not final: never release it now
     if settlement.tx_hash and evm.is_pending(chain, settlement.tx_hash):
         return "still-pending"
     services.fail_settlement(settlement.id, "SETTLEMENT_FAILED", reason)

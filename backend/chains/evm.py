@@ -87,12 +87,21 @@ class EvmChain:
     def block_number(self) -> int:
         return int(self.w3.eth.block_number)
 
-    def block_timestamp(self) -> int:
-        return int(self.w3.eth.get_block("latest")["timestamp"])
+    def block_timestamp(self, block: int | str = "latest") -> int:
+        return int(self.w3.eth.get_block(block)["timestamp"])
 
-    def is_final(self, block_number: int) -> bool:
-        """Whether a block is buried under the network's configured confirmations."""
-        return self.block_number() - block_number + 1 >= max(self.network.confirmations, 1)
+    def is_final(self, block_number: int, head: int | None = None) -> bool:
+        """Whether a block is buried under the network's configured confirmations.
+
+        ``head``: the chain height to judge against, read *before* the block was looked up (a
+        log or a receipt), so a reorg in between cannot make a dropped block look final.
+        """
+        head = self.block_number() if head is None else head
+        return head - block_number + 1 >= max(self.network.confirmations, 1)
+
+    def final_block(self, head: int) -> int:
+        """The newest block that is final when the chain is at ``head`` (no reorg reaches it)."""
+        return max(head - max(self.network.confirmations, 1) + 1, 0)
 
     def authorization_log(self, authorizer: str, nonce: bytes, from_block: int) -> tuple[str, str, int] | None:
         """(topic, tx hash, block) of the AuthorizationUsed/Canceled event for this authorization, if any."""
@@ -119,15 +128,14 @@ class EvmChain:
             return None
 
 
-_chains: dict[tuple[str, str], EvmChain] = {}
+_chains: dict[Network, EvmChain] = {}
 _lock = threading.Lock()
 
 
 def evm_chain(network: Network) -> EvmChain:
-    """A cached client per (network, RPC URL)."""
-    key = (network.network, network.rpc_url or "")
+    """A cached client per network configuration (its RPC URL, its confirmations, ...)."""
     with _lock:
-        chain = _chains.get(key)
+        chain = _chains.get(network)
         if chain is None:
-            chain = _chains[key] = EvmChain(network)
+            chain = _chains[network] = EvmChain(network)
         return chain

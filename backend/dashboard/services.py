@@ -22,6 +22,7 @@ from backend.intents.models import STATUSES
 from backend.merchants import services as merchants
 from backend.merchants.models import ApiKey, Merchant, Wallet
 from backend.money import from_atomic
+from backend.settlement import services as settlement
 from backend.webhooks import services as webhooks
 
 # Which form field a merchant-service error belongs to.
@@ -170,6 +171,15 @@ def intent_page(merchant_id: str, form: Form, checkout_host: str) -> tuple[list[
     )
     now = clock.now()
     return [intents.intent_to_dict(row, checkout_host, now) for row in rows], total
+
+
+def duplicate_payments(intent_id: str) -> list[dict[str, Any]]:
+    """Second charges of an (already scoped) intent: authorizations that executed after it was paid."""
+    return [
+        {"detected_at": s.finished_at, "chain": s.network, "buyer_address": s.payer,
+         "amount_usdc": from_atomic(s.amount_atomic), "tx_hash": s.tx_hash}
+        for s in settlement.duplicate_payments(intent_id)
+    ]  # fmt: skip
 
 
 def intent_detail(

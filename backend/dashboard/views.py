@@ -492,4 +492,5 @@ def intent_list() -> Any:
 @login_required
 def intent_detail(intent_id: str) -> Any:
     intent, requirements, explorer = services.intent_detail(_merchant_id(), intent_id, _registry(), _checkout_host())
-    return render("intent.html", intent=intent, requirements=requirements, explorer_url=explorer)
+    duplicates = services.duplicate_payments(str(intent["intent_id"]))
+    return render("intent.html", intent=intent, requirements=requirements, explorer_url=explorer, duplicates=duplicates)

@@ -11,7 +11,7 @@ from backend.ids import prefixed_id
 from backend.jsonio import dumps
 from backend.webhooks.services import schedule_deliveries
 
-# The ten event types of the spec, in its order.
+# The ten event types of the spec, in its order, and payment.duplicate (ours: a second charge to refund).
 EVENT_TYPES: tuple[str, ...] = (
     "payment.completed",
     "payment.failed",
@@ -23,6 +23,7 @@ EVENT_TYPES: tuple[str, ...] = (
     "transfer.completed",
     "payroll.batch_completed",
     "fraud.flagged",
+    "payment.duplicate",
 )
 
 

@@ -9,9 +9,10 @@ longer execute (it reverted, was cancelled by the buyer, or its ``validBefore`` 
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -20,6 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from backend import clock
 from backend.chains.registry import ChainRegistry, Network
 from backend.errors import APIError
+from backend.events.models import Event
 from backend.events.services import record_event
 from backend.extensions import db
 from backend.ids import prefixed_id
@@ -32,6 +34,9 @@ from backend.settlement.verify import EvmAuthorization
 from backend.settlement.x402 import X402_VERSIONS, X402Payment, check_accepted
 
 log = logging.getLogger(__name__)
+
+# failure_code of a settlement that executed after its intent was paid by another (a second charge).
+DUPLICATE_PAYMENT = "DUPLICATE_PAYMENT"
 
 
 @dataclass(frozen=True)
@@ -88,8 +93,38 @@ def check_payable(intent: Intent, now: datetime) -> None:
         raise APIError(410, "INTENT_EXPIRED", "This intent expired and accepts no payment")
 
 
-def record_failed_attempt(intent: Intent, reason: str, code: str) -> None:
-    """payment.failed for an attempt refused before any claim; the intent stays as it was."""
+# Anyone with an intent id can make payment attempts fail (the public checkout route needs no key), so the
+# payment.failed events of refused attempts are capped per intent: within FAILED_EVENT_WINDOW, at most one
+# per error code and at most FAILED_EVENTS_PER_WINDOW in all (settlement failures count, and are always written).
+FAILED_EVENT_WINDOW = timedelta(hours=1)
+FAILED_EVENTS_PER_WINDOW = 5
+
+
+def record_failed_attempt(intent: Intent, reason: str, code: str) -> bool:
+    """payment.failed for an attempt refused before any claim; the intent stays as it was.
+
+    Returns whether the event was written: not when the intent already had one with this code, or
+    ``FAILED_EVENTS_PER_WINDOW`` of them, in the last ``FAILED_EVENT_WINDOW`` (see docs/webhooks.md).
+    """
+    now = clock.now()
+    # Take the intent's row lock (PostgreSQL) or the write lock (SQLite) first: concurrent attempts on
+    # one intent then count one after the other and cannot all slip under the cap.
+    db.session.execute(update(Intent).where(Intent.id == intent.id).values(updated_at=Intent.updated_at))
+    recent = db.session.scalars(
+        select(Event.payload)
+        .where(
+            Event.intent_id == intent.id,
+            Event.type == "payment.failed",
+            Event.simulated.is_(False),
+            Event.created_at > now - FAILED_EVENT_WINDOW,
+        )
+        .limit(FAILED_EVENTS_PER_WINDOW)
+    ).all()
+    codes = {json.loads(payload)["data"].get("code") for payload in recent}
+    if len(recent) >= FAILED_EVENTS_PER_WINDOW or code in codes:
+        db.session.commit()
+        log.debug("payment.failed for intent %s (%s) not sent: already told in the last hour", intent.id, code)
+        return False
     record_event(
         intent.merchant_id,
         "payment.failed",
@@ -98,6 +133,7 @@ def record_failed_attempt(intent: Intent, reason: str, code: str) -> None:
         intent_id=intent.id,
     )  # fmt: skip
     db.session.commit()
+    return True
 
 
 def claim(intent: Intent, network: Network, auth: EvmAuthorization, start_block: int | None) -> str:
@@ -195,12 +231,15 @@ def complete_settlement(settlement_id: str, tx_hash: str) -> bool:
     if not tx_hash:
         raise ValueError("a settlement is completed with the hash of the transaction that executed it")
     now = clock.now()
-    db.session.execute(
+    done = db.session.execute(
         update(Settlement)
         .where(Settlement.id == settlement_id, Settlement.status != st.CONFIRMED)
         .values(status=st.CONFIRMED, tx_hash=tx_hash, finished_at=now, updated_at=now,
                 failure_code=None, failure_reason=None)
     )  # fmt: skip
+    if done.rowcount != 1:  # another process completed it in the meantime (and wrote its event)
+        db.session.rollback()
+        return True
     paid = db.session.execute(
         update(Intent)
         .where(Intent.id == settlement.intent_id, Intent.status != PAID)
@@ -226,15 +265,46 @@ def complete_settlement(settlement_id: str, tx_hash: str) -> bool:
             intent_id=intent.id,
         )
     else:
-        # The buyer paid twice (e.g. submitted a released authorization themselves): keep a durable mark.
+        # The buyer paid twice (e.g. a released authorization was executed after another one paid the
+        # intent): keep a durable mark, and tell the merchant, who must refund it. Written once: this
+        # branch runs only for the call that moved the settlement to confirmed.
         db.session.execute(
             update(Settlement)
             .where(Settlement.id == settlement_id)
-            .values(failure_code="DUPLICATE_PAYMENT", failure_reason="executed after the intent was already paid")
+            .values(failure_code=DUPLICATE_PAYMENT, failure_reason="executed after the intent was already paid")
+        )
+        intent = db.session.get(Intent, settlement.intent_id, populate_existing=True)
+        assert intent is not None
+        record_event(
+            intent.merchant_id,
+            "payment.duplicate",
+            {
+                "intent_id": intent.id,
+                "order_id": intent.order_id,
+                "amount_usdc": from_atomic(settlement.amount_atomic),
+                "tx_hash": tx_hash,
+                "buyer_address": settlement.payer,
+                "chain": settlement.network,
+                "settlement_id": settlement_id,
+                "paid_tx_hash": intent.tx_hash,
+                "detected_at": now,
+            },
+            intent_id=intent.id,
         )
         log.error("settlement %s executed on chain but intent %s was already paid", settlement_id, settlement.intent_id)
     db.session.commit()
     return True
+
+
+def duplicate_payments(intent_id: str) -> list[Settlement]:
+    """Authorizations that executed after the intent was already paid (the buyer was charged again)."""
+    return list(
+        db.session.scalars(
+            select(Settlement)
+            .where(Settlement.intent_id == intent_id, Settlement.failure_code == DUPLICATE_PAYMENT)
+            .order_by(Settlement.finished_at)
+        )
+    )
 
 
 def fail_settlement(settlement_id: str, code: str, reason: str) -> bool:
@@ -279,14 +349,19 @@ def touch(settlement_id: str) -> None:
     db.session.commit()
 
 
+# Failures after which the authorization can still execute (its signature is out): a revert, or an
+# intent paid by another settlement before this one was sent.
+STILL_EXECUTABLE = ("SETTLEMENT_FAILED", "ALREADY_PAID")
+
+
 def released_but_valid(now_ts: int, limit: int = 200) -> list[Settlement]:
-    """Settlements that failed on a revert while their authorization can still execute."""
+    """Settlements released while their authorization may still execute (validBefore after ``now_ts``)."""
     return list(
         db.session.scalars(
             select(Settlement)
             .where(
                 Settlement.status == st.FAILED,
-                Settlement.failure_code == "SETTLEMENT_FAILED",
+                Settlement.failure_code.in_(STILL_EXECUTABLE),
                 Settlement.valid_before > now_ts,
             )
             .order_by(Settlement.valid_before)

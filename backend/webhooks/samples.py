@@ -49,6 +49,20 @@ def _payment_failed(now: datetime) -> dict[str, Any]:
     }
 
 
+def _payment_duplicate(now: datetime) -> dict[str, Any]:
+    return {
+        "intent_id": str(uuid.uuid4()),
+        "order_id": "order_test_1004",
+        "amount_usdc": Decimal("25.00"),
+        "tx_hash": _tx_hash(),
+        "buyer_address": _address(),
+        "chain": TEST_CHAIN,
+        "settlement_id": prefixed_id("stl"),
+        "paid_tx_hash": _tx_hash(),
+        "detected_at": now,
+    }
+
+
 def _payment_expired(now: datetime) -> dict[str, Any]:
     return {"intent_id": str(uuid.uuid4()), "status": "expired", "order_id": "order_test_1003", "expired_at": now}
 
@@ -115,6 +129,7 @@ SAMPLES: dict[str, Callable[[datetime], dict[str, Any]]] = {
     "transfer.completed": _transfer_completed,
     "payroll.batch_completed": _payroll_batch_completed,
     "fraud.flagged": _fraud_flagged,
+    "payment.duplicate": _payment_duplicate,
 }
 
 

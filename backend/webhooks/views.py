@@ -124,7 +124,7 @@ class WebhookTest(MethodView):
     def post(self, args: dict[str, Any]) -> Any:
         """Send a simulated event to an endpoint
 
-        Any of the ten event types, with realistic data and no on-chain transaction, signed and
+        Any of the event types, with realistic data and no on-chain transaction, signed and
         retried like a real event. Simulated event ids start with evt_test_. Read the delivery to
         see its attempts. 409 TOO_MANY_PENDING_DELIVERIES while 100 test or replayed deliveries
         to the endpoint are still pending.

@@ -13,7 +13,7 @@ from backend.events.services import EVENT_TYPES
 from tests.test_openapi import check, spec  # noqa: F401  (fixture)
 from tests.webhooks.helpers import URL, attempts, deliver, delivery, register, send_test
 
-# The key fields of the spec's event table, per type.
+# The key fields of the spec's event table, per type (and of payment.duplicate, ours).
 KEY_FIELDS = {
     "payment.completed": {"intent_id", "status", "amount_usdc", "order_id", "tx_hash", "buyer_address", "chain",
                           "paid_at"},
@@ -26,6 +26,8 @@ KEY_FIELDS = {
     "transfer.completed": {"transfer_id", "to_address", "amount_usdc", "tx_hash"},
     "payroll.batch_completed": {"batch_id", "total_usdc", "recipient_count"},
     "fraud.flagged": {"transaction_id", "risk_score", "reason"},
+    "payment.duplicate": {"intent_id", "order_id", "amount_usdc", "tx_hash", "buyer_address", "chain",
+                          "settlement_id", "paid_tx_hash", "detected_at"},
 }  # fmt: skip
 
 
