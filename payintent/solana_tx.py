@@ -36,9 +36,11 @@ COMPUTE_BUDGET_PROGRAM = Pubkey.from_string("ComputeBudget1111111111111111111111
 MEMO_PROGRAM = Pubkey.from_string("MemoSq4gqABAXKb96qnH8TysNcWxMyWCqXgDLGmfcHr")
 
 COMPUTE_UNIT_LIMIT = 40_000
-MAX_COMPUTE_UNIT_LIMIT = 200_000
+MAX_COMPUTE_UNIT_LIMIT = 100_000
 COMPUTE_UNIT_PRICE = 1_000  # micro-lamports per unit
-MAX_COMPUTE_UNIT_PRICE = 100_000
+# The relay pays the priority fee (price x limit), so the buyer may not raise it far: at these caps it
+# is at most 500 lamports, 5% over the 10,000 lamports of the two signatures (it was up to 20,000).
+MAX_COMPUTE_UNIT_PRICE = 5_000
 MAX_TRANSACTION_BYTES = 1232
 _TRANSFER_CHECKED = 12
 _SET_LIMIT = 2

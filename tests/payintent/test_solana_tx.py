@@ -199,3 +199,27 @@ def test_one_message_is_one_settlement_whatever_its_signature():
     payment = check(tx)
     again = check(stx.sign_as(unsigned(), BUYER))  # the same message, signed again
     assert payment.message_hash == again.message_hash
+
+
+@pytest.mark.parametrize(
+    ("unit_limit", "unit_price"),
+    [
+        (stx.COMPUTE_UNIT_LIMIT, 100_000),  # accepted before: 100x the default price
+        (200_000, stx.COMPUTE_UNIT_PRICE),  # accepted before: 5x the default limit
+        (200_000, 100_000),  # accepted before: 20,000 lamports of priority fee, 500x the default 40
+    ],
+    ids=["price", "limit", "both"],
+)
+def test_the_buyer_cannot_raise_the_priority_fee_the_relay_pays(unit_limit, unit_price):
+    instructions = [set_compute_unit_limit(unit_limit), set_compute_unit_price(unit_price),
+                    *standard_instructions()[2:]]  # fmt: skip
+    with pytest.raises(stx.SolanaTransactionError) as err:
+        check(compile_signed(instructions))
+    assert err.value.code == "COMPUTE_BUDGET_TOO_HIGH"
+
+
+def test_at_the_caps_the_priority_fee_is_at_most_500_lamports():
+    instructions = [set_compute_unit_limit(stx.MAX_COMPUTE_UNIT_LIMIT),
+                    set_compute_unit_price(stx.MAX_COMPUTE_UNIT_PRICE), *standard_instructions()[2:]]  # fmt: skip
+    payment = check(compile_signed(instructions))
+    assert (payment.unit_price * payment.unit_limit + 999_999) // 1_000_000 <= 500
