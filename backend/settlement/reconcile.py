@@ -16,6 +16,7 @@ from redis import Redis
 from backend import clock
 from backend.chains.evm import AUTHORIZATION_USED_TOPIC, EvmChain, evm_chain
 from backend.chains.registry import ChainRegistry
+from backend.relaybudget import services as relaybudget
 from backend.settlement import services
 from backend.settlement.models import Settlement
 
@@ -53,6 +54,7 @@ def onchain_outcome(chain: EvmChain, settlement: Settlement) -> tuple[Outcome, s
 
 def finish_from_chain(chain: EvmChain, settlement: Settlement) -> bool:
     """Finish the settlement if the chain has decided it; returns whether it is finished."""
+    relaybudget.charge_evm_transaction(chain, settlement)  # our mined transaction's gas, once (before it is finished)
     outcome, tx_hash = onchain_outcome(chain, settlement)
     if outcome is Outcome.USED:
         services.complete_settlement(settlement.id, tx_hash or "")
