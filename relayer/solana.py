@@ -71,8 +71,8 @@ def settle(
         log.error("settlement %s: refusing to co-sign (%s)", settlement.id, exc)
         services.fail_settlement(settlement.id, exc.code, f"the relay refused the transaction: {exc}")
         return "refused-by-relay"
-    if not payment.creates_payee_account and not chain.account_exists(
-        str(associated_account(settlement.pay_to, network.usdc_address))
+    if not payment.creates_payee_account and (
+        chain.token_balance(str(associated_account(settlement.pay_to, network.usdc_address))) is None
     ):
         # Closed since /pay checked it: sent now, the transaction would fail and still cost the relay its fee.
         if settlement.status == st.PENDING and not settlement.tx_hash:  # never signed by the relay: cannot land

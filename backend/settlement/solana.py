@@ -158,10 +158,12 @@ BLOCKHASH_MARGIN = 300
 
 
 def payee_account_ready(chain: SolanaChain, requirement: dict[str, Any]) -> bool:
+    """Whether the merchant's USDC account is a token account now. Not merely "an account exists":
+    anyone can send lamports to its address, which CreateIdempotent still turns into the account."""
     account = stx.associated_token_address(
         Pubkey.from_string(requirement["payTo"]), Pubkey.from_string(requirement["asset"])
     )
-    return chain.account_exists(str(account))
+    return chain.token_balance(str(account)) is not None
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,29 @@ def test_payments_to_a_merchant_whose_account_is_gone_open_it_again(pay_app, dev
         close_account(sol, devnet, owner, payer)
 
 
+def test_lamports_sent_to_the_accounts_address_do_not_block_payments(pay_app, devnet, sol):
+    """Anyone can send SOL to the merchant's USDC account address before it exists: an account, but no
+    token account. The payment still opens it (CreateIdempotent takes a pre-funded address) and pays."""
+    from solders.system_program import TransferParams, transfer
+
+    client = public_client(pay_app)
+    owner = Keypair()
+    shop = create_merchant(pay_app, f"dust-{str(owner.pubkey())[:8].lower()}@example.com",
+                           {SOLANA: str(owner.pubkey())})  # fmt: skip
+    griefer, payer = buyer(devnet, 2), buyer(devnet, 1)
+    address = account_of(devnet, owner.pubkey())
+    dust = int(sol.call("getMinimumBalanceForRentExemption", [0]))
+    send(sol, griefer, [transfer(TransferParams(from_pubkey=griefer.pubkey(), to_pubkey=address, lamports=dust))],
+         [griefer])  # fmt: skip
+    assert wait_for(lambda: sol.account_exists(str(address)), 10)
+    intent = create_intent(client, shop, 1)
+    data = prepare(client, intent["intent_id"], str(payer.pubkey())).get_json()["data"]
+    assert data["creates_payee_account"] is True
+    paid = public_pay(client, intent["intent_id"], stx.encode(stx.sign_as(stx.decode(data["transaction"]), payer)))
+    assert paid.status_code == 200, paid.data
+    assert usdc(sol, devnet, str(owner.pubkey())) == 1_000_000
+
+
 def test_a_transaction_prepared_before_the_account_was_closed_is_refused_before_sending(pay_app, devnet, sol):
     client = public_client(pay_app)
     owner = Keypair()
