@@ -28,11 +28,13 @@ from backend.extensions import db
 from backend.merchants import services as merchants
 from payintent import solana_tx as stx
 from payintent.eip3009 import sign_authorization
+from relayer.faults import CRASH_EXIT_CODE
 from tests.conftest import create_merchant
 from tests.observability.conftest import METRICS_TOKEN, parse, value
-from tests.settlement.conftest import make_pay_app
+from tests.settlement.conftest import make_pay_app, stop_process
 from tests.settlement.test_pay import create_intent, pay, requirement
 from tests.settlement.test_pay_solana import SOLANA, buyer, lamports, usdc
+from tests.settlement.test_recovery import iso  # noqa: F401  (fixture)
 
 CHECKOUT = "/api/v1/checkout/intents"
 EVM = "eip155:84532"
@@ -335,3 +337,30 @@ def test_the_budget_refuses_solana_payments_once_the_relays_fees_reach_it(budget
     assert lamports(sol, relay) == relay_before - fee  # nothing more sent
     assert usdc(sol, devnet, str(payer.pubkey())) == buyer_usdc
     assert value(scrape(client), "payintent_relay_spent_total", network=SOLANA, kind="fee") == fee
+
+
+def test_the_gas_of_a_settlement_the_reconciler_finishes_is_charged_once(iso):  # noqa: F811
+    """The relayer died right after broadcasting: the reconciler finishes the settlement and records the
+    gas the relay paid, once however often it looks."""
+    from backend.relaybudget.models import RelaySpend
+
+    intent = create_intent(iso.client, iso.shop, 2)
+    payload = sign_authorization(iso.devnet.buyer(2).key, requirement(intent, EVM))
+    crashing = iso.relayer(fault="after-broadcast")
+    try:
+        assert pay(iso.client, iso.shop, intent, EVM, payload).status_code == 504
+        assert crashing.wait(timeout=30) == CRASH_EXIT_CODE
+    finally:
+        stop_process(crashing)
+    settlement = iso.settlement(intent["intent_id"])
+
+    def charged() -> list[tuple[str, int, str]]:
+        db.session.expire_all()
+        query = select(RelaySpend.kind, RelaySpend.amount_atomic, RelaySpend.reference)
+        return [tuple(row) for row in db.session.execute(query.where(RelaySpend.settlement_id == settlement.id))]
+
+    assert charged() == []  # the relayer died before it could record anything
+    assert iso.reconcile_later()["finished"] == 1
+    assert iso.reconcile_later()["finished"] == 0
+    receipt = iso.devnet.w3(EVM).eth.get_transaction_receipt(settlement.tx_hash)
+    assert charged() == [("gas", receipt["gasUsed"] * receipt["effectiveGasPrice"], settlement.tx_hash)]
