@@ -24,6 +24,31 @@ def _env_bool(name: str, default: bool = False) -> bool:
     return value in {"1", "true", "yes", "on"}
 
 
+def _env_coins(name: str, value: str) -> Decimal | None:
+    """A relay budget in native coins (``0.05``), or ``unlimited`` (None)."""
+    value = value.strip()
+    if value.lower() == "unlimited":
+        return None
+    try:
+        coins = Decimal(value)
+    except ArithmeticError:
+        coins = Decimal("NaN")
+    if not coins.is_finite() or coins < 0:
+        raise ValueError(f"{name}: {value!r} is not an amount of native coins (like 0.05) or 'unlimited'")
+    return coins
+
+
+def _env_budgets(name: str, value: str) -> tuple[tuple[str, Decimal | None], ...]:
+    """``network=amount`` pairs, comma-separated (``eip155:1=0.5,eip155:8453=0.01``)."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        network, sep, amount = item.rpartition("=")
+        if not sep or not network.strip():
+            raise ValueError(f"{name}: {item!r} is not <CAIP-2 network id>=<amount>")
+        pairs.append((network.strip(), _env_coins(name, amount)))
+    return tuple(pairs)
+
+
 # SECRET_KEY's default: fine for local development, never for a dashboard others can reach.
 DEVELOPMENT_SECRET_KEY = "dev-only-insecure-secret-key"
 
@@ -79,6 +104,13 @@ class Settings:
     # True when DATABASE_URL is unset and database_url is the SQLite file under PAYINTENT_VAR_DIR (local
     # development and tests; the CLI upgrades it for you, and serve, worker and relayer warn about it).
     default_database: bool = False
+    # What the relay may spend on one merchant's payments on one network over a rolling window
+    # (backend.relaybudget), in that network's native coins (ETH, SOL, ...); None: unlimited.
+    # RELAY_BUDGETS sets single networks; the others take the default of their kind.
+    relay_budget_window_seconds: int = 86_400
+    relay_budget_evm: Decimal | None = Decimal("0.05")
+    relay_budget_solana: Decimal | None = Decimal("0.05")
+    relay_budgets: tuple[tuple[str, Decimal | None], ...] = ()
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -109,4 +141,8 @@ class Settings:
             trusted_proxy_hops=int(_env("TRUSTED_PROXY_HOPS", "0")),
             log_format=_env("LOG_FORMAT", "json").lower(),
             metrics_token=_env("METRICS_TOKEN", "") or None,
+            relay_budget_window_seconds=max(60, int(_env("RELAY_BUDGET_WINDOW_SECONDS", "86400"))),
+            relay_budget_evm=_env_coins("RELAY_BUDGET_EVM", _env("RELAY_BUDGET_EVM", "0.05")),
+            relay_budget_solana=_env_coins("RELAY_BUDGET_SOLANA", _env("RELAY_BUDGET_SOLANA", "0.05")),
+            relay_budgets=_env_budgets("RELAY_BUDGETS", _env("RELAY_BUDGETS", "")),
         )

@@ -354,7 +354,10 @@ class PayIntentClient:
         return self._request("POST", "/x402/pay", body=body, timeout=self.pay_timeout)
 
     def _sign_solana(self, intent_id: str, requirement: Mapping[str, Any], keypair: Any) -> dict[str, Any]:
-        """Fetch the transaction the service built for this payer, check it, and sign it as the buyer."""
+        """Fetch the transaction the service built for this payer, check it, and sign it as the buyer.
+
+        A first payment to the merchant's USDC account also opens the account, the buyer paying its
+        rent (about 0.00204 SOL; the answer's ``payer_pays_lamports``): the rules allow exactly that."""
         from payintent import solana_tx
 
         built = self._request(

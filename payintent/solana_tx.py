@@ -6,12 +6,17 @@ version-0 message without address lookup tables whose fee payer is the service's
 
 1. ComputeBudget ``SetComputeUnitLimit`` (at most MAX_COMPUTE_UNIT_LIMIT)
 2. ComputeBudget ``SetComputeUnitPrice`` (at most MAX_COMPUTE_UNIT_PRICE micro-lamports)
-3. SPL Token ``TransferChecked`` of exactly the amount, from the buyer's associated token account
+3. only when the merchant's USDC account does not exist yet: Associated Token ``CreateIdempotent``
+   of exactly that account (owner ``payTo``, the requirement's mint), **funded by the buyer**
+4. SPL Token ``TransferChecked`` of exactly the amount, from the buyer's associated token account
    to the merchant's, with the buyer as authority
-4. Memo (no accounts) carrying the intent id
+5. Memo (no accounts) carrying the intent id
 
 Signers are exactly [relay (fee payer), buyer]; the relay appears in no instruction's accounts,
-so its signature pays the fee and authorises nothing else.
+so its signature pays the fee and authorises nothing else. The relay therefore never pays an
+account's rent: the buyer does, once, when a payment opens the merchant's account (the buyer is
+then a writable signer; otherwise read-only). The fee the relay pays is
+``transaction_fee(message)``, at most MAX_TRANSACTION_FEE lamports.
 """
 
 from __future__ import annotations
@@ -34,13 +39,22 @@ TOKEN_PROGRAM = Pubkey.from_string("TokenkegQfeZyiNwAJbNbGKPFXCWuBvf9Ss623VQ5DA"
 ASSOCIATED_TOKEN_PROGRAM = Pubkey.from_string("ATokenGPvbdGVxr1b2hvZbsiqW5xWH25efTNsLJA8knL")
 COMPUTE_BUDGET_PROGRAM = Pubkey.from_string("ComputeBudget111111111111111111111111111111")
 MEMO_PROGRAM = Pubkey.from_string("MemoSq4gqABAXKb96qnH8TysNcWxMyWCqXgDLGmfcHr")
+SYSTEM_PROGRAM = Pubkey.from_string("11111111111111111111111111111111")
 
 COMPUTE_UNIT_LIMIT = 40_000
-MAX_COMPUTE_UNIT_LIMIT = 200_000
+COMPUTE_UNIT_LIMIT_WITH_ACCOUNT = 80_000  # the same plus CreateIdempotent (about 25,000 units on mainnet)
+MAX_COMPUTE_UNIT_LIMIT = 100_000
 COMPUTE_UNIT_PRICE = 1_000  # micro-lamports per unit
-MAX_COMPUTE_UNIT_PRICE = 100_000
+# The relay pays the priority fee (price x limit), so the buyer may not raise it far: at these caps it
+# is at most 500 lamports, 5% over the 10,000 lamports of the two signatures (it was up to 20,000).
+MAX_COMPUTE_UNIT_PRICE = 5_000
+LAMPORTS_PER_SIGNATURE = 5_000
+MAX_PRIORITY_FEE = (MAX_COMPUTE_UNIT_PRICE * MAX_COMPUTE_UNIT_LIMIT + 999_999) // 1_000_000  # lamports: 500
+MAX_TRANSACTION_FEE = 2 * LAMPORTS_PER_SIGNATURE + MAX_PRIORITY_FEE
+TOKEN_ACCOUNT_SIZE = 165  # bytes of an SPL token account: its rent is what opening one costs
 MAX_TRANSACTION_BYTES = 1232
 _TRANSFER_CHECKED = 12
+_CREATE_IDEMPOTENT = bytes([1])
 _SET_LIMIT = 2
 _SET_PRICE = 3
 
@@ -73,6 +87,20 @@ def memo(text: str) -> Instruction:
     return Instruction(MEMO_PROGRAM, text.encode("utf-8"), [])
 
 
+def create_token_account(funder: Pubkey, owner: Pubkey, mint: Pubkey) -> Instruction:
+    """Associated Token ``CreateIdempotent``: ``owner``'s account of ``mint``, rent paid by ``funder``
+    (a no-op if it exists)."""
+    accounts = [
+        AccountMeta(funder, is_signer=True, is_writable=True),
+        AccountMeta(associated_token_address(owner, mint), is_signer=False, is_writable=True),
+        AccountMeta(owner, is_signer=False, is_writable=False),
+        AccountMeta(mint, is_signer=False, is_writable=False),
+        AccountMeta(SYSTEM_PROGRAM, is_signer=False, is_writable=False),
+        AccountMeta(TOKEN_PROGRAM, is_signer=False, is_writable=False),
+    ]
+    return Instruction(ASSOCIATED_TOKEN_PROGRAM, _CREATE_IDEMPOTENT, accounts)
+
+
 def build_payment(
     *,
     fee_payer: str,
@@ -83,16 +111,25 @@ def build_payment(
     intent_id: str,
     recent_blockhash: str,
     unit_price: int = COMPUTE_UNIT_PRICE,
+    create_payee_account: bool = False,
+    unit_limit: int | None = None,
 ) -> VersionedTransaction:
-    """The unsigned payment transaction (both signature slots empty)."""
-    payer_key, mint_key = Pubkey.from_string(payer), Pubkey.from_string(mint)
-    instructions = [
-        set_compute_unit_limit(COMPUTE_UNIT_LIMIT),
-        set_compute_unit_price(unit_price),
+    """The unsigned payment transaction (both signature slots empty).
+
+    ``create_payee_account``: the merchant's USDC account does not exist yet, so the transaction
+    opens it first, the buyer paying its rent.
+    """
+    payer_key, mint_key, pay_to_key = Pubkey.from_string(payer), Pubkey.from_string(mint), Pubkey.from_string(pay_to)
+    if unit_limit is None:
+        unit_limit = COMPUTE_UNIT_LIMIT_WITH_ACCOUNT if create_payee_account else COMPUTE_UNIT_LIMIT
+    instructions = [set_compute_unit_limit(unit_limit), set_compute_unit_price(unit_price)]
+    if create_payee_account:
+        instructions.append(create_token_account(payer_key, pay_to_key, mint_key))
+    instructions += [
         transfer_checked(
             associated_token_address(payer_key, mint_key),
             mint_key,
-            associated_token_address(Pubkey.from_string(pay_to), mint_key),
+            associated_token_address(pay_to_key, mint_key),
             payer_key,
             amount_atomic,
         ),
@@ -144,6 +181,28 @@ class SolanaPayment:
     amount_atomic: int
     unit_limit: int
     unit_price: int
+    creates_payee_account: bool = False  # the buyer opens (and funds) the merchant's USDC account
+    fee_lamports: int = 0  # what the relay (fee payer) pays for it: ``transaction_fee``
+
+
+def priority_fee(unit_limit: int, unit_price: int) -> int:
+    """Lamports: price (micro-lamports per unit) times the requested limit, rounded up."""
+    return (unit_price * unit_limit + 999_999) // 1_000_000
+
+
+def transaction_fee(message: MessageV0) -> int:
+    """The fee the fee payer pays for ``message`` once it lands (successful or not), in lamports:
+    LAMPORTS_PER_SIGNATURE per signature plus the priority fee of its compute-budget instructions."""
+    keys = list(message.account_keys)
+    limit = price = 0
+    for ix in message.instructions:
+        data = bytes(ix.data)
+        if ix.program_id_index < len(keys) and keys[ix.program_id_index] == COMPUTE_BUDGET_PROGRAM and data:
+            if data[0] == _SET_LIMIT and len(data) == 5:
+                limit = int(struct.unpack("<I", data[1:])[0])
+            elif data[0] == _SET_PRICE and len(data) == 9:
+                price = int(struct.unpack("<Q", data[1:])[0])
+    return LAMPORTS_PER_SIGNATURE * message.header.num_required_signatures + priority_fee(limit, price)
 
 
 def _u32(data: bytes, opcode: int, what: str) -> int:
@@ -180,12 +239,16 @@ def check_payment(
     if payer == relay:
         raise SolanaTransactionError("INVALID_TRANSACTION", "the buyer cannot be the relay")
     instructions = list(message.instructions)
-    if len(instructions) != 4:
+    if len(instructions) not in (4, 5):
         raise SolanaTransactionError(
-            "INVALID_TRANSACTION", "expected exactly: compute unit limit, compute unit price, TransferChecked, memo"
+            "INVALID_TRANSACTION",
+            "expected exactly: compute unit limit, compute unit price, (the merchant's account created idempotently, "
+            "only if missing), TransferChecked, memo",
         )
+    creates = len(instructions) == 5
     programs = [keys[ix.program_id_index] for ix in instructions]
-    expected = [COMPUTE_BUDGET_PROGRAM, COMPUTE_BUDGET_PROGRAM, TOKEN_PROGRAM, MEMO_PROGRAM]
+    expected = [COMPUTE_BUDGET_PROGRAM, COMPUTE_BUDGET_PROGRAM, *([ASSOCIATED_TOKEN_PROGRAM] if creates else []),
+                TOKEN_PROGRAM, MEMO_PROGRAM]  # fmt: skip
     if programs != expected:
         raise SolanaTransactionError("DISALLOWED_INSTRUCTION", "an instruction calls a program other than expected")
     for ix in instructions:
@@ -193,9 +256,13 @@ def check_payment(
             raise SolanaTransactionError(
                 "FEE_PAYER_MISUSED", "the relay may only pay the fee, not appear in an instruction"
             )
-    if header.num_readonly_signed_accounts != 1:
-        raise SolanaTransactionError("INVALID_TRANSACTION", "the buyer signs read-only; only the fee payer is writable")
-    limit_ix, price_ix, transfer_ix, memo_ix = instructions
+    # Opening the merchant's account debits the buyer (the rent): only then is the buyer a writable signer.
+    if header.num_readonly_signed_accounts != (0 if creates else 1):
+        raise SolanaTransactionError(
+            "INVALID_TRANSACTION",
+            "the buyer signs read-only (writable only to fund the merchant's account); only the fee payer pays fees",
+        )
+    limit_ix, price_ix, *create_ix, transfer_ix, memo_ix = instructions
     unit_limit = _u32(bytes(limit_ix.data), _SET_LIMIT, "limit")
     price_data = bytes(price_ix.data)
     if len(price_data) != 9 or price_data[0] != _SET_PRICE:
@@ -233,6 +300,15 @@ def check_payment(
         raise SolanaTransactionError("INVALID_TRANSACTION", "the source must be the buyer's USDC account")
     if list(bytes(memo_ix.accounts)) or bytes(memo_ix.data) != intent_id.encode():
         raise SolanaTransactionError("INVALID_TRANSACTION", "the memo must be the intent id, with no accounts")
+    if create_ix:
+        # Exactly CreateIdempotent of the destination (the merchant's account of this mint), funded by the buyer.
+        wanted = [payer, destination, Pubkey.from_string(requirement["payTo"]), asset, SYSTEM_PROGRAM, TOKEN_PROGRAM]
+        if bytes(create_ix[0].data) != _CREATE_IDEMPOTENT or [keys[i] for i in bytes(create_ix[0].accounts)] != wanted:
+            raise SolanaTransactionError(
+                "DISALLOWED_INSTRUCTION",
+                "the only account instruction allowed is CreateIdempotent of the merchant's USDC account, "
+                "funded by the buyer",
+            )
 
     buyer_signature = tx.signatures[1]
     if buyer_signature == Signature.default() or not buyer_signature.verify(payer, to_bytes_versioned(message)):
@@ -245,4 +321,6 @@ def check_payment(
         amount_atomic=int(amount),
         unit_limit=unit_limit,
         unit_price=unit_price,
+        creates_payee_account=bool(create_ix),
+        fee_lamports=transaction_fee(message),
     )

@@ -1,5 +1,8 @@
 """Solana settlement in the relayer: co-sign the checked buyer transaction as fee payer, send, confirm.
 
+The relay pays the transaction fee and nothing else (no account rent: a payment that must open the
+merchant's USDC account opens it in the buyer's transaction, funded by the buyer).
+
 The relay's ed25519 signature over the same message is always the same, so the transaction id
 is known before sending: it is recorded first (``mark_submitted``), then the transaction is sent.
 Sending it again is harmless (the network processes a signature once).
@@ -11,11 +14,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from solders.hash import Hash
 from solders.keypair import Keypair
-from solders.message import MessageV0
 from solders.pubkey import Pubkey
-from solders.transaction import VersionedTransaction
 
 from backend.chains.registry import Network
 from backend.chains.solana import SolanaChain, SolanaRpcError
@@ -32,28 +32,6 @@ _POLL_SECONDS = 0.2
 
 def associated_account(owner: str, mint: str) -> Pubkey:
     return stx.associated_token_address(Pubkey.from_string(owner), Pubkey.from_string(mint))
-
-
-def ensure_token_account(chain: SolanaChain, relay: Keypair, owner: str, mint: str) -> bool:
-    """Create ``owner``'s associated USDC account, paid by the relay, if it does not exist yet.
-
-    Never part of a buyer's transaction. Returns whether it had to be created.
-    """
-    owner_key, mint_key = Pubkey.from_string(owner), Pubkey.from_string(mint)
-    account = stx.associated_token_address(owner_key, mint_key)
-    if chain.account_exists(str(account)):
-        return False
-    from spl.token.instructions import create_idempotent_associated_token_account
-
-    instruction = create_idempotent_associated_token_account(relay.pubkey(), owner_key, mint_key)
-    blockhash = chain.latest_blockhash()
-    message = MessageV0.try_compile(relay.pubkey(), [instruction], [], Hash.from_string(blockhash.blockhash))
-    tx = VersionedTransaction(message, [relay])
-    signature = chain.send(stx.encode(tx))
-    if not _wait(chain, signature, CONFIRM_TIMEOUT_SECONDS):
-        raise SolanaRpcError(f"creating the USDC account of {owner} was not confirmed")
-    log.info("created the USDC token account of %s", owner)
-    return True
 
 
 def _wait(chain: SolanaChain, signature: str, timeout: float) -> bool:
@@ -88,13 +66,20 @@ def settle(
         "maxAmountRequired": settlement.amount_atomic,
     }
     try:
-        stx.check_payment(tx, expected, settlement.intent_id, str(relay.pubkey()))
+        payment = stx.check_payment(tx, expected, settlement.intent_id, str(relay.pubkey()))
     except stx.SolanaTransactionError as exc:
         log.error("settlement %s: refusing to co-sign (%s)", settlement.id, exc)
         services.fail_settlement(settlement.id, exc.code, f"the relay refused the transaction: {exc}")
         return "refused-by-relay"
-    if not chain.account_exists(str(associated_account(settlement.pay_to, network.usdc_address))):
-        return "payee-account-missing"  # the API asks for it before claiming; the reconciler retries
+    if not payment.creates_payee_account and (
+        chain.token_balance(str(associated_account(settlement.pay_to, network.usdc_address))) is None
+    ):
+        # Closed since /pay checked it: sent now, the transaction would fail and still cost the relay its fee.
+        if settlement.status == st.PENDING and not settlement.tx_hash:  # never signed by the relay: cannot land
+            services.fail_settlement(
+                settlement.id, "PAYEE_ACCOUNT_MISSING", "the merchant's USDC account was closed before settlement"
+            )
+        return "payee-account-missing"  # else an earlier send may still land: the reconciler decides
     tx = stx.sign_as(tx, relay)
     signature = str(tx.signatures[0])
     if settlement.tx_hash != signature:

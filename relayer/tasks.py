@@ -29,6 +29,8 @@ from backend.chains.evm import EvmChain, evm_chain
 from backend.extensions import db
 from backend.intents.models import PAID, Intent
 from backend.queueing import RedisNotConfigured, app_job, app_redis
+from backend.relaybudget import services as relaybudget
+from backend.relaybudget.models import GAS
 from backend.settlement import models as st
 from backend.settlement import services
 from backend.settlement.flow import notify_settled
@@ -162,6 +164,9 @@ def _submitted(settlement_id: str, tx_hash: str, relay_address: str) -> None:
 
 
 def _finish(chain: EvmChain, settlement: st.Settlement, tx_hash: str, receipt: dict[str, Any]) -> str:
+    # The gas our transaction cost, to the merchant's relay budget (reverted or not), before anything else.
+    relaybudget.charge(settlement.merchant_id, settlement.network, GAS, relaybudget.evm_gas_cost(receipt), tx_hash,
+                       settlement.id)  # fmt: skip
     if receipt.get("status") == 1:
         if chain.network.confirmations <= 1:
             services.complete_settlement(settlement.id, tx_hash)  # mined is final on this network
@@ -190,42 +195,3 @@ def _reverted(chain: EvmChain, settlement: st.Settlement, reason: str) -> str:
         return "still-pending"
     services.fail_settlement(settlement.id, "SETTLEMENT_FAILED", reason)
     return "reverted"
-
-
-@app_job
-def create_token_account(network_id: str, owner: str) -> str:
-    """Create a merchant's USDC token account on a Solana network (the relay pays the rent)."""
-    from sqlalchemy import select, update
-
-    from backend import clock
-    from backend.merchants.models import Wallet
-    from backend.settlement.solana import PAYEE_READY_KEY, token_account_created_before
-
-    network = current_app.extensions["payintent.chains"].get(network_id)
-    relay = SOLANA_RELAYS.get(network_id)
-    if network is None or network.kind != "solana" or relay is None:
-        return "no-relay-account"
-    registered = db.session.scalar(
-        select(Wallet.id).where(Wallet.network == network_id, Wallet.address == owner).limit(1)
-    )
-    if registered is None:
-        return "not-a-merchant-wallet"  # the relay pays rent only for registered payout wallets
-    chain = solana_chain(network)
-    if token_account_created_before(network_id, owner) and not chain.account_exists(
-        str(solana.associated_account(owner, network.usdc_address))
-    ):
-        return "closed-after-creation"  # never pay the rent twice (a closed account returns it to its owner)
-    created = solana.ensure_token_account(chain, relay, owner, network.usdc_address)
-    db.session.execute(
-        update(Wallet)
-        .where(Wallet.network == network_id, Wallet.address == owner, Wallet.token_account_created_at.is_(None))
-        .values(token_account_created_at=clock.now())
-    )
-    db.session.commit()
-    redis = _redis()
-    key = PAYEE_READY_KEY.format(network_id, owner)
-    pipe = redis.pipeline()
-    pipe.lpush(key, "1")
-    pipe.expire(key, 60)
-    pipe.execute()
-    return "created" if created else "exists"

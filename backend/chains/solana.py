@@ -43,6 +43,7 @@ class SolanaChain:
         self.timeout = timeout
         self._session = requests.Session()
         self._session.trust_env = False
+        self._rent: dict[int, int] = {}
 
     def call(self, method: str, params: list[Any] | None = None) -> Any:
         body = {"jsonrpc": "2.0", "id": next(_ids), "method": method, "params": params or []}
@@ -71,6 +72,16 @@ class SolanaChain:
     def account_exists(self, address: str) -> bool:
         value = self.call("getAccountInfo", [address, {"encoding": "base64", "commitment": "confirmed"}])["value"]
         return value is not None
+
+    def lamports(self, address: str) -> int:
+        return int(self.call("getBalance", [address, {"commitment": "confirmed"}])["value"])
+
+    def rent_exempt_minimum(self, size: int) -> int:
+        """Lamports an account of ``size`` bytes must hold (what opening one costs); read once per size."""
+        cached = self._rent.get(size)
+        if cached is None:
+            cached = self._rent[size] = int(self.call("getMinimumBalanceForRentExemption", [size]))
+        return cached
 
     def token_balance(self, token_account: str) -> int | None:
         """Atomic units in a token account, or None when the account does not exist."""

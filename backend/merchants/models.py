@@ -46,5 +46,3 @@ class Wallet(db.Model):
     address: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=clock.now)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=clock.now, onupdate=clock.now)
-    # Solana: when the relay created this wallet's USDC token account (it does so once, paying the rent).
-    token_account_created_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

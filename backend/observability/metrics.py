@@ -2,15 +2,17 @@
 
 Two kinds:
 
-- **Request latency** (:data:`REQUEST_DURATION`), observed by each api process as it answers. Under
-  ``payintent serve`` gunicorn's workers write it to files in ``PROMETHEUS_MULTIPROC_DIR``
+- **Request latency** (:data:`REQUEST_DURATION`), observed by each api process as it answers, and
+  relay-budget refusals (:data:`RELAY_BUDGET_REFUSALS`), counted where they happen. Under
+  ``payintent serve`` gunicorn's workers write them to files in ``PROMETHEUS_MULTIPROC_DIR``
   (prometheus_client's multiprocess mode, set up by ``backend.observability.gunicorn_conf``) and a
   scrape, whichever worker answers it, sums them all. Without that variable (tests, a single
-  process) it lives in the process.
-- **State** (:class:`StateCollector`), read when scraped: settlements by network and status and
-  webhook deliveries by status (database), queue depths (Redis), relay gas balances (each chain's
-  RPC, cached). What the worker and relayer did is in those, so they serve no metrics themselves.
-  A scrape runs a handful of cheap queries; nothing is counted on the request path.
+  process) they live in the process.
+- **State** (:class:`StateCollector`), read when scraped: settlements by network and status,
+  webhook deliveries by status and what the relay spent for merchants (database), queue depths
+  (Redis), relay gas balances (each chain's RPC, cached). What the worker and relayer did is in
+  those, so they serve no metrics themselves. A scrape runs a handful of cheap queries; nothing
+  is counted on the request path but latency and refusals.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from collections.abc import Iterator
 from datetime import datetime
 
 from flask import Flask
-from prometheus_client import REGISTRY, CollectorRegistry, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from backend import clock
@@ -37,6 +39,15 @@ REQUEST_DURATION = Histogram(
     ["method", "route", "status"],
     # /pay waits for the chain up to PAY_WAIT_SECONDS (30 s by default).
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
+
+# Counted where the refusal happens (the api's /pay and Solana transaction calls). By network only:
+# a merchant label would add series for every merchant that ever signs up (and put merchant ids in
+# the monitoring system); who is refused is in the api's warning log lines and the relay_spending table.
+RELAY_BUDGET_REFUSALS = Counter(
+    "payintent_relay_budget_refusals",
+    "Payments refused with RELAY_BUDGET_EXHAUSTED (a merchant's relay budget on the network was used up), by network",
+    ["network"],
 )
 
 
@@ -81,6 +92,7 @@ class StateCollector:
 
     def _database(self) -> Iterator[Metric]:
         from backend.extensions import db
+        from backend.relaybudget.services import totals as relay_spending
         from backend.settlement.services import oldest_open_at, settlement_counts
         from backend.webhooks.models import DELIVERY_STATUSES
         from backend.webhooks.services import delivery_counts, oldest_due_at
@@ -89,6 +101,7 @@ class StateCollector:
             now = clock.now()
             settlements, oldest_settlement = settlement_counts(), oldest_open_at()
             deliveries, oldest_delivery = delivery_counts(), oldest_due_at(now)
+            spending = relay_spending()
         finally:
             db.session.rollback()  # end the read transaction whatever happened
         family = GaugeMetricFamily(
@@ -112,6 +125,15 @@ class StateCollector:
         )
         for status in DELIVERY_STATUSES:
             family.add_metric([status], deliveries.get(status, 0))
+        yield family
+        family = CounterMetricFamily(
+            "payintent_relay_spent",
+            "What the relay paid to settle merchants' payments, by network and kind (gas: EVM gas; fee: Solana "
+            "transaction fees), in the network's smallest native unit (wei, lamports); from the relay_spending ledger",
+            labels=["network", "kind"],
+        )
+        for (network, kind), total in sorted(spending.items()):
+            family.add_metric([network, kind], total)
         yield family
         yield _age(
             "payintent_webhook_oldest_due_seconds",

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from flask import current_app
 from redis import Redis
 from redis.exceptions import RedisError
 from rq import Queue, Retry
@@ -21,12 +22,14 @@ from rq import Queue, Retry
 from backend import clock
 from backend.chains.evm import evm_chain
 from backend.chains.registry import ChainRegistry
+from backend.config import Settings
 from backend.errors import APIError, not_found
 from backend.extensions import db
 from backend.intents.models import Intent
 from backend.money import from_atomic
 from backend.observability.logs import current_request_id
 from backend.queueing import relayer_queue
+from backend.relaybudget import services as relaybudget
 from backend.settlement import models as st
 from backend.settlement import services, solana
 from backend.settlement.services import PaymentSubmission
@@ -81,9 +84,14 @@ def submit_payment(
     *,
     wait_seconds: float = PAY_WAIT_SECONDS,
     queue_name: str = "relayer",
+    settings: Settings | None = None,
 ) -> dict[str, Any]:
     """Settle a payment for an intent: ``payment_signature`` as any x402 client sends it (v1 or v2,
-    flat or nested payload, CAIP-2 or v1 network name), or already normalised."""
+    flat or nested payload, CAIP-2 or v1 network name), or already normalised.
+
+    ``settings`` (the app's by default) bound what the relay may spend for the merchant
+    (``relaybudget.check``, right before the claim)."""
+    settings = settings or current_app.config["PAYINTENT_SETTINGS"]
     intent = load_payable_intent(merchant_id, intent_id)
     now = clock.now()
     try:
@@ -104,12 +112,11 @@ def submit_payment(
                 f"The USDC contract configured for {network.network} changed since this intent was created",
             )
         if network.kind == "solana":
-            auth: Any = solana.check_signed_transaction(
-                intent, requirement, network, submission.payload, redis, queue_name
-            )
+            auth: Any = solana.check_signed_transaction(intent, requirement, network, submission.payload)
             start_block = None
         else:
             auth, start_block = _check_evm(submission, requirement, network, now)
+        relaybudget.check(intent.merchant_id, network, settings)  # nothing claimed or sent past a used-up budget
         settlement_id = services.claim(intent, network, auth, start_block)
     except APIError as err:
         # A 5xx is the service's own trouble (a chain RPC down), not the payment failing: no payment.failed.

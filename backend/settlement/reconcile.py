@@ -16,6 +16,7 @@ from redis import Redis
 from backend import clock
 from backend.chains.evm import AUTHORIZATION_USED_TOPIC, EvmChain, evm_chain
 from backend.chains.registry import ChainRegistry
+from backend.relaybudget import services as relaybudget
 from backend.settlement import services
 from backend.settlement.models import Settlement
 
@@ -83,6 +84,7 @@ def can_never_execute(chain: EvmChain, settlement: Settlement, head: int) -> boo
 def settle_from_chain(chain: EvmChain, settlement: Settlement) -> Outcome:
     """Finish the settlement if the chain has decided it (USED: paid; CANCELED, EXPIRED: failed, the
     intent released); NOT_FINAL and UNUSED leave it open. Returns the outcome."""
+    relaybudget.charge_evm_transaction(chain, settlement)  # our mined transaction's gas, once (before it is finished)
     head = chain.block_number()
     outcome, tx_hash = onchain_outcome(chain, settlement, head)
     if outcome is Outcome.USED:

@@ -107,6 +107,17 @@ class SolanaTransactionSchema(StrictSchema):
     last_valid_block_height = fields.Integer(
         required=True, metadata={"description": "Sign and submit before the chain passes this height (about a minute)"}
     )
+    creates_payee_account = fields.Boolean(
+        required=True,
+        metadata={
+            "description": "The merchant's USDC account does not exist yet: this transaction opens it first, "
+            "the payer paying its rent (the relay pays fees only)"
+        },
+    )
+    payer_pays_lamports = fields.Integer(
+        required=True,
+        metadata={"description": "SOL (lamports) the payer pays besides the USDC: the rent when opening the account"},
+    )
 
 
 SolanaTransactionEnvelope = envelope(SolanaTransactionSchema, "SolanaTransactionResponse")

@@ -3,13 +3,18 @@
 The API holds no key. It builds the transaction the buyer signs (``prepare_transaction``) and,
 at ``/pay``, checks the buyer-signed one instruction by instruction (``payintent.solana_tx``)
 and simulates it without signature verification (the relay has not signed yet).
+
+The relay pays transaction fees only, never an account's rent: when the merchant's USDC account
+does not exist (a new wallet, an account its owner closed, a devnet restarted under a kept
+``var/``), the prepared transaction opens it itself (``CreateIdempotent``) with the **buyer**
+funding the rent. Nothing the service does on an unsigned request spends the relay's SOL.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from solders.pubkey import Pubkey
@@ -17,10 +22,13 @@ from solders.pubkey import Pubkey
 from backend import clock
 from backend.chains.registry import ChainRegistry, Network
 from backend.chains.solana import SolanaChain, SolanaRpcError
+from backend.config import Settings
 from backend.errors import APIError
 from backend.intents.models import Intent
 from backend.merchants.addresses import AddressError, normalize_solana_address
 from backend.money import from_atomic
+from backend.relaybudget import services as relaybudget
+from backend.relaybudget.models import FEE
 from backend.settlement import services
 from payintent import solana_tx as stx
 
@@ -67,10 +75,14 @@ def prepare_transaction(
     registry: ChainRegistry,
     payer: str,
     network_id: str | None,
-    redis: Any = None,
-    queue_name: str = "relayer",
+    settings: Settings,
 ) -> dict[str, Any]:
-    """The base64 transaction the buyer signs: fresh blockhash, relay as fee payer, exact amount, memo."""
+    """The base64 transaction the buyer signs: fresh blockhash, relay as fee payer, exact amount, memo.
+
+    When the merchant's USDC account is missing, the transaction also opens it, funded by the buyer
+    (``payer_pays_lamports`` says how much): a payer with too little SOL for that is refused here,
+    before signing (402 PAYER_NEEDS_SOL). Spends nothing of the relay's.
+    """
     services.check_payable(intent, clock.now())
     requirement, network = solana_requirement(intent, registry, network_id)
     try:
@@ -82,6 +94,7 @@ def prepare_transaction(
         raise APIError(400, "PAYER_IS_RECIPIENT", "The payer is the merchant's own wallet")
     if payer == fee_payer:
         raise APIError(400, "VALIDATION_ERROR", "payer: the relay cannot pay", fields={"payer": ["is the relay"]})
+    relaybudget.check(intent.merchant_id, network, settings)  # before any RPC: a refused merchant costs nothing
     chain = solana_chain(network)
     amount = int(requirement["maxAmountRequired"])
     try:
@@ -99,9 +112,18 @@ def prepare_transaction(
             reason=f"insufficient balance: {from_atomic(balance or 0)} USDC available, {from_atomic(amount)} required",
         )
     try:
-        if not payee_account_ready(chain, requirement):  # created by the relayer while the buyer signs
-            _refuse_if_closed(network, requirement["payTo"])
-            request_payee_account(redis, queue_name, network, requirement["payTo"], 0)
+        rent = 0 if payee_account_ready(chain, requirement) else chain.rent_exempt_minimum(stx.TOKEN_ACCOUNT_SIZE)
+        # What is left must be nothing, or enough for the payer's own account to stay rent-exempt.
+        left = chain.lamports(payer) - rent if rent else 0
+        if left < 0 or 0 < left < (chain.rent_exempt_minimum(0) if rent else 0):
+            raise APIError(
+                402,
+                "PAYER_NEEDS_SOL",
+                f"This is the first payment to the merchant's USDC account on {network.name}: it opens the account, "
+                f"and the payer pays its rent of {_sol(rent)} SOL, which the payer cannot spare; add SOL to the payer "
+                f"or pay on another network",
+                rent_lamports=rent,
+            )
     except SolanaRpcError as exc:
         raise _unavailable(network, exc) from None
     tx = stx.build_payment(
@@ -112,6 +134,7 @@ def prepare_transaction(
         amount_atomic=amount,
         intent_id=intent.id,
         recent_blockhash=blockhash.blockhash,
+        create_payee_account=rent > 0,
     )
     return {
         "transaction": stx.encode(tx),
@@ -120,73 +143,27 @@ def prepare_transaction(
         "fee_payer": fee_payer,
         "recent_blockhash": blockhash.blockhash,
         "last_valid_block_height": blockhash.last_valid_block_height,
+        "creates_payee_account": rent > 0,
+        "payer_pays_lamports": rent,
     }
+
+
+def _sol(lamports: int) -> str:
+    return format(Decimal(lamports).scaleb(-9).normalize(), "f")
 
 
 # A blockhash is usable for about 150 blocks; 300 (the size of the node's blockhash queue) leaves
 # room for RPC lag and off-by-one at the edges before the reconciler may call a transaction dead.
 BLOCKHASH_MARGIN = 300
-PAYEE_ACCOUNT_JOB = "relayer.tasks.create_token_account"
-PAYEE_READY_KEY = "payintent:token-account:{}:{}"
 
 
 def payee_account_ready(chain: SolanaChain, requirement: dict[str, Any]) -> bool:
+    """Whether the merchant's USDC account is a token account now. Not merely "an account exists":
+    anyone can send lamports to its address, which CreateIdempotent still turns into the account."""
     account = stx.associated_token_address(
         Pubkey.from_string(requirement["payTo"]), Pubkey.from_string(requirement["asset"])
     )
-    return chain.account_exists(str(account))
-
-
-def token_account_created_before(network_id: str, owner: str) -> bool:
-    """Whether the relay already created this wallet's USDC account once (it never pays twice)."""
-    from sqlalchemy import select
-
-    from backend.extensions import db
-    from backend.merchants.models import Wallet
-
-    found = db.session.scalar(
-        select(Wallet.id)
-        .where(Wallet.network == network_id, Wallet.address == owner, Wallet.token_account_created_at.is_not(None))
-        .limit(1)
-    )
-    return found is not None
-
-
-def _refuse_if_closed(network: Network, owner: str) -> None:
-    if token_account_created_before(network.network, owner):
-        raise APIError(
-            409,
-            "PAYEE_ACCOUNT_MISSING",
-            "The merchant's USDC account was created once and has since been closed; the merchant must re-create it",
-        )
-
-
-def request_payee_account(redis: Any, queue_name: str, network: Network, owner: str, wait_seconds: float) -> None:
-    """Ask the relayer to create ``owner``'s USDC account (it pays the rent); wait up to ``wait_seconds``.
-
-    The API holds no key, so the relayer does it, never inside a buyer's transaction.
-    """
-    from rq import Queue
-    from rq.exceptions import DuplicateJobError
-
-    from backend.queueing import relayer_queue
-
-    if redis is None:
-        return
-    key = PAYEE_READY_KEY.format(network.network, owner)
-    with contextlib.suppress(DuplicateJobError):  # already asked: wait for that one
-        Queue(relayer_queue(queue_name, network.network), connection=redis).enqueue(
-            PAYEE_ACCOUNT_JOB,
-            network.network,
-            owner,
-            job_id=f"token-account-{network.network}-{owner}".replace(":", "-"),
-            unique=True,
-            result_ttl=60,
-            failure_ttl=300,
-            job_timeout=120,
-        )
-    if wait_seconds > 0:
-        redis.blpop([key], timeout=wait_seconds)
+    return chain.token_balance(str(account)) is not None
 
 
 @dataclass(frozen=True)
@@ -207,13 +184,12 @@ def check_signed_transaction(
     requirement: dict[str, Any],
     network: Network,
     payload: dict[str, Any],
-    redis: Any = None,
-    queue_name: str = "relayer",
 ) -> SolanaAuthorization:
     """Every rule of payintent.solana_tx, then a simulation (no signature check: the relay signs later).
 
-    The merchant's USDC account must exist for the simulation: if it does not yet, the relayer is
-    asked to create it first (waiting up to 15 s).
+    A transaction that does not open the merchant's USDC account needs it to exist: if it is gone
+    (closed since the transaction was prepared), 409 PAYEE_ACCOUNT_MISSING asks for a new one
+    (which opens it).
     """
     fee_payer = _relay(network)
     try:
@@ -223,13 +199,12 @@ def check_signed_transaction(
         raise APIError(400, exc.code, str(exc)) from None
     chain = solana_chain(network)
     try:
-        if not payee_account_ready(chain, requirement):
-            _refuse_if_closed(network, requirement["payTo"])
-            request_payee_account(redis, queue_name, network, requirement["payTo"], 15.0)
-            if not payee_account_ready(chain, requirement):
-                raise APIError(
-                    503, "PAYEE_ACCOUNT_PENDING", "The merchant's USDC account is being created; try again shortly"
-                )
+        if not payment.creates_payee_account and not payee_account_ready(chain, requirement):
+            raise APIError(
+                409,
+                "PAYEE_ACCOUNT_MISSING",
+                "The merchant's USDC account does not exist (any more); fetch a new transaction, which opens it",
+            )
         simulation = chain.simulate(stx.encode(tx), sig_verify=False)
         height = chain.block_height("processed")  # after the simulation: a blockhash it accepted is older
     except SolanaRpcError as exc:
@@ -269,6 +244,7 @@ def finish_from_chain(chain: SolanaChain, settlement: Any) -> bool:
     if settlement.tx_hash:
         status = chain.signature_status(settlement.tx_hash)
         if status is not None and status.get("confirmationStatus") in ("confirmed", "finalized"):
+            charge_fee(settlement)  # first: the settlement is not looked at again once finished
             if status.get("err") is not None:
                 services.fail_settlement(settlement.id, "SETTLEMENT_FAILED", f"transaction failed: {status['err']}")
             else:
@@ -285,3 +261,10 @@ def finish_from_chain(chain: SolanaChain, settlement: Any) -> bool:
         settlement.id, "AUTHORIZATION_EXPIRED", "the transaction's blockhash expired before it executed"
     )
     return True
+
+
+def charge_fee(settlement: Any) -> None:
+    """Record the fee the relay paid for the settlement's landed transaction (successful or not) to the
+    merchant's relay budget, once."""
+    fee = stx.transaction_fee(stx.decode(settlement.signature).message)
+    relaybudget.charge(settlement.merchant_id, settlement.network, FEE, fee, settlement.tx_hash, settlement.id)

@@ -44,6 +44,7 @@ def pay_intent(merchant_id: str | None, intent_id: str, signature: dict[str, Any
         api_redis(),
         wait_seconds=settings.pay_wait_seconds,
         queue_name=settings.relayer_queue,
+        settings=settings,
     )
 
 
@@ -51,9 +52,7 @@ def solana_transaction(intent: Any, args: dict[str, Any]) -> dict[str, Any]:
     """The unsigned Solana transaction for a parsed request (keyed and public endpoints share it)."""
     settings = current_app.config["PAYINTENT_SETTINGS"]
     registry = current_app.extensions["payintent.chains"]
-    return solana.prepare_transaction(
-        intent, registry, args["payer"], args.get("network"), app_redis(), settings.relayer_queue
-    )
+    return solana.prepare_transaction(intent, registry, args["payer"], args.get("network"), settings)
 
 
 @blp.route("/pay")
@@ -62,7 +61,7 @@ class Pay(MethodView):
 
     @blp.arguments(PaySchema())
     @blp.alt_response(200, schema=PayEnvelope, success=True, description="Settled on chain")
-    @blp.errors(400, 401, 402, 404, 409, 410, 415, 503, 504)
+    @blp.errors(400, 401, 402, 404, 409, 410, 415, 429, 503, 504)
     def post(self, args: dict[str, Any]) -> Any:
         """Settle a buyer's signed EIP-3009 authorization for an intent
 
@@ -76,10 +75,13 @@ class Pay(MethodView):
         NONCE_ALREADY_USED (409), UNSUPPORTED_NETWORK / UNSUPPORTED_SCHEME / UNSUPPORTED_X402_VERSION /
         INVALID_PAYLOAD / RECIPIENT_MISMATCH / AMOUNT_MISMATCH / ASSET_MISMATCH (v2 accepted.asset) /
         AUTHORIZATION_NOT_YET_VALID / AUTHORIZATION_EXPIRED / INVALID_SIGNATURE (400),
-        SETTLEMENT_FAILED (402, with `reason`), CHAIN_UNAVAILABLE (503),
+        SETTLEMENT_FAILED (402, with `reason`), RELAY_BUDGET_EXHAUSTED (429, with `Retry-After`: the
+        merchant's budget for network fees paid by the relay on this network is used up for the
+        rolling window; nothing was claimed or sent), CHAIN_UNAVAILABLE (503),
         SETTLEMENT_PENDING (504: still settling; read the intent).
         Solana adds FEE_PAYER_MISMATCH / FEE_PAYER_MISUSED / DISALLOWED_INSTRUCTION / INVALID_TRANSACTION /
-        ASSET_MISMATCH / COMPUTE_BUDGET_TOO_HIGH / BLOCKHASH_EXPIRED (400) and PAYEE_ACCOUNT_PENDING (503).
+        ASSET_MISMATCH / COMPUTE_BUDGET_TOO_HIGH / BLOCKHASH_EXPIRED (400) and PAYEE_ACCOUNT_MISSING (409:
+        the merchant's USDC account is gone; fetch a new transaction, which opens it).
         """
         return ok(pay_intent(current_merchant_id(), args["intent_id"], args["payment_signature"]))
 
@@ -90,7 +92,7 @@ class SolanaTransaction(MethodView):
 
     @blp.arguments(SolanaTransactionRequestSchema())
     @blp.alt_response(200, schema=SolanaTransactionEnvelope, success=True, description="The transaction to sign")
-    @blp.errors(400, 401, 402, 404, 409, 410, 415, 503)
+    @blp.errors(400, 401, 402, 404, 409, 410, 415, 429, 503)
     def post(self, args: dict[str, Any], intent_id: str) -> Any:
         """Build the Solana transaction a buyer signs to pay an intent
 
@@ -98,5 +100,11 @@ class SolanaTransaction(MethodView):
         from the payer's USDC account to the merchant's, and a memo with the intent id. The relay
         is the fee payer and signs at /pay, after checking the transaction instruction by
         instruction. Sign it (signer 2) and send it as payment_signature.payload.transaction.
+
+        If the merchant's USDC account does not exist yet, the transaction first opens it
+        (Associated Token CreateIdempotent) with the payer paying its rent: `creates_payee_account`
+        is true and `payer_pays_lamports` is the rent. A payer with less SOL than that gets
+        PAYER_NEEDS_SOL (402). The relay never pays rent. Also: SETTLEMENT_FAILED (402, the USDC
+        balance is too low), RELAY_BUDGET_EXHAUSTED (429, see /pay), CHAIN_UNAVAILABLE (503).
         """
         return ok(solana_transaction(load_payable_intent(current_merchant_id(), intent_id), args))

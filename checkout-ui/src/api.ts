@@ -54,6 +54,8 @@ export interface PaymentResult {
 export interface SolanaTransaction {
   transaction: string; // base64, unsigned by the buyer
   network: string;
+  creates_payee_account: boolean; // it opens the merchant's USDC account ...
+  payer_pays_lamports: number; // ... and the buyer pays this rent (0 otherwise)
 }
 
 /** An error answered by the service ({success:false,error:{code,message}}) or a failed request. */

@@ -4,7 +4,7 @@ import { ApiError, type CheckoutIntent, type Requirement, type WalletNetwork, ge
 import { h, replaceChildren } from "./dom";
 import { type EvmWallet, connectEvm, discoverEvmWallets, ensureChain, signAuthorization } from "./evm";
 import { type Problem, describe } from "./messages";
-import { formatUsdc } from "./money";
+import { formatSol, formatUsdc } from "./money";
 import { qrSvg } from "./qr";
 import { type SolanaWallet, connectSolana, discoverSolanaWallets, signSolanaTransaction } from "./solana";
 import type { WalletAccount } from "@wallet-standard/base";
@@ -449,7 +449,9 @@ async function startPayment(): Promise<void> {
     } else {
       setPhase("signing", "Preparing the transaction…");
       const unsigned = await getSolanaTransaction(intentId, network.network, state.solanaAccount!.address);
-      setPhase("signing", `Approve the payment of ${amountText()} USDC in ${wallet.name}.`);
+      // The first payment to the shop's USDC account opens it, and the buyer pays its rent: say so before signing.
+      const rent = unsigned.creates_payee_account ? ` It also opens the shop's USDC account, which costs you ${formatSol(unsigned.payer_pays_lamports)} SOL of rent.` : "";
+      setPhase("signing", `Approve the payment of ${amountText()} USDC in ${wallet.name}.${rent}`);
       payload = { transaction: await signSolanaTransaction(wallet, state.solanaAccount!, unsigned.transaction, network.wallet_chain) };
     }
     setPhase("settling", `Settling on ${network.name}… This usually takes a few seconds; keep this page open.`);

@@ -69,10 +69,18 @@ function describeApi(error: ApiError, networkName: string): Problem {
     case "AUTHORIZATION_EXPIRED":
     case "BLOCKHASH_EXPIRED":
       return { title: "That signature can no longer be used", detail: `${NOTHING_PAID} Press Pay to sign a fresh one.` };
+    case "PAYEE_ACCOUNT_MISSING":
+      return { title: "The payment details changed", detail: `${NOTHING_PAID} Press Pay to sign a fresh one.` };
     case "CHAIN_UNAVAILABLE":
-    case "PAYEE_ACCOUNT_PENDING":
     case "SETTLEMENT_UNAVAILABLE":
       return { title: `${networkName} is busy or unreachable`, detail: `${NOTHING_PAID} Try again in a moment.` };
+    case "RELAY_BUDGET_EXHAUSTED":
+      return {
+        title: `This shop cannot take more payments on ${networkName} right now`,
+        detail: `${NOTHING_PAID} Choose another network, or try again later.`,
+      };
+    case "PAYER_NEEDS_SOL":
+      return { title: "Not enough SOL in your wallet", detail: `${sentence(error.message)} ${NOTHING_PAID}` };
     case "RATE_LIMITED":
       return {
         title: "Too many attempts",

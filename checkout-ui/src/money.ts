@@ -12,3 +12,10 @@ export function formatUsdc(atomic: string | bigint): string {
   if (fraction.length < 2) fraction = fraction.padEnd(2, "0");
   return `${negative ? "-" : ""}${whole}.${fraction}`;
 }
+
+/** Lamports -> SOL, exact: 2039280 -> "0.00203928". */
+export function formatSol(lamports: number | bigint): string {
+  const digits = BigInt(lamports).toString().padStart(10, "0");
+  const fraction = digits.slice(-9).replace(/0+$/, "");
+  return fraction ? `${digits.slice(0, -9)}.${fraction}` : digits.slice(0, -9);
+}

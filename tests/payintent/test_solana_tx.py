@@ -8,6 +8,7 @@ import uuid
 import pytest
 from solders.compute_budget import set_compute_unit_limit, set_compute_unit_price
 from solders.hash import Hash
+from solders.instruction import AccountMeta, Instruction
 from solders.keypair import Keypair
 from solders.message import MessageV0
 from solders.pubkey import Pubkey
@@ -94,7 +95,8 @@ def test_the_unsigned_transaction_has_empty_signature_slots_and_the_relay_first(
         (lambda: compile_signed(standard_instructions(amount=2_400_000)), "AMOUNT_MISMATCH"),
         (lambda: compile_signed(standard_instructions(destination_owner=Keypair().pubkey())), "RECIPIENT_MISMATCH"),
         (lambda: compile_signed(standard_instructions(mint=Keypair().pubkey())), "ASSET_MISMATCH"),
-        (lambda: compile_signed([*standard_instructions(), stx.memo("extra")]), "INVALID_TRANSACTION"),
+        # Five instructions are allowed only with the account opened third: an extra memo is not that.
+        (lambda: compile_signed([*standard_instructions(), stx.memo("extra")]), "DISALLOWED_INSTRUCTION"),
         (
             lambda: compile_signed(
                 [
@@ -199,3 +201,97 @@ def test_one_message_is_one_settlement_whatever_its_signature():
     payment = check(tx)
     again = check(stx.sign_as(unsigned(), BUYER))  # the same message, signed again
     assert payment.message_hash == again.message_hash
+
+
+# --- the merchant's account, opened by the buyer's own transaction ---------------------------------
+
+
+def with_account_instructions(funder=None, owner=MERCHANT, data=None):
+    """The five instructions of a first payment: the merchant's account is opened, the buyer paying its rent."""
+    create = stx.create_token_account(funder or BUYER.pubkey(), owner, MINT)
+    if data is not None:
+        create = Instruction(create.program_id, data, list(create.accounts))
+    _limit, price, transfer_ix, memo_ix = standard_instructions()
+    return [set_compute_unit_limit(stx.COMPUTE_UNIT_LIMIT_WITH_ACCOUNT), price, create, transfer_ix, memo_ix]
+
+
+def test_a_first_payment_opens_the_merchants_account_with_the_buyer_paying():
+    tx = stx.sign_as(unsigned(create_payee_account=True), BUYER)
+    payment = check(tx)
+    assert payment.creates_payee_account and payment.unit_limit == stx.COMPUTE_UNIT_LIMIT_WITH_ACCOUNT
+    create = tx.message.instructions[2]
+    keys = list(tx.message.account_keys)
+    assert keys[create.program_id_index] == stx.ASSOCIATED_TOKEN_PROGRAM and bytes(create.data) == b"\x01"
+    assert keys[bytes(create.accounts)[0]] == BUYER.pubkey()  # the funder: the buyer, never the relay
+    assert tx.message.header.num_readonly_signed_accounts == 0  # the buyer is debited the rent
+    assert not check(stx.sign_as(unsigned(), BUYER)).creates_payee_account
+
+
+@pytest.mark.parametrize(
+    ("instructions", "code"),
+    [
+        (lambda: with_account_instructions(funder=RELAY.pubkey()), "FEE_PAYER_MISUSED"),
+        (lambda: with_account_instructions(owner=Keypair().pubkey()), "DISALLOWED_INSTRUCTION"),
+        (lambda: with_account_instructions(owner=BUYER.pubkey()), "DISALLOWED_INSTRUCTION"),
+        (lambda: with_account_instructions(data=b""), "DISALLOWED_INSTRUCTION"),  # Create: fails if it exists
+        (lambda: with_account_instructions(data=b"\x02"), "DISALLOWED_INSTRUCTION"),  # RecoverNested
+        (
+            lambda: [*with_account_instructions()[:2], SYSTEM_TRANSFER, *with_account_instructions()[3:]],
+            "DISALLOWED_INSTRUCTION",
+        ),
+        (
+            lambda: [*standard_instructions()[:2], with_account_instructions()[2], *standard_instructions()],
+            "INVALID_TRANSACTION",
+        ),
+    ],
+    ids=[
+        "relay-funds-rent",
+        "someone-elses-account",
+        "buyers-account",
+        "create",
+        "recover-nested",
+        "system-transfer-instead",
+        "six-instructions",
+    ],
+)
+def test_only_the_merchants_account_may_be_opened_and_only_at_the_buyers_cost(instructions, code):
+    with pytest.raises(stx.SolanaTransactionError) as err:
+        check(compile_signed(instructions()))
+    assert err.value.code == code
+
+
+def test_the_buyer_signs_writable_only_to_fund_the_account():
+    instructions = standard_instructions()
+    transfer_ix = instructions[2]
+    accounts = list(transfer_ix.accounts)
+    accounts[3] = AccountMeta(BUYER.pubkey(), is_signer=True, is_writable=True)
+    instructions[2] = Instruction(transfer_ix.program_id, bytes(transfer_ix.data), accounts)
+    with pytest.raises(stx.SolanaTransactionError) as err:
+        check(compile_signed(instructions))
+    assert err.value.code == "INVALID_TRANSACTION"
+
+
+# --- the fee the relay pays -------------------------------------------------------------------------
+
+
+def test_the_relay_fee_is_two_signatures_and_a_small_priority_fee():
+    assert check(stx.sign_as(unsigned(), BUYER)).fee_lamports == 10_000 + 40
+    assert check(stx.sign_as(unsigned(create_payee_account=True), BUYER)).fee_lamports == 10_000 + 80
+    at_caps = unsigned(unit_price=stx.MAX_COMPUTE_UNIT_PRICE, unit_limit=stx.MAX_COMPUTE_UNIT_LIMIT)
+    assert check(stx.sign_as(at_caps, BUYER)).fee_lamports == stx.MAX_TRANSACTION_FEE == 10_500
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"unit_price": 100_000},  # accepted before: with a 200,000 limit the relay paid 20,000 lamports of priority
+        {"unit_price": stx.MAX_COMPUTE_UNIT_PRICE + 1},
+        {"unit_limit": 200_000},
+        {"unit_limit": stx.MAX_COMPUTE_UNIT_LIMIT + 1},
+    ],
+    ids=["old-max-price", "price", "old-max-limit", "limit"],
+)
+def test_the_buyer_cannot_raise_the_priority_fee_the_relay_pays(overrides):
+    with pytest.raises(stx.SolanaTransactionError) as err:
+        check(stx.sign_as(unsigned(**overrides), BUYER))
+    assert err.value.code == "COMPUTE_BUDGET_TOO_HIGH"

@@ -41,6 +41,8 @@ class FakeChain:
 @dataclass
 class Row:
     id: str = "stl_1"
+    merchant_id: str = "mer_1"
+    network: str = "solana:test"
     tx_hash: str | None = "5sig"
     valid_before: int = 1000
     signature: str = field(
@@ -68,38 +70,49 @@ def decided(monkeypatch) -> list[tuple[str, ...]]:
     return calls
 
 
-def test_height_is_read_before_status_so_a_late_landing_is_seen(decided):
+@pytest.fixture
+def charged(monkeypatch) -> list[tuple[Any, ...]]:
+    """The fees recorded on merchants' relay budgets (the ledger itself is tested on a database elsewhere)."""
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(settlement_solana.relaybudget, "charge", lambda *args: calls.append(args) or True)
+    return calls
+
+
+def test_height_is_read_before_status_so_a_late_landing_is_seen(decided, charged):
     chain = FakeChain(heights=[1001], statuses=[{"confirmationStatus": "confirmed", "err": None}])
     assert settlement_solana.finish_from_chain(chain, Row()) is True
     assert chain.calls[:2] == ["height:finalized", "status"]
     assert decided == [("paid", "stl_1", "5sig")]
+    assert charged == [("mer_1", "solana:test", "fee", 10_040, "5sig", "stl_1")]  # two signatures + 40 priority
 
 
-def test_not_released_while_the_node_still_accepts_the_blockhash(decided):
+def test_not_released_while_the_node_still_accepts_the_blockhash(decided, charged):
     chain = FakeChain(heights=[5000], statuses=[None], blockhash_valid=True)
     assert settlement_solana.finish_from_chain(chain, Row()) is False
-    assert decided == []
+    assert decided == [] and charged == []
 
 
-def test_not_released_before_the_margin_even_if_unknown(decided):
+def test_not_released_before_the_margin_even_if_unknown(decided, charged):
     chain = FakeChain(heights=[1000], statuses=[None])
     assert settlement_solana.finish_from_chain(chain, Row()) is False
-    assert decided == []
+    assert decided == [] and charged == []
 
 
-def test_released_only_when_past_the_margin_and_the_blockhash_is_dead(decided):
+def test_released_only_when_past_the_margin_and_the_blockhash_is_dead(decided, charged):
     chain = FakeChain(heights=[1001], statuses=[None], blockhash_valid=False)
     assert settlement_solana.finish_from_chain(chain, Row()) is True
     assert decided == [("failed", "stl_1", "AUTHORIZATION_EXPIRED")]
+    assert charged == []  # it never landed: no fee was paid
 
 
-def test_a_failure_seen_only_at_processed_decides_nothing(decided):
+def test_a_failure_seen_only_at_processed_decides_nothing(decided, charged):
     chain = FakeChain(heights=[5000], statuses=[{"confirmationStatus": "processed", "err": {"InstructionError": []}}])
     assert settlement_solana.finish_from_chain(chain, Row()) is False
-    assert decided == []
+    assert decided == [] and charged == []
 
 
-def test_a_confirmed_failure_fails_the_settlement(decided):
+def test_a_confirmed_failure_fails_the_settlement(decided, charged):
     chain = FakeChain(heights=[10], statuses=[{"confirmationStatus": "confirmed", "err": {"InstructionError": []}}])
     assert settlement_solana.finish_from_chain(chain, Row()) is True
     assert decided == [("failed", "stl_1", "SETTLEMENT_FAILED")]
+    assert [c[2:4] for c in charged] == [("fee", 10_040)]  # a failed transaction that landed still cost its fee

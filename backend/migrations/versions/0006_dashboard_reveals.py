@@ -1,15 +1,15 @@
 """dashboard_reveals: a new API key or webhook secret waits here (encrypted) for the one page that shows it
 
-Revision ID: 0007
-Revises: 0004
+Revision ID: 0006
+Revises: 0005
 Create Date: 2026-11-23 09:00:00
 """
 from alembic import op
 import sqlalchemy as sa
 
 
-revision = '0007'
-down_revision = '0004'
+revision = '0006'
+down_revision = '0005'
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,1 @@
+"""Relay spending on merchants' behalf: the ledger and the budget (see services)."""
