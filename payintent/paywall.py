@@ -333,7 +333,10 @@ class Paywall:
         return served or next((o for o in outcomes if o.status == 503), outcomes[0])
 
     def _collect(self, request: _Request, intent_id: str, payer: str, claim: str | None = None) -> Outcome:
-        """Serve ``payer``'s payment of ``intent_id`` (proven by a claim token or a signed proof)."""
+        """Serve ``payer``'s payment of ``intent_id`` (proven by a claim token or a signed proof).
+
+        A claim names this exact resource and is collected within ``access_seconds`` of the payment;
+        a proof is checked against the route's intent only, so it is held to ``recovery_seconds``."""
         intent = self._intent_for(intent_id, request)
         if intent is None:
             return self._challenge(request, "No payment for this resource under that intent")
@@ -343,7 +346,8 @@ class Paywall:
         if status != "paid" or not access.same_payer(intent.get("buyer_address"), payer):
             return self._challenge(request, "That intent was not paid by this payer")
         paid_at = _timestamp(intent.get("paid_at"))
-        if paid_at is None or self.clock() > paid_at + self.recovery_seconds:
+        window = self.access_seconds if claim else self.recovery_seconds
+        if paid_at is None or self.clock() > paid_at + window:
             return self._challenge(request, "That payment is too old to recover access: pay again")
         return self._granted(
             request,
