@@ -137,7 +137,8 @@ class PayingAgent:
         response.payment = None  # type: ignore[attr-defined]
         if response.status_code != 402:
             return response
-        self._tokens.pop(slot, None)
+        with self._lock:
+            self._tokens.pop(slot, None)
         version, requirements, intent_id, v2_required = _challenge_of(response)
         requirement = self._choose(requirements, response)
         amount = int(requirement["maxAmountRequired"])
@@ -251,9 +252,10 @@ class PayingAgent:
             return
         if response.ok and token and expires > self._clock():
             now = self._clock()
-            for stale in [k for k, (_, until) in self._tokens.items() if until <= now]:
-                self._tokens.pop(stale, None)
-            self._tokens[slot] = (token, expires)
+            with self._lock:  # calls from several threads share the agent
+                for stale in [k for k, (_, until) in self._tokens.items() if until <= now]:
+                    self._tokens.pop(stale, None)
+                self._tokens[slot] = (token, expires)
 
     # --- steps -------------------------------------------------------------------------------------
 
