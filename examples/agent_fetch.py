@@ -6,8 +6,10 @@ devnet RPC URLs come from ``var/demo.json``)::
     .venv/bin/python examples/agent_fetch.py [URL] [--max-per-call 0.10] [--max-per-session 1.00]
 
 ``BUYER_PRIVATE_KEY`` and ``PAYINTENT_RPC_URLS`` (``eip155:84532=https://...``, comma-separated)
-replace the demo's. It prints the resource, then a one-line JSON summary of the payment; exit
-status 1 when nothing was bought (refused, over a cap, or an error).
+replace the demo's. The agent signs only for Circle's USDC on the supported networks and, when the
+demo's devnet is running, its TestUSDC (``allowed_assets``). It prints the resource, then a
+one-line JSON summary of the payment; exit status 1 when nothing was bought (refused, over a cap,
+or an error).
 """
 
 from __future__ import annotations
@@ -20,19 +22,22 @@ from typing import Any
 
 from _project import demo_settings  # first: runs the example under the project's venv
 
-from payintent.agent import PayingAgent, PaymentRequiredError
+from payintent.agent import KNOWN_USDC, PayingAgent, PaymentRequiredError
 
 
 def settings() -> dict[str, Any]:
     demo = demo_settings()
     key = os.environ.get("BUYER_PRIVATE_KEY") or (demo.get("buyers") or [{}])[0].get("private_key")
     rpc_urls = {network: chain["rpc_url"] for network, chain in (demo.get("networks") or {}).items()}
+    allowed = {network: list(assets) for network, assets in KNOWN_USDC.items()}
+    for network, chain in (demo.get("networks") or {}).items():  # the devnet's TestUSDC, on the devnet only
+        allowed.setdefault(network, []).append(chain["usdc_address"])
     for item in filter(None, (os.environ.get("PAYINTENT_RPC_URLS") or "").split(",")):
         network, _, url = item.strip().partition("=")
         rpc_urls[network] = url
     if not key:
         raise SystemExit("agent_fetch: run `make run` first, or set BUYER_PRIVATE_KEY and PAYINTENT_RPC_URLS")
-    return {"private_key": key, "rpc_urls": rpc_urls}
+    return {"private_key": key, "rpc_urls": rpc_urls, "allowed_assets": allowed}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     agent = PayingAgent(
         found["private_key"],
         rpc_urls=found["rpc_urls"],
+        allowed_assets=found["allowed_assets"],
         max_per_call=args.max_per_call,
         max_per_session=args.max_per_session,
     )

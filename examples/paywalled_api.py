@@ -6,8 +6,9 @@ from ``var/demo.json``)::
     .venv/bin/python examples/paywalled_api.py [--port 5000] [--price 0.05]
 
 ``GET /`` is free and says what is for sale; ``GET /report`` costs ``--price`` USDC. A request
-without a payment gets 402 with the requirements of a fresh intent; ``examples/agent_fetch.py``
-pays it and gets the report. Settings may come from the environment instead: ``PAYINTENT_URL``,
+without a payment gets 402 with the requirements of the route's intent (one, shared by all 402s);
+``examples/agent_fetch.py`` pays it and gets the report and an access token that serves it again
+for five minutes. Settings may come from the environment instead: ``PAYINTENT_URL``,
 ``PAYINTENT_API_KEY``.
 """
 

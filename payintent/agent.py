@@ -11,28 +11,50 @@ before signing anything when the price is above ``max_per_call`` or would take t
 ``max_per_session``, picks a requirement on a network where the account holds enough USDC (read
 through ``rpc_urls``; without them, the first EVM requirement), signs an EIP-3009 authorization
 (fresh nonce, ``validBefore`` = now + 900 s, as the spec's agent flow asks) and sends
-the request again with the payment in the header the server asked in. A 503 with ``Retry-After``
-(settlement still running) is retried with the same payment, so it is never paid twice.
+the request again with the payment in the header the server asked in. It signs only for the USDC
+contracts in ``allowed_assets`` (default :data:`KNOWN_USDC`, Circle's USDC on the networks the
+service supports; pass the devnet's TestUSDC explicitly): any other asset raises
+:class:`AssetNotAllowedError` before anything is signed.
+
+After paying it never pays twice for one answer:
+
+- the access token a payintent paywall returns (``X-Payment-Access``) is kept and presented again
+  for the same URL until it expires, so those reads cost nothing;
+- a 503 with ``Retry-After`` (settlement still running) is retried with the claim token it carries
+  (or the same payment, from other servers);
+- when the connection breaks after the payment was sent (or a retry finds it settled already), the
+  agent proves it holds the payer's key: it signs the paywall's fresh challenge
+  (``X-Payment-Access-Challenge`` of a new 402) into ``X-Payment-Proof`` and gets the resource and a
+  token; if the paywall knows no such payment, it sends the *same* authorization again, which can
+  settle at most once (its nonce is single-use).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from decimal import Decimal
 from typing import Any
+from urllib.parse import urlsplit
 
 import requests
 
-from payintent import x402
+from payintent import access, x402
 from payintent.client import choose_requirement
 from payintent.eip3009 import DEFAULT_VALIDITY_SECONDS, sign_authorization
 
-__all__ = ["PayingAgent", "PaymentRequiredError", "SpendLimitError"]
+__all__ = ["KNOWN_USDC", "AssetNotAllowedError", "PayingAgent", "PaymentRequiredError", "SpendLimitError"]
 
 ATOMIC = Decimal(10) ** 6
 SETTLING_RETRIES = 6
+RECOVERY_ATTEMPTS = 6
+# Circle's USDC contracts on the EVM networks the service supports (backend/chains/testnets.json).
+KNOWN_USDC: dict[str, tuple[str, ...]] = {
+    "eip155:84532": ("0x036CbD53842c5426634e7929541eC2318f3dCF7e",),  # Base Sepolia
+    "eip155:11155111": ("0x1c7D4B196Cb0C7B01d743Fbc6116a902379C7238",),  # Ethereum Sepolia
+    "eip155:5042002": ("0x3600000000000000000000000000000000000000",),  # Arc Testnet
+}
 
 
 class PaymentRequiredError(Exception):
@@ -45,6 +67,17 @@ class PaymentRequiredError(Exception):
 
 class SpendLimitError(PaymentRequiredError):
     """Paying would exceed ``max_per_call`` or ``max_per_session``; nothing was signed."""
+
+
+class AssetNotAllowedError(PaymentRequiredError):
+    """The 402 asks for a token contract not in ``allowed_assets``; nothing was signed."""
+
+
+def _allowed(assets: Mapping[str, str | Iterable[str]]) -> dict[str, frozenset[str]]:
+    return {
+        network: frozenset(a.lower() for a in ([listed] if isinstance(listed, str) else listed))
+        for network, listed in assets.items()
+    }
 
 
 class PayingAgent:
@@ -60,6 +93,7 @@ class PayingAgent:
         session: requests.Session | None = None,
         timeout: float = 90.0,
         balance_of: Callable[[str, str, str, str], int] | None = None,
+        allowed_assets: Mapping[str, str | Iterable[str]] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -72,6 +106,8 @@ class PayingAgent:
         self.session = session or requests.Session()
         self.timeout = timeout
         self._balance_of = balance_of
+        self.allowed_assets = _allowed(KNOWN_USDC if allowed_assets is None else allowed_assets)
+        self._tokens: dict[tuple[str, str], tuple[str, float]] = {}  # (METHOD, url) -> (access token, expiry)
         self._sleep = sleep
         self._clock = clock
         self._lock = threading.Lock()
@@ -92,34 +128,134 @@ class PayingAgent:
         """Send; on a 402, pay once within the caps and send again. Returns the final response
         (``response.payment`` holds the decoded payment receipt, or None when nothing was paid)."""
         kwargs.setdefault("timeout", self.timeout)
-        response = self.session.request(method, url, **kwargs)
+        headers = dict(kwargs.pop("headers", None) or {})
+        slot = (method.upper(), requests.Request(method, url, params=kwargs.get("params")).prepare().url or url)
+        token = self._token(slot)
+        response = self.session.request(
+            method, url, headers={**headers, x402.PAYMENT_ACCESS: token} if token else headers, **kwargs
+        )
         response.payment = None  # type: ignore[attr-defined]
         if response.status_code != 402:
             return response
+        with self._lock:
+            self._tokens.pop(slot, None)
         version, requirements, intent_id, v2_required = _challenge_of(response)
         requirement = self._choose(requirements, response)
         amount = int(requirement["maxAmountRequired"])
         self._reserve(amount, response)
-        header_name, header_value = self._payment_header(version, requirement, intent_id, v2_required)
-        headers = {**(kwargs.pop("headers", None) or {}), header_name: header_value}
+        header_name, header_value, payload, intent_id = self._payment_header(
+            version, requirement, intent_id, v2_required
+        )
+        pay_headers = {**headers, header_name: header_value}
         try:
-            paid = self.session.request(method, url, headers=headers, **kwargs)
-            for _ in range(SETTLING_RETRIES):  # still settling: same payment again, never a new one
-                if paid.status_code != 503 or "Retry-After" not in paid.headers:
-                    break
-                self._sleep(float(paid.headers.get("Retry-After") or 1))
-                paid = self.session.request(method, url, headers=headers, **kwargs)
+            paid, taken = self._send_payment(method, url, headers, pay_headers, kwargs)
         except requests.RequestException:
-            raise  # the payment may have settled: it stays counted against the session cap
+            paid, taken = None, True  # the payment may have settled: it stays counted against the session cap
+        if taken and (paid is None or paid.status_code == 402):  # paid, but the answer was lost
+            proof = self._prover(requirement, payload, intent_id)
+            paid = self._recover(method, url, headers, pay_headers, proof, kwargs)
         if paid.status_code == 402:
-            self._release(amount)  # refused: the authorization was not settled
+            if not taken:
+                self._release(amount)  # refused: the authorization was not settled
             raise PaymentRequiredError(f"the server refused the payment: {_error_of(paid)}", paid)
         receipt_header = paid.headers.get(x402.PAYMENT_RESPONSE) or paid.headers.get(x402.V2_PAYMENT_RESPONSE)
         receipt = x402.decode_header(receipt_header) if receipt_header else None
         paid.payment = receipt  # type: ignore[attr-defined]
         if receipt is not None:
             self.payments.append({**receipt, "url": url, "amount_atomic": amount})
+        self._keep(slot, paid)
         return paid
+
+    # --- after paying ------------------------------------------------------------------------------
+
+    def _send_payment(
+        self, method: str, url: str, headers: dict[str, str], pay_headers: dict[str, str], kwargs: dict[str, Any]
+    ) -> tuple[requests.Response, bool]:
+        """Send the payment; while settling (503), retry with the claim token (or the same payment).
+        Returns the last answer and whether the payment may have been taken (a 503 was seen)."""
+        paid = self.session.request(method, url, headers=pay_headers, **kwargs)
+        taken = False
+        for _ in range(SETTLING_RETRIES):  # still settling: never a new payment
+            if paid.status_code != 503 or "Retry-After" not in paid.headers:
+                break
+            taken = True
+            claim = paid.headers.get(x402.PAYMENT_ACCESS)
+            self._sleep(float(paid.headers.get("Retry-After") or 1))
+            retry = {**headers, x402.PAYMENT_ACCESS: claim} if claim else pay_headers
+            paid = self.session.request(method, url, headers=retry, **kwargs)
+        return paid, taken
+
+    def _recover(
+        self,
+        method: str,
+        url: str,
+        headers: dict[str, str],
+        pay_headers: dict[str, str],
+        prove: Callable[[str, str], str] | None,
+        kwargs: dict[str, Any],
+    ) -> requests.Response:
+        """Get what a payment whose answer was lost bought: a proof signed with the payer's key over the
+        paywall's fresh challenge; failing that the same authorization again (it settles at most once)."""
+        last: requests.Response | None = None
+        error: requests.RequestException | None = None
+        for _ in range(RECOVERY_ATTEMPTS):
+            try:
+                challenge = self.session.request(method, url, headers=headers, **kwargs)
+                error = None
+                nonce = challenge.headers.get(x402.PAYMENT_ACCESS_CHALLENGE)
+                if challenge.status_code != 402:
+                    return challenge
+                if not nonce or prove is None:  # not a payintent paywall, or nothing to prove: resend
+                    break
+                proof = prove(_label(method, challenge.url or url), nonce)
+                last = self.session.request(method, url, headers={**headers, x402.PAYMENT_PROOF: proof}, **kwargs)
+                if last.status_code != 503:
+                    break
+                self._sleep(float(last.headers.get("Retry-After") or 1))
+            except requests.RequestException as exc:
+                error = exc
+                self._sleep(1)
+        if last is not None and last.status_code not in (402, 503):
+            return last
+        if last is None and error is not None:
+            raise error
+        return self._resend(method, url, headers, pay_headers, kwargs)
+
+    def _resend(
+        self, method: str, url: str, headers: dict[str, str], pay_headers: dict[str, str], kwargs: dict[str, Any]
+    ) -> requests.Response:
+        return self._send_payment(method, url, headers, pay_headers, kwargs)[0]
+
+    def _prover(
+        self, requirement: Mapping[str, Any], payload: Mapping[str, Any], intent_id: str | None
+    ) -> Callable[[str, str], str] | None:
+        """Signs proofs of this payment (None when the payment named no intent: nothing to prove)."""
+        if not intent_id:
+            return None
+
+        def prove(label: str, challenge: str) -> str:
+            proof = access.sign_evm_proof(self.account, label, intent_id, challenge)
+            proof.update({"network": str(requirement["network"]), "nonce": str(payload["nonce"])})
+            return x402.encode_header(proof)
+
+        return prove
+
+    def _token(self, slot: tuple[str, str]) -> str | None:
+        held = self._tokens.get(slot)
+        return held[0] if held and held[1] > self._clock() else None
+
+    def _keep(self, slot: tuple[str, str], response: requests.Response) -> None:
+        token = response.headers.get(x402.PAYMENT_ACCESS)
+        try:
+            expires = float(response.headers.get(x402.PAYMENT_ACCESS_EXPIRES) or 0)
+        except ValueError:
+            return
+        if response.ok and token and expires > self._clock():
+            now = self._clock()
+            with self._lock:  # calls from several threads share the agent
+                for stale in [k for k, (_, until) in self._tokens.items() if until <= now]:
+                    self._tokens.pop(stale, None)
+                self._tokens[slot] = (token, expires)
 
     # --- steps -------------------------------------------------------------------------------------
 
@@ -129,6 +265,13 @@ class PayingAgent:
         ]
         if not evm:
             raise PaymentRequiredError("the 402 offers no EVM exact requirement this agent can pay", response)
+        allowed = [r for r in evm if str(r.get("asset", "")).lower() in self.allowed_assets.get(r["network"], ())]
+        if not allowed:
+            offered = ", ".join(f"{r.get('asset')} on {r['network']}" for r in evm)
+            raise AssetNotAllowedError(
+                f"the 402 asks for {offered}: not an allowed USDC contract (allowed_assets= to pay another)", response
+            )
+        evm = allowed
         cheapest = min(int(r["maxAmountRequired"]) for r in evm)
         self._check_caps(cheapest, response)
         if not self.rpc_urls:
@@ -158,7 +301,8 @@ class PayingAgent:
 
     def _payment_header(
         self, version: int, requirement: dict[str, Any], intent_id: str | None, v2_required: dict[str, Any] | None
-    ) -> tuple[str, str]:
+    ) -> tuple[str, str, dict[str, Any], str | None]:
+        """(header name, value, the signed payload, the intent it names)."""
         payload = sign_authorization(
             self.account, requirement, now=int(self._clock()), valid_for=DEFAULT_VALIDITY_SECONDS
         )
@@ -172,14 +316,21 @@ class PayingAgent:
                 "accepted": accepted,
                 "resource": v2_required.get("resource"),
             }
-            return x402.V2_PAYMENT, x402.encode_header(body)
+            named = x402.intent_id_of({"accepted": accepted})
+            return x402.V2_PAYMENT, x402.encode_header(body), payload, named
         body = {"x402Version": 1, "scheme": "exact", "network": requirement["network"], "payload": payload}
         if intent_id:
             body["intent_id"] = intent_id
         else:  # a plain x402 v1 server: its own network names and the spec's nested payload
             body["network"] = x402.v1_network(requirement["network"])
             body["payload"] = _nested(payload)
-        return x402.PAYMENT, x402.encode_header(body)
+        return x402.PAYMENT, x402.encode_header(body), payload, intent_id
+
+
+def _label(method: str, url: str) -> str:
+    """What a proof names: ``GET /path?query`` (as the paywall computes it)."""
+    split = urlsplit(url)
+    return f"{method.upper()} {split.path}" + (f"?{split.query}" if split.query else "")
 
 
 def _nested(payload: Mapping[str, str]) -> dict[str, Any]:

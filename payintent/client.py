@@ -182,6 +182,7 @@ class PayIntentClient:
         self.poll_attempts = poll_attempts
         self._sleep = sleep
         self._clock = clock
+        self.api_key = api_key  # the paywall derives its token secret from it (payintent.access)
         self._owns_session = session is None
         self.session = session or requests.Session()
         self.session.headers.update(

@@ -13,7 +13,10 @@ an agent (``payintent.agent``), and for how our requirements look to the public 
   ``accepted`` entry of the ``PAYMENT-SIGNATURE`` header.
 
 The answer to a paid request carries ``X-Payment-Response`` and ``PAYMENT-RESPONSE`` (the same
-base64 JSON): ``{success, transaction, network, payer, intent_id}``.
+base64 JSON): ``{success, transaction, network, payer, intent_id}``, and ``X-Payment-Access``: an
+access token (see :mod:`payintent.access`) the buyer presents again in ``X-Payment-Access`` until
+``X-Payment-Access-Expires``. Every 402 carries ``X-Payment-Access-Challenge``, which a buyer who lost
+its token signs into ``X-Payment-Proof`` to show it holds the payer's key.
 Header names are case-insensitive: ``X-Payment`` and ``X-PAYMENT`` are the same header.
 """
 
@@ -32,6 +35,10 @@ PAYMENT_RESPONSE = "X-Payment-Response"  # ours and x402 v1
 V2_PAYMENT_REQUIRED = "PAYMENT-REQUIRED"
 V2_PAYMENT = "PAYMENT-SIGNATURE"
 V2_PAYMENT_RESPONSE = "PAYMENT-RESPONSE"
+PAYMENT_ACCESS = "X-Payment-Access"  # ours: the access token, in answers and in requests
+PAYMENT_ACCESS_EXPIRES = "X-Payment-Access-Expires"  # ours: the token's expiry, unix seconds
+PAYMENT_ACCESS_CHALLENGE = "X-Payment-Access-Challenge"  # ours: in every 402, for a proof
+PAYMENT_PROOF = "X-Payment-Proof"  # ours: base64 JSON of a payer's signed proof of payment
 MAX_HEADER_BYTES = 16 * 1024
 
 # x402 v1 clients name networks instead of using CAIP-2 ids: the names the public x402 libraries
@@ -148,6 +155,22 @@ def payer_of(payment: Mapping[str, Any]) -> str | None:
     source = authorization if isinstance(authorization, Mapping) else payload
     payer = source.get("from")
     return str(payer) if isinstance(payer, str) else None
+
+
+def authorization_of(payment: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(payer, nonce)`` of an EVM authorization in any accepted form (None for Solana or junk).
+
+    An authorization names no intent, so the paywall may settle it on another intent of the same
+    resource when the one it named was taken by another buyer."""
+    payload = payment.get("payload")
+    if not isinstance(payload, Mapping):
+        return None
+    authorization = payload.get("authorization")
+    source = authorization if isinstance(authorization, Mapping) else payload
+    payer, nonce = source.get("from"), source.get("nonce")
+    if isinstance(payer, str) and payer.startswith("0x") and isinstance(nonce, str) and nonce:
+        return payer, nonce
+    return None
 
 
 def intent_id_of(payment: Mapping[str, Any]) -> str | None:

@@ -55,6 +55,15 @@ def rpc_urls(devnet: Any) -> dict[str, str]:
     return {network: chain["rpc_url"] for network, chain in devnet.info["networks"].items()}
 
 
+def devnet_usdc(devnet: Any) -> dict[str, str]:
+    """The devnet's TestUSDC, which agents pay only when told to (it is not Circle's USDC)."""
+    return {network: chain["usdc_address"] for network, chain in devnet.info["networks"].items()}
+
+
+def agent_for(buyer: Any, devnet: Any, **options: Any) -> PayingAgent:
+    return PayingAgent(buyer, allowed_assets=devnet_usdc(devnet), **options)
+
+
 def funded_account(devnet: Any, network: str = "eip155:11155111", atomic: int = 5_000_000) -> Any:
     """A fresh buyer holding USDC on one chain only (so the agent must choose that one)."""
     account = Account.create()
@@ -85,7 +94,7 @@ def test_a_request_without_payment_gets_402_in_every_shape(shop_url, merchant_cl
     ours = x402.decode_header(response.headers["X-Payment-Required"])
     intent = merchant_client.get_intent(ours["intent_id"])
     assert intent["status"] == "pending" and intent["amount_usdc"] == Decimal(PRICE)
-    assert intent["metadata"][RESOURCE_KEY] and intent["metadata"]["paywall_path"] == "/report?day=monday"
+    assert intent["metadata"][RESOURCE_KEY] and intent["metadata"]["paywall_path"] == "/report"  # the route's intent
     assert ours["accepts"] == intent["payment_requirements"]
     body = response.json()
     assert body["x402Version"] == 1 and body["intent_id"] == intent["intent_id"]
@@ -97,12 +106,13 @@ def test_a_request_without_payment_gets_402_in_every_shape(shop_url, merchant_cl
     assert [a["network"] for a in v2["accepts"]] == [r["network"] for r in intent["payment_requirements"]]
     assert {a["amount"] for a in v2["accepts"]} == {str(ATOMIC)}
     assert {a["extra"]["intentId"] for a in v2["accepts"]} == {intent["intent_id"]}
+    assert response.headers["X-Payment-Access-Challenge"]  # what a payer who lost its answer signs
 
 
 def test_an_agent_pays_on_the_chain_holding_its_usdc_and_gets_the_resource(shop_url, merchant_client, devnet, shop):
     buyer = funded_account(devnet, "eip155:11155111")
     before = payout(devnet, shop)
-    agent = PayingAgent(buyer, rpc_urls=rpc_urls(devnet), max_per_call="1", max_per_session="1")
+    agent = agent_for(buyer, devnet, rpc_urls=rpc_urls(devnet), max_per_call="1", max_per_session="1")
     response = agent.get(f"{shop_url}/report")
     assert response.status_code == 200 and response.json() == {"report": "paid content"}
     receipt = response.payment
@@ -116,27 +126,26 @@ def test_an_agent_pays_on_the_chain_holding_its_usdc_and_gets_the_resource(shop_
     assert agent.spent_usdc == Decimal(PRICE)
 
 
-def test_a_retry_with_the_same_payment_is_served_without_paying_twice(shop_url, devnet, shop):
+def test_the_access_token_serves_again_and_the_settled_payment_does_not(shop_url, devnet, shop):
     buyer = funded_account(devnet)
-    agent = PayingAgent(buyer, rpc_urls=rpc_urls(devnet))
+    agent = agent_for(buyer, devnet, rpc_urls=rpc_urls(devnet))
     sent = recording(agent.session)
     first = agent.get(f"{shop_url}/report")
-    assert first.status_code == 200
-    header = sent[-1].headers["X-Payment"]
+    assert first.status_code == 200 and first.headers["X-Payment-Access"]
+    header, token = sent[-1].headers["X-Payment"], first.headers["X-Payment-Access"]
     before = payout(devnet, shop)
-    again = requests.get(f"{shop_url}/report", headers={"X-Payment": header}, timeout=30)  # a lost answer, retried
+    # The token its answer carried is the proof: served again, nothing charged.
+    again = requests.get(f"{shop_url}/report", headers={"X-Payment-Access": token}, timeout=30)
     assert again.status_code == 200 and again.json() == {"report": "paid content"}
-    assert x402.decode_header(again.headers["X-Payment-Response"])["transaction"] == first.payment["transaction"]
-    assert payout(devnet, shop) == before  # nothing moved the second time
-
-    # The same paid intent presented by another account, or for another resource, buys nothing.
-    stranger = dict(x402.decode_header(header))
-    stranger["payload"] = {**stranger["payload"], "from": Account.create().address}
-    refused = requests.get(f"{shop_url}/report", headers={"X-Payment": x402.encode_header(stranger)}, timeout=30)
-    assert refused.status_code == 402 and "another account" in refused.json()["error"]
+    assert agent.get(f"{shop_url}/report").status_code == 200  # the agent presents its token by itself
+    assert sent[-1].headers["X-Payment-Access"] == token and "X-Payment" not in sent[-1].headers
+    # The settled payment itself is public (calldata): presented again it buys nothing.
+    replay = requests.get(f"{shop_url}/report", headers={"X-Payment": header}, timeout=30)
+    assert replay.status_code == 402 and "not proof" in replay.json()["error"]
     elsewhere = requests.get(f"{shop_url}/premium", headers={"X-Payment": header}, timeout=30)
     assert elsewhere.status_code == 402 and "another resource" in elsewhere.json()["error"]
-    assert payout(devnet, shop) == before
+    assert requests.get(f"{shop_url}/premium", headers={"X-Payment-Access": token}, timeout=30).status_code == 402
+    assert payout(devnet, shop) == before and agent.spent_usdc == Decimal(PRICE)
 
 
 def test_a_payment_for_a_cheaper_resource_cannot_buy_a_dearer_one(shop_url, devnet, shop):
@@ -157,14 +166,14 @@ def test_a_payment_for_a_cheaper_resource_cannot_buy_a_dearer_one(shop_url, devn
 def test_spend_caps_refuse_before_anything_is_signed(shop_url, merchant_client, devnet, shop):
     buyer = funded_account(devnet)
     before = payout(devnet, shop)
-    cheap = PayingAgent(buyer, rpc_urls=rpc_urls(devnet), max_per_call="0.10")
+    cheap = agent_for(buyer, devnet, rpc_urls=rpc_urls(devnet), max_per_call="0.10")
     with pytest.raises(SpendLimitError, match="max_per_call"):
         cheap.get(f"{shop_url}/report")
-    session_capped = PayingAgent(buyer, rpc_urls=rpc_urls(devnet), max_per_call="1", max_per_session="0.60")
-    assert session_capped.get(f"{shop_url}/report").status_code == 200
-    assert session_capped.get(f"{shop_url}/report").status_code == 200
+    session_capped = agent_for(buyer, devnet, rpc_urls=rpc_urls(devnet), max_per_call="1", max_per_session="0.60")
+    assert session_capped.get(f"{shop_url}/report?day=1").status_code == 200  # three resources: three payments
+    assert session_capped.get(f"{shop_url}/report?day=2").status_code == 200
     with pytest.raises(SpendLimitError, match="max_per_session"):
-        session_capped.get(f"{shop_url}/report")  # a third would make 0.75
+        session_capped.get(f"{shop_url}/report?day=3")  # a third would make 0.75
     assert session_capped.spent_usdc == Decimal("0.50")
     after = payout(devnet, shop)
     assert sum(after.values()) - sum(before.values()) == 2 * ATOMIC
@@ -172,7 +181,7 @@ def test_spend_caps_refuse_before_anything_is_signed(shop_url, merchant_client, 
 
 def test_a_refused_payment_is_reported_and_not_counted(shop_url, devnet, shop):
     broke = Account.create()  # no USDC anywhere, and no RPC URLs to find that out before signing
-    agent = PayingAgent(broke, max_per_call="1")
+    agent = agent_for(broke, devnet, max_per_call="1")
     with pytest.raises(PaymentRequiredError, match="refused the payment") as refused:
         agent.get(f"{shop_url}/report")
     assert refused.value.response is not None and refused.value.response.status_code == 402
@@ -196,7 +205,7 @@ def test_the_wsgi_middleware_charges_only_its_routes(merchant_client, devnet, sh
         assert requests.get(f"{base}/free", timeout=10).text == "content of /free"
         assert requests.get(f"{base}/data", timeout=10).status_code == 402
         before = payout(devnet, shop)
-        response = PayingAgent(funded_account(devnet), rpc_urls=rpc_urls(devnet)).get(f"{base}/data")
+        response = agent_for(funded_account(devnet), devnet, rpc_urls=rpc_urls(devnet)).get(f"{base}/data")
         assert response.status_code == 200 and response.text == "content of /data"
         assert response.payment["transaction"] and "X-Payment-Response" in response.headers
         assert sum(payout(devnet, shop).values()) - sum(before.values()) == ATOMIC

@@ -50,7 +50,7 @@ def test_the_pypi_x402_requests_wrapper_buys_from_the_paywall(shop_url, merchant
     assert after[receipt["network"]] - before[receipt["network"]] == ATOMIC
 
 
-def test_a_v1_client_that_names_no_intent_is_settled_on_a_fresh_one(shop_url, merchant_client, devnet, shop):  # noqa: F811
+def test_a_v1_client_that_names_no_intent_is_settled_on_the_routes_intent(shop_url, merchant_client, devnet, shop):  # noqa: F811
     buyer = funded_account(devnet, "eip155:84532")
     challenge = requests.get(f"{shop_url}/report", timeout=10)
     body = challenge.json()
@@ -67,10 +67,12 @@ def test_a_v1_client_that_names_no_intent_is_settled_on_a_fresh_one(shop_url, me
     assert response.status_code == 200, response.text
     receipt = x402.decode_header(response.headers["X-PAYMENT-RESPONSE"])
     assert receipt["network"] == "eip155:84532" and receipt["payer"] == buyer.address
-    assert receipt["intent_id"] != body["intent_id"]  # the 402's intent stays unpaid and expires
+    assert receipt["intent_id"] == body["intent_id"]  # the route's shared intent: no intent made per request
     sold = merchant_client.get_intent(receipt["intent_id"])
     assert sold["status"] == "paid" and sold["metadata"]["paywall_path"] == "/report"
-    assert merchant_client.get_intent(body["intent_id"])["status"] == "pending"
+    assert response.headers["X-Payment-Access"]
+    again = requests.get(f"{shop_url}/report", timeout=10)  # the next buyer gets a fresh intent
+    assert again.status_code == 402 and again.json()["intent_id"] != body["intent_id"]
     assert sum(payout(devnet, shop).values()) - sum(before.values()) == ATOMIC
 
 
