@@ -26,7 +26,7 @@ def workers_of(master: subprocess.Popen[bytes]) -> set[int]:
     return {child.pid for child in psutil.Process(master.pid).children()}
 
 
-def create_merchant(tmp_path, env: dict[str, str]) -> str:
+def create_merchant(env: dict[str, str]) -> str:
     done = subprocess.run(
         [PAYINTENT, "merchant", "create", "--email", "deep@example.com", "--password", "correct horse battery"],
         env=env,
@@ -43,7 +43,7 @@ def test_a_deeply_nested_body_is_refused_and_the_worker_lives(tmp_path, stub_rpc
     try:
         env = {**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path / 'serve.db'}",
                "PAYINTENT_VAR_DIR": str(tmp_path / "var")}  # fmt: skip
-        api_key = create_merchant(tmp_path, env)
+        api_key = create_merchant(env)
         workers = workers_of(proc)
         assert len(workers) == 1
         attacks = [
