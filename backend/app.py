@@ -10,7 +10,8 @@ from backend.chains.registry import ChainRegistry
 from backend.config import Settings
 from backend.errors import APIError, register_error_handlers
 from backend.extensions import api, connect_args, db
-from backend.jsonio import ExactJSONProvider, dumps, strict_loads
+from backend.http import JSONRequest
+from backend.jsonio import ExactJSONProvider, dumps, stored_loads
 from backend.observability.hooks import init_app as init_observability
 from backend.schemas import FlatMetadata, HttpUrl, UsdcAmount
 
@@ -20,7 +21,7 @@ MAX_REQUEST_BYTES = 64 * 1024
 def _engine_options(url: str) -> dict[str, Any]:
     options: dict[str, Any] = {
         "json_serializer": dumps,
-        "json_deserializer": strict_loads,
+        "json_deserializer": stored_loads,
         "connect_args": connect_args(url),
     }
     if url.startswith("postgresql"):
@@ -39,6 +40,7 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
         hops = settings.trusted_proxy_hops
         app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops, x_host=hops)  # type: ignore[method-assign]
     app.json = ExactJSONProvider(app)
+    app.request_class = JSONRequest  # request.get_json(): depth-capped, and 400 INVALID_JSON like the API's parser
     app.config.update(
         PAYINTENT_SETTINGS=settings,
         SECRET_KEY=settings.secret_key,

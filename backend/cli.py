@@ -49,10 +49,43 @@ def _app():  # type: ignore[no-untyped-def]
         raise CLIError("INVALID_CHAINS_FILE", str(exc), exit_code=1) from None
 
 
+def _loopback(host: str) -> bool:
+    """Whether ``serve --host`` only listens on this machine: a loopback address, or a name that resolves
+    only to loopback addresses (``localhost``). ``0.0.0.0``, ``::`` and any other address are not."""
+    import ipaddress
+    import socket
+
+    name = host.strip().removeprefix("[").removesuffix("]")
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        pass
+    try:
+        found = {info[4][0].split("%")[0] for info in socket.getaddrinfo(name, None)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(found) and all(ipaddress.ip_address(address).is_loopback for address in found)
+
+
+def _refuse_development_secret_key(host: str) -> None:
+    """``serve`` reachable from other machines with the public development SECRET_KEY would let anyone forge
+    a dashboard session: refused. On loopback (``make run``, tests) it stays a warning."""
+    if Settings.from_env().secret_key == DEVELOPMENT_SECRET_KEY and not _loopback(host):
+        raise CLIError(
+            "INSECURE_SECRET_KEY",
+            f"SECRET_KEY is the development default, which anyone can read in the source: refusing to serve on "
+            f"{host}, which is not a loopback address. Set SECRET_KEY (or SECRET_KEY_FILE in the image) to a long "
+            f"random value, e.g. the output of: python -c 'import secrets; print(secrets.token_urlsafe(48))'",
+            exit_code=1,
+        )
+
+
 def _warn_about_development_settings(app: Flask, *, sessions: bool = False) -> None:
     """Logged as ``serve``, ``worker`` and ``relayer`` start: settings fit for development only. Not refused:
     the tests run these processes so (``payintent dev`` names its SQLite file in DATABASE_URL and makes a
-    SECRET_KEY). ``sessions``: the process serves the dashboard, the only user of SECRET_KEY."""
+    SECRET_KEY); but ``serve`` on a non-loopback address refuses the development SECRET_KEY first
+    (:func:`_refuse_development_secret_key`). ``sessions``: the process serves the dashboard, the only user
+    of SECRET_KEY."""
     from sqlalchemy.engine import make_url
 
     settings: Settings = app.config["PAYINTENT_SETTINGS"]
@@ -224,6 +257,7 @@ def _redact(url: str) -> str:
 def serve(host: str, port: int, workers: int | None) -> NoReturn:
     # _app(): fail fast, with a clear message, on a bad configuration or schema. Warned here, once, rather than
     # by each gunicorn worker's create_app().
+    _refuse_development_secret_key(host)
     _warn_about_development_settings(_app(), sessions=True)
     count = workers or int(os.environ.get("WEB_CONCURRENCY") or 2 * (os.cpu_count() or 1))
     argv = [

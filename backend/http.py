@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import flask_smorest
-from flask import Response, current_app
+from flask import Request, Response, current_app
 from marshmallow import EXCLUDE
 from webargs.flaskparser import FlaskParser, is_json_request
 
 from backend.errors import APIError
-from backend.jsonio import JSONParseError, dumps, strict_loads
+from backend.jsonio import JSONParseError, JSONTooDeep, dumps, strict_loads
 from backend.schemas import ErrorEnvelopeSchema
+from payintent.jsonlimits import MAX_JSON_DEPTH, iter_strings
 
 _ERROR_DESCRIPTIONS = {
     400: "Invalid request (VALIDATION_ERROR, INVALID_JSON, ...)",
@@ -25,6 +26,7 @@ _ERROR_DESCRIPTIONS = {
     504: "Accepted but still settling (SETTLEMENT_PENDING): read the intent",
     422: "Idempotency-Key reused with a different request (IDEMPOTENCY_KEY_REUSED)",
 }
+TOO_DEEP_MESSAGE = f"The request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
 
 
 class StrictJSONParser(FlaskParser):
@@ -42,23 +44,37 @@ class StrictJSONParser(FlaskParser):
             return super()._raw_load_json(req)
         if not body:
             raise APIError(400, "INVALID_JSON", "The request body is empty; send a JSON object")
-        try:
-            data = strict_loads(body)
-        except JSONParseError as exc:
-            raise APIError(400, "INVALID_JSON", f"The request body is not valid JSON: {exc}") from None
-        if _has_nul(data):
-            raise APIError(400, "INVALID_JSON", "Strings must not contain the NUL character (\\u0000)")
-        return data
+        return parse_json_body(body)
+
+
+def parse_json_body(body: bytes) -> Any:
+    """A request body as JSON, or 400 INVALID_JSON: not JSON, nested too deep (refused before parsing), or
+    with a NUL in a string."""
+    try:
+        data = strict_loads(body)
+    except JSONTooDeep:
+        raise APIError(400, "INVALID_JSON", TOO_DEEP_MESSAGE) from None
+    except JSONParseError as exc:
+        raise APIError(400, "INVALID_JSON", f"The request body is not valid JSON: {exc}") from None
+    if _has_nul(data):
+        raise APIError(400, "INVALID_JSON", "Strings must not contain the NUL character (\\u0000)")
+    return data
 
 
 def _has_nul(value: Any) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_nul(v) for v in value)
-    return False
+    return any("\x00" in text for text in iter_strings(value))
+
+
+class JSONRequest(Request):
+    """Flask's request, whose ``get_json()`` fails as the API does: 400 INVALID_JSON in the error envelope
+    (the body is read with the app's JSON provider, ``strict_loads``: depth-capped like every body)."""
+
+    def on_json_loading_failed(self, e: ValueError | None) -> Any:
+        if e is None:  # not application/json: Flask's 415
+            return super().on_json_loading_failed(e)
+        if isinstance(e, JSONTooDeep):
+            raise APIError(400, "INVALID_JSON", TOO_DEEP_MESSAGE) from None
+        raise APIError(400, "INVALID_JSON", f"The request body is not valid JSON: {e}") from None
 
 
 class ApiBlueprint(flask_smorest.Blueprint):

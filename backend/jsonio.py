@@ -1,8 +1,10 @@
 """JSON in and out, with money kept exact.
 
-Requests are parsed with numbers as ``Decimal`` (never ``float``) and the non-standard
-constants ``NaN``/``Infinity`` refused. Responses are written with ``Decimal`` values as JSON
-numbers, digit for digit, so ``amount_usdc`` round-trips exactly.
+Requests are parsed with numbers as ``Decimal`` (never ``float``), the non-standard
+constants ``NaN``/``Infinity`` refused, and so is text nested deeper than
+``payintent.jsonlimits.MAX_JSON_DEPTH`` (checked before parsing, without recursion). Responses
+are written with ``Decimal`` values as JSON numbers, digit for digit, so ``amount_usdc``
+round-trips exactly.
 """
 
 from __future__ import annotations
@@ -16,18 +18,26 @@ import simplejson
 from flask.json.provider import JSONProvider
 
 from backend.clock import isoformat
+from payintent.jsonlimits import MAX_JSON_DEPTH, exceeds_depth
 
 
 class JSONParseError(ValueError):
     """The body is not the strict JSON we accept."""
 
 
+class JSONTooDeep(JSONParseError):
+    """The text nests arrays and objects deeper than the cap."""
+
+
 def _reject_constant(name: str) -> Any:
     raise JSONParseError(f"{name} is not valid JSON")
 
 
-def strict_loads(data: str | bytes) -> Any:
-    """Parse JSON; numbers with a fraction or exponent become ``Decimal``."""
+def strict_loads(data: str | bytes, *, max_depth: int | None = MAX_JSON_DEPTH) -> Any:
+    """Parse JSON; numbers with a fraction or exponent become ``Decimal``. Text nested deeper than
+    ``max_depth`` raises :class:`JSONTooDeep` before it is parsed (``None``: our own stored rows)."""
+    if max_depth is not None and exceeds_depth(data, max_depth):
+        raise JSONTooDeep(f"arrays and objects nested deeper than {max_depth} levels")
     try:
         if isinstance(data, bytes):
             data = data.decode("utf-8")
@@ -36,6 +46,12 @@ def strict_loads(data: str | bytes) -> Any:
         raise
     except (ValueError, RecursionError) as exc:  # includes JSONDecodeError, UnicodeDecodeError
         raise JSONParseError(str(exc).split(":")[0] or "invalid JSON") from None
+
+
+def stored_loads(data: str | bytes) -> Any:
+    """:func:`strict_loads` for JSON columns: rows we wrote, some before the depth cap existed. Still no
+    crash on a deep one: with the recursion limit restored (payintent.jsonlimits) the parser raises."""
+    return strict_loads(data, max_depth=None)
 
 
 def _default(value: Any) -> Any:

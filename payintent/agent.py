@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 
 import requests
 
-from payintent import access, x402
+from payintent import access, jsonlimits, x402
 from payintent.client import choose_requirement
 from payintent.eip3009 import DEFAULT_VALIDITY_SECONDS, sign_authorization
 
@@ -349,7 +349,7 @@ def _challenge_of(response: requests.Response) -> tuple[int, list[dict[str, Any]
         if v2:
             decoded = x402.decode_header(v2)
             return 2, [x402.from_v2_accepts(a) for a in decoded.get("accepts") or []], None, decoded
-        body = response.json()
+        body = jsonlimits.loads(response.content)  # depth-capped: a hostile server cannot crash us
         accepts = [{**a, "network": x402.caip2_network(str(a["network"]))} for a in body.get("accepts") or []]
         return 1, accepts, body.get("intent_id"), None
     except (x402.HeaderError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -358,7 +358,7 @@ def _challenge_of(response: requests.Response) -> tuple[int, list[dict[str, Any]
 
 def _error_of(response: requests.Response) -> str:
     try:
-        body = response.json()
+        body = jsonlimits.loads(response.content)  # depth-capped: a hostile server cannot crash us
     except ValueError:
         return response.text[:200]
     return str(body.get("error") or body)[:300] if isinstance(body, dict) else str(body)[:300]

@@ -29,6 +29,7 @@ import requests
 import simplejson
 
 from payintent.eip3009 import DEFAULT_VALIDITY_SECONDS, evm_chain_id, sign_authorization
+from payintent.jsonlimits import exceeds_depth
 
 __all__ = ["NoFundedNetworkError", "PayIntentClient", "PayIntentError", "choose_requirement", "usdc_balance"]
 
@@ -228,8 +229,8 @@ class PayIntentClient:
             )
         except (requests.ConnectionError, requests.Timeout) as exc:
             raise PayIntentError(None, "NETWORK_ERROR", f"{method} {path}: {exc}") from exc
-        try:
-            decoded = simplejson.loads(response.text, use_decimal=True)
+        try:  # a hostile server's answer nested 20,000 deep is refused before parsing: no crash, an error below
+            decoded = None if exceeds_depth(response.content) else simplejson.loads(response.text, use_decimal=True)
         except ValueError:
             decoded = None
         if isinstance(decoded, dict) and decoded.get("success") is True and response.ok:

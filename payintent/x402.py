@@ -28,6 +28,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from payintent import jsonlimits
+
 X402_VERSION = 1
 PAYMENT_REQUIRED = "X-Payment-Required"  # ours
 PAYMENT = "X-Payment"  # ours and x402 v1
@@ -91,7 +93,9 @@ def decode_header(text: str | None) -> dict[str, Any]:
         raise HeaderError("the header is too long")
     try:
         raw = base64.b64decode(text.strip() + "=" * (-len(text.strip()) % 4), validate=True)
-        value = json.loads(raw.decode("utf-8"))
+        value = jsonlimits.loads(raw.decode("utf-8"))
+    except jsonlimits.JSONTooDeep as exc:
+        raise HeaderError(f"the header's JSON has {exc}") from None
     except (binascii.Error, UnicodeDecodeError, ValueError):
         raise HeaderError("the header is not base64 of JSON") from None
     if not isinstance(value, dict):

@@ -265,3 +265,43 @@ def test_serve_worker_and_relayer_warn_about_development_settings(redis_url, tmp
     named = {**env, "DATABASE_URL": f"sqlite:///{sqlite_file}"}  # the same file, named: what `payintent dev` does
     done = subprocess.run([PAYINTENT, "worker", "--burst"], env=named, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and SQLITE_WARNING not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "[::]"])
+def test_serve_refuses_the_development_secret_key_off_loopback(tmp_path, host):
+    """The development SECRET_KEY is in the source: with it, anyone who reaches the dashboard can forge a
+    session. On loopback (`make run`, the tests) it is still only a warning (the test above)."""
+    from backend.migrate import upgrade
+
+    database_url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    upgrade(database_url)  # a database that would serve: the refusal is about the key alone
+    env = {**os.environ, "SECRET_KEY": "", "DATABASE_URL": database_url, "PAYINTENT_VAR_DIR": str(tmp_path / "var"),
+           "LOG_LEVEL": "WARNING"}  # fmt: skip
+    proc = subprocess.Popen([PAYINTENT, "serve", "--host", host, "--port", str(free_port()), "--workers", "1"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        proc.communicate(timeout=30)
+        pytest.fail(f"serve started on {host} with the development SECRET_KEY")
+    assert proc.returncode == 1, err
+    error = json.loads(out.strip().splitlines()[-1])["error"]
+    assert error["code"] == "INSECURE_SECRET_KEY"
+    assert f"refusing to serve on {host}, which is not a loopback address" in error["message"]
+    assert "Set SECRET_KEY" in err
+
+
+def test_which_hosts_are_loopback(monkeypatch):
+    from backend import cli
+
+    for host in ("127.0.0.1", "127.0.0.53", "::1", "[::1]", "localhost"):
+        assert cli._loopback(host), host
+    for host in ("0.0.0.0", "::", "", "192.0.2.1", "2001:db8::1", "nonexistent.invalid"):
+        assert not cli._loopback(host), host
+    monkeypatch.setenv("SECRET_KEY", "")
+    cli._refuse_development_secret_key("127.0.0.1")  # make run, the tests
+    with pytest.raises(cli.CLIError, match="not a loopback address"):
+        cli._refuse_development_secret_key("0.0.0.0")
+    monkeypatch.setenv("SECRET_KEY", "a-real-secret-key-" + "x" * 40)
+    cli._refuse_development_secret_key("0.0.0.0")  # the image, docker-compose.yml: a real key

@@ -12,6 +12,8 @@ from typing import Any
 
 import requests
 
+from payintent import jsonlimits
+
 _ids = itertools.count(1)
 
 
@@ -49,7 +51,7 @@ class SolanaChain:
         body = {"jsonrpc": "2.0", "id": next(_ids), "method": method, "params": params or []}
         try:
             response = self._session.post(self.rpc_url, json=body, timeout=self.timeout)
-            answer = response.json()
+            answer = jsonlimits.loads(response.content)  # an RPC's answer nested 20,000 deep: refused, no crash
         except (requests.RequestException, ValueError) as exc:
             raise SolanaRpcError(f"{method}: RPC unreachable or malformed answer ({type(exc).__name__})") from None
         if not isinstance(answer, dict):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from flask import current_app, request
+from flask import current_app
 from solders.pubkey import Pubkey
 
 from backend import clock
@@ -18,7 +18,7 @@ from backend.intents.services import effective_status
 from backend.merchants.addresses import AddressError, normalize_address
 from backend.merchants.models import Merchant
 from backend.money import from_atomic
-from backend.ratelimit import enforce
+from backend.ratelimit import client_key, enforce
 from backend.settlement.solana import solana_chain
 from payintent import solana_tx as stx
 
@@ -32,7 +32,7 @@ WRITES_PER_MINUTE = 20
 def limit(kind: str) -> None:
     """429 RATE_LIMITED with Retry-After when this client exceeds the checkout's limits."""
     per_minute = READS_PER_MINUTE if kind == "read" else WRITES_PER_MINUTE
-    enforce(f"checkout:{kind}:{request.remote_addr or 'unknown'}", per_minute)
+    enforce(f"checkout:{kind}:{client_key()}", per_minute)
 
 
 def _registry() -> ChainRegistry:

@@ -6,6 +6,8 @@ shows only what a buyer needs. Payments go through the same settlement code as /
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import wraps
 from typing import Any
 
 from flask.views import MethodView
@@ -20,6 +22,17 @@ from backend.settlement.views import pay_intent, solana_transaction
 blp = ApiBlueprint(
     "checkout", __name__, url_prefix="/api/v1/checkout", description="Public checkout API for one intent (no key)"
 )
+
+
+def writes(view: Callable[..., Any]) -> Callable[..., Any]:
+    """Counted against the client's write limit before the body is read: a bad body is a request too."""
+
+    @wraps(view)
+    def limited(*args: Any, **kwargs: Any) -> Any:
+        services.limit("write")
+        return view(*args, **kwargs)
+
+    return limited
 
 
 @blp.route("/intents/<string:intent_id>")
@@ -48,24 +61,26 @@ class CheckoutBalance(MethodView):
 
 @blp.route("/intents/<string:intent_id>/solana-transaction")
 class CheckoutSolanaTransaction(MethodView):
+    decorators = [writes]
+
     @blp.arguments(SolanaTransactionRequestSchema())
     @blp.alt_response(200, schema=SolanaTransactionEnvelope, success=True, description="The transaction to sign")
     @blp.errors(400, 402, 404, 409, 410, 415, 429, 503)
     @blp.doc(security=[])
     def post(self, args: dict[str, Any], intent_id: str) -> Any:
         """Build the Solana transaction the buyer signs (as /api/v1/x402/intents/{id}/solana-transaction)"""
-        services.limit("write")
         return ok(solana_transaction(load_payable_intent(None, intent_id), args))
 
 
 @blp.route("/intents/<string:intent_id>/pay")
 class CheckoutPay(MethodView):
+    decorators = [writes]
+
     @blp.arguments(CheckoutPaySchema())
     @blp.alt_response(200, schema=PayEnvelope, success=True, description="Settled on chain")
     @blp.errors(400, 402, 404, 409, 410, 415, 429, 503, 504)
     @blp.doc(security=[])
     def post(self, args: dict[str, Any], intent_id: str) -> Any:
         """Pay the intent with the buyer's signed payload (same rules and errors as /api/v1/x402/pay)"""
-        services.limit("write")
         load_payable_intent(None, intent_id)
         return ok(pay_intent(None, intent_id, args["payment_signature"]))

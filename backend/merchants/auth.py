@@ -11,7 +11,7 @@ from flask import current_app, g, request
 
 from backend.errors import APIError
 from backend.merchants.services import authenticate
-from backend.ratelimit import enforce
+from backend.ratelimit import client_key, enforce
 
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="payintent"'}
 
@@ -22,7 +22,7 @@ def api_key_required(view: Callable[..., Any]) -> Callable[..., Any]:
     @wraps(view)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         settings = current_app.config["PAYINTENT_SETTINGS"]
-        client = request.remote_addr or "unknown"
+        client = client_key()
         enforce(f"api:ip:{client}", settings.api_requests_per_minute_per_ip)
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         token = token.strip()

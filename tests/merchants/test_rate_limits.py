@@ -70,3 +70,60 @@ def test_behind_a_trusted_proxy_the_forwarded_client_is_counted(db_url, chains, 
         return client.get(URL, headers={**merchant.headers, "X-Forwarded-For": forwarded_for}).status_code
 
     assert [get("198.51.100.1"), get("198.51.100.1"), get("198.51.100.2")] == [200, 429, 200]
+
+
+def test_an_ipv6_client_is_counted_by_its_64_whatever_address_it_takes(db_url, chains, app, merchant):
+    """An IPv6 host usually holds a whole /64: one fresh address per request used to be a fresh budget."""
+    from backend.app import create_app
+    from tests.conftest import make_settings
+
+    proxied = create_app(make_settings(db_url, trusted_proxy_hops=1, api_requests_per_minute_per_ip=2), chains=chains)
+    client = proxied.test_client()
+
+    def get(forwarded_for: str) -> int:
+        return client.get(URL, headers={**merchant.headers, "X-Forwarded-For": forwarded_for}).status_code
+
+    rotating = [get(f"2001:db8:a:b:{n:x}::1") for n in range(1, 5)]  # four addresses of one /64
+    assert rotating == [200, 200, 429, 429]
+    assert get("2001:db8:a:c::1") == 200  # the next /64: another client
+    # IPv4 keeps the whole address; an IPv4-mapped IPv6 address is that IPv4 client.
+    assert [get("198.51.100.7"), get("198.51.100.8"), get("::ffff:198.51.100.7"), get("198.51.100.7")] == [
+        200,
+        200,
+        200,
+        429,
+    ]
+
+
+def test_the_public_checkout_counts_ipv6_clients_by_their_64(client, monkeypatch):
+    from backend.checkout import services as checkout_services
+
+    monkeypatch.setattr(checkout_services, "READS_PER_MINUTE", 2)
+    url = "/api/v1/checkout/intents/00000000-0000-4000-8000-000000000000"
+    codes = [client.get(url, environ_base={"REMOTE_ADDR": f"2001:db8:1:2::{n:x}"}).status_code for n in range(1, 5)]
+    assert codes == [404, 404, 429, 429]
+    assert client.get(url, environ_base={"REMOTE_ADDR": "2001:db8:1:3::1"}).status_code == 404
+
+
+def test_client_key():
+    from backend.ratelimit import client_key
+
+    assert client_key("203.0.113.9") == "203.0.113.9"
+    assert client_key("2001:db8:1:2:3:4:5:6") == "2001:db8:1:2::/64"
+    assert client_key("fe80::1%eth0") == "fe80::/64"
+    assert client_key("::ffff:203.0.113.9") == "203.0.113.9"
+    assert client_key("") == "unknown" and client_key("not-an-ip") == "not-an-ip"
+
+
+def test_a_proxied_request_while_trusted_proxy_hops_is_0_is_logged_once(app, client, merchant, caplog, monkeypatch):
+    """Behind a proxy with TRUSTED_PROXY_HOPS=0 every client is the proxy, one bucket for all: say so."""
+    from backend import ratelimit
+
+    monkeypatch.setattr(ratelimit, "_warned_about_forwarded_for", False)
+    with caplog.at_level("WARNING", logger="backend.ratelimit"):
+        client.get(URL, headers=merchant.headers)
+        assert not caplog.records
+        for _ in range(3):
+            client.get(URL, headers={**merchant.headers, "X-Forwarded-For": "198.51.100.1"})
+    warnings = [r.getMessage() for r in caplog.records if "TRUSTED_PROXY_HOPS is 0" in r.getMessage()]
+    assert len(warnings) == 1 and "Set TRUSTED_PROXY_HOPS to the number of proxies" in warnings[0]
