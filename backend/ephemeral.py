@@ -26,11 +26,17 @@ log = logging.getLogger(__name__)
 
 _PREFIX = "payintent:ephemeral:"
 _EXTENSION = "payintent.ephemeral.memory_store"
+# Decrement a live counter above 0 (its TTL stays); a missing (expired) key stays missing.
+_RELEASE = "local v = redis.call('GET', KEYS[1]) if v and tonumber(v) > 0 then redis.call('DECR', KEYS[1]) end return 0"
 
 
 class EphemeralStore(Protocol):
     def incr(self, key: str, ttl_seconds: int) -> int:
         """Add one to a counter that lives ``ttl_seconds`` from its first increment; return the new value."""
+        ...
+
+    def release(self, key: str) -> None:
+        """Take one back from a counter (a reservation that did not count); never below 0, never revives it."""
         ...
 
     def count(self, key: str) -> tuple[int, int]:
@@ -86,6 +92,12 @@ class MemoryStore:
             self._data[key] = (value, entry[1])
             return value
 
+    def release(self, key: str) -> None:
+        with self._lock:
+            entry = self._live(key, self._now())
+            if entry is not None and entry[0] > 0:
+                self._data[key] = (entry[0] - 1, entry[1])
+
     def count(self, key: str) -> tuple[int, int]:
         with self._lock:
             now = self._now()
@@ -120,6 +132,9 @@ class RedisStore:
         pipe.set(_PREFIX + key, 0, ex=ttl_seconds, nx=True)  # starts the window; INCR keeps the TTL
         pipe.incr(_PREFIX + key)
         return int(pipe.execute()[1])
+
+    def release(self, key: str) -> None:
+        self._redis.eval(_RELEASE, 1, _PREFIX + key)  # one script: atomic, and DECR alone would revive an expired key
 
     def count(self, key: str) -> tuple[int, int]:
         pipe = self._redis.pipeline(transaction=False)
@@ -164,6 +179,9 @@ class _FallbackStore:
 
     def incr(self, key: str, ttl_seconds: int) -> int:
         return self._call("incr", key, ttl_seconds)  # type: ignore[return-value]
+
+    def release(self, key: str) -> None:
+        self._call("release", key)
 
     def count(self, key: str) -> tuple[int, int]:
         return self._call("count", key)  # type: ignore[return-value]

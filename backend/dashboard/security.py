@@ -9,23 +9,33 @@ copied cookie stops working too. Sessions end 12 hours after log-in whatever the
 
 The login throttle counts failures in ``backend.ephemeral`` (Redis, shared by every API process):
 
-- per email and client address: 5 failures in 15 minutes lock that pair for the rest of the window;
+- per email and client address (an IPv4 address, an IPv6 /64: ``ratelimit.client_key``): 5 failures
+  in 15 minutes lock that pair for the rest of the window;
 - per email from every address: 10 failures in 15 minutes lock the email for the rest of the window,
-  so an attacker with many addresses gets at most 10 guesses per 15 minutes at one account. That
-  limit is one anyone can trip for any email, so it does not apply to a browser that has logged in
-  to that account before: a successful log-in leaves a signed device cookie (``payintent_device``,
-  90 days, bound to the email), which exempts that browser from the per-email limit until 5 failures
-  are made with it (a stolen device cookie does not buy unlimited guesses either). An attack can
-  therefore lock the owner out only on a browser never used for this account, and only while it
-  lasts plus 15 minutes. A successful log-in does not reset the per-email count (it would forgive an
-  attacker's guesses whenever the owner logs in).
+  so an attacker with many addresses gets at most 10 guesses per 15 minutes at one account.
+
+Each attempt reserves its failure before the password is checked (an atomic increment; over the
+limit it is refused and counts nowhere) and a success takes its reservation back, so simultaneous
+guesses through any number of processes never get more password checks than the limits.
+
+Both limits can be tripped by others: the per-email one by anyone, the per-address one by anyone
+behind the same address (an office NAT, a VPN exit). So a browser that has logged in to the account
+before is exempt from both: a successful log-in leaves a signed device cookie (``payintent_device``,
+90 days, naming up to 5 accounts by a keyed tag), and a browser holding it for this email is limited
+only by its own counter, 5 failures per 15 minutes for that account (a stolen device cookie does not
+buy unlimited guesses either; once spent, the browser is limited like any other). An attack can
+therefore lock the owner out only on a browser never used for this account, and only while it lasts
+plus 15 minutes. A success forgives no earlier failure (on a shared address or a copied cookie they
+may be an attacker's): they expire with their window.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
+from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import urlsplit
 
@@ -45,6 +55,9 @@ ACCOUNT_MAX_FAILURES = 10  # per email from every address (browsers with its dev
 ACCOUNT_WINDOW_SECONDS = 15 * 60
 DEVICE_COOKIE = "payintent_device"
 DEVICE_MAX_AGE = timedelta(days=90)
+DEVICE_MAX_ACCOUNTS = 5  # accounts one browser's device cookie remembers (the most recent ones)
+_DEVICE_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
+_TAG = re.compile(r"[0-9a-f]{32}")
 
 _MERCHANT = "merchant_id"
 _SID = "sid"
@@ -137,6 +150,24 @@ def safe_next(target: str | None) -> str | None:
 # --- login throttle ------------------------------------------------------------------------------
 
 
+class LoginThrottled(Exception):
+    """Too many failed log-ins for this email (from this address, or from everywhere): try again later."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class LoginAttempt:
+    """An attempt the throttle let through: the counters it reserved (they hold its failure in advance)."""
+
+    email: str
+    ip: str
+    reserved: tuple[str, ...]
+    by_device: bool  # exempted by this browser's device cookie, which alone limits it
+
+
 def _digest(*parts: str) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
@@ -153,8 +184,8 @@ def _account_key(email: str) -> str:
     return f"login-account-failures:{_digest(_normal(email))}"
 
 
-def _device_key(device_id: str) -> str:
-    return f"login-device-failures:{_digest(device_id)}"
+def _device_key(device_id: str, email: str) -> str:
+    return f"login-device-failures:{_digest(device_id, _normal(email))}"
 
 
 def _device_serializer() -> URLSafeTimedSerializer:
@@ -167,10 +198,10 @@ def _email_tag(email: str) -> str:
     return hmac.new(key, f"login-device\n{_normal(email)}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def _device(email: str) -> str | None:
-    """The id of this browser's device cookie if it is valid and was issued for ``email``."""
+def _device_cookie() -> tuple[str, list[str]] | None:
+    """(device id, account tags) of this browser's device cookie if it is valid (signed by us, not too old)."""
     value = request.cookies.get(DEVICE_COOKIE)
-    if not value or len(value) > 512:
+    if not value or len(value) > 1024:
         return None
     try:
         payload = _device_serializer().loads(value, max_age=int(DEVICE_MAX_AGE.total_seconds()))
@@ -178,51 +209,98 @@ def _device(email: str) -> str | None:
         return None
     if not isinstance(payload, dict):
         return None
-    device_id, tag = payload.get("d"), payload.get("e")
-    if not (isinstance(device_id, str) and isinstance(tag, str)):
+    device_id, tags = payload.get("d"), payload.get("e")
+    if isinstance(tags, str):  # a cookie from before the list: one account
+        tags = [tags]
+    if not (isinstance(device_id, str) and _DEVICE_ID.fullmatch(device_id) and isinstance(tags, list)):
         return None
-    return device_id if hmac.compare_digest(tag, _email_tag(email)) else None
+    # Only tags of our own shape (ASCII hex), so nothing odd ever reaches the comparison below.
+    return device_id, [tag for tag in tags[:DEVICE_MAX_ACCOUNTS] if isinstance(tag, str) and _TAG.fullmatch(tag)]
 
 
-def login_retry_after(email: str, ip: str) -> int | None:
-    """Seconds until this email may try again from this address (and browser), or None when not throttled."""
-    counters = store()
-    failures, ttl = counters.count(_login_key(email, ip))
-    if failures >= LOGIN_MAX_FAILURES:
-        return ttl
-    account_failures, account_ttl = counters.count(_account_key(email))
-    if account_failures < ACCOUNT_MAX_FAILURES:
+def _device(email: str) -> str | None:
+    """The id of this browser's device cookie if it is valid and names ``email`` among its accounts."""
+    cookie = _device_cookie()
+    if cookie is None:
         return None
-    device = _device(email)
-    if device is not None and counters.count(_device_key(device))[0] < LOGIN_MAX_FAILURES:
-        return None  # a browser this account logged in from before is not locked out by others' failures
-    return account_ttl
+    device_id, tags = cookie
+    expected = _email_tag(email).encode()
+    known = False
+    for tag in tags:  # compare bytes: compare_digest refuses str that is not ASCII
+        known |= hmac.compare_digest(tag.encode(), expected)
+    return device_id if known else None
 
 
-def record_login_failure(email: str, ip: str) -> None:
+def reserve_login_attempt(email: str, ip: str) -> LoginAttempt:
+    """Count this attempt as a failure before the password is checked, or raise :class:`LoginThrottled`.
+
+    The reservation is atomic (an increment that answers the new count), so simultaneous attempts
+    through any number of API processes never get more password checks than the limits allow. The
+    caller reports the outcome: :func:`login_failed` keeps the reservation, :func:`login_succeeded`
+    takes it back. A browser with this account's device cookie is limited by its own counter only
+    (not by others' failures on the email or on its address); once that is spent, it is limited like
+    any other browser.
+    """
     counters = store()
-    counters.incr(_login_key(email, ip), LOGIN_WINDOW_SECONDS)
-    counters.incr(_account_key(email), ACCOUNT_WINDOW_SECONDS)
     device = _device(email)
     if device is not None:
-        counters.incr(_device_key(device), LOGIN_WINDOW_SECONDS)
+        key = _device_key(device, email)
+        if counters.incr(key, LOGIN_WINDOW_SECONDS) <= LOGIN_MAX_FAILURES:
+            return LoginAttempt(email, ip, (key,), by_device=True)
+        counters.release(key)
+    reserved: list[str] = []
+    for key, limit, window in (
+        (_login_key(email, ip), LOGIN_MAX_FAILURES, LOGIN_WINDOW_SECONDS),
+        (_account_key(email), ACCOUNT_MAX_FAILURES, ACCOUNT_WINDOW_SECONDS),
+    ):
+        if counters.incr(key, window) > limit:
+            retry_after = max(1, counters.count(key)[1])
+            for taken in (*reserved, key):  # a refused attempt counts nowhere
+                counters.release(taken)
+            raise LoginThrottled(retry_after)
+        reserved.append(key)
+    return LoginAttempt(email, ip, tuple(reserved), by_device=False)
 
 
-def clear_login_failures(email: str, ip: str) -> None:
-    """A successful log-in: this address's and this browser's failures are forgiven (not the per-email count)."""
+def login_failed(attempt: LoginAttempt) -> None:
+    """A wrong password: the reservation stays as the failure. One made under a device cookie's exemption
+    counts against the email and the address too, as every failure does."""
+    if attempt.by_device:
+        counters = store()
+        counters.incr(_login_key(attempt.email, attempt.ip), LOGIN_WINDOW_SECONDS)
+        counters.incr(_account_key(attempt.email), ACCOUNT_WINDOW_SECONDS)
+
+
+def login_succeeded(attempt: LoginAttempt) -> None:
+    """The right password: this attempt's reservation is taken back. Earlier failures are not forgiven (on a
+    shared address or a copied device cookie they may be an attacker's); they expire with their window."""
+    _release(attempt)
+
+
+def login_abandoned(attempt: LoginAttempt) -> None:
+    """The password could not be checked (the database failed): no failure to count."""
+    _release(attempt)
+
+
+def _release(attempt: LoginAttempt) -> None:
     counters = store()
-    counters.delete(_login_key(email, ip))
-    device = _device(email)
-    if device is not None:
-        counters.delete(_device_key(device))
+    for key in attempt.reserved:
+        counters.release(key)
 
 
 def remember_device(response: Response, email: str) -> None:
-    """After a successful log-in: mark this browser as one the account uses (exempt from the per-email limit)."""
-    device = _device(email) or secrets.token_urlsafe(16)
+    """After a successful log-in: mark this browser as one the account uses (exempt from the others' failures).
+
+    One cookie per browser names up to ``DEVICE_MAX_ACCOUNTS`` accounts (the most recent ones), so a browser
+    used for several merchants stays known to each of them.
+    """
+    cookie = _device_cookie()
+    device_id, tags = cookie if cookie is not None else (secrets.token_urlsafe(16), [])
+    tag = _email_tag(email)
+    tags = [*(t for t in tags if t != tag), tag][-DEVICE_MAX_ACCOUNTS:]
     response.set_cookie(
         DEVICE_COOKIE,
-        _device_serializer().dumps({"d": device, "e": _email_tag(email)}),
+        _device_serializer().dumps({"d": device_id, "e": tags}),
         max_age=int(DEVICE_MAX_AGE.total_seconds()),
         path="/dashboard",
         secure=bool(request.is_secure),

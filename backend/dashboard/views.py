@@ -39,6 +39,7 @@ from backend.extensions import db
 from backend.intents.models import STATUSES
 from backend.merchants import services as merchants
 from backend.merchants.models import Merchant
+from backend.ratelimit import client_key
 from backend.webhooks import services as webhooks
 from backend.webhooks.transport import TargetRefused, check_url_literal
 
@@ -242,20 +243,25 @@ def login() -> Any:
     form = forms.login_form(request.form)
     if not form.ok:
         return render("login.html", 400, form=form, next_page=next_page)
-    email, ip = form.values["email"], request.remote_addr or "unknown"
-    retry_after = security.login_retry_after(email, ip)
-    if retry_after is not None:
-        minutes = -(-retry_after // 60)
+    email = form.values["email"]
+    try:
+        attempt = security.reserve_login_attempt(email, client_key())
+    except security.LoginThrottled as throttled:
+        minutes = -(-throttled.retry_after // 60)
         form.error("form", f"Too many failed attempts. Try again in {minutes} minute{'s' if minutes != 1 else ''}.")
         response = render("login.html", 429, form=form, next_page=next_page)
-        response.headers["Retry-After"] = str(retry_after)
+        response.headers["Retry-After"] = str(throttled.retry_after)
         return response
-    merchant = services.authenticate_merchant(email, form.values["password"])
+    try:
+        merchant = services.authenticate_merchant(email, form.values["password"])
+    except Exception:
+        security.login_abandoned(attempt)
+        raise
     if merchant is None:
-        security.record_login_failure(email, ip)
+        security.login_failed(attempt)
         form.error("form", "Invalid email or password.")
         return render("login.html", 400, form=form, next_page=next_page)
-    security.clear_login_failures(email, ip)
+    security.login_succeeded(attempt)
     security.start_session(merchant.id)
     response = redirect(next_page or url_for(".overview"))
     security.remember_device(response, email)
