@@ -15,6 +15,7 @@ from typing import Any
 
 from redis import Redis
 
+from backend.dashboard.tasks import purge_expired_reveals
 from backend.idempotency.tasks import purge_idempotency_keys
 from backend.intents.tasks import expire_intents
 from backend.queueing import DEFAULT_QUEUE, job_app, queue, work
@@ -36,6 +37,7 @@ PERIODIC: tuple[Periodic, ...] = (
     Periodic(expire_intents, 10),
     Periodic(reconcile_settlements, 15),
     Periodic(purge_idempotency_keys, 3600),
+    Periodic(purge_expired_reveals, 300),
 )
 
 

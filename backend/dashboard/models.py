@@ -14,8 +14,9 @@ class PendingReveal(db.Model):
     """A new API key or webhook secret between the POST that made it and the page that shows it.
 
     Neither the handle (in the merchant's session cookie) nor the secret is stored: the id is a hash of
-    the handle and the secret is encrypted with a key derived from it. Deleted when shown, on logout,
-    or once expired.
+    the handle and the secret is encrypted with a key derived from it; ``ciphertext`` starts with an
+    HMAC-SHA256 tag (another key derived from the handle) over the row's fields and the encrypted
+    secret. Deleted when shown, on logout, or once expired (by the worker's sweep at the latest).
     """
 
     __tablename__ = "dashboard_reveals"

@@ -11,7 +11,9 @@ import json
 import re
 from typing import Any
 
+import pytest
 from sqlalchemy import func, select
+from sqlalchemy import text as text_sql
 
 from backend.extensions import db
 from tests.conftest import make_settings
@@ -157,4 +159,88 @@ def test_a_second_secret_before_the_page_replaces_the_first(dashboard):
     assert _pending() == 1
     page = text(dashboard.get("/dashboard/keys"))
     assert revealed_secret(page) is not None
+    assert _pending() == 0
+
+
+# --- rows at rest: integrity, and expired rows do not linger ---------------------------------------
+
+
+def _tamper(statement: str, **params: Any) -> None:
+    """What someone who can write to the database (not holding the handle in the merchant's cookie) does."""
+    db.session.execute(text_sql(statement), params)
+    db.session.commit()
+
+
+@pytest.mark.parametrize("attack", ["flip", "relabel", "both", "truncate"])
+def test_a_row_changed_in_the_database_shows_nothing(dashboard, attack):
+    """The encryption was a bare keystream XOR: flipping bits of the stored ciphertext flipped the same bits of
+    the secret shown (the known prefix sk_test_ became whsec_XX), and kind and subject were not bound to it, so
+    a database writer could show the new API key as "the signing secret of https://evil.example/"."""
+    assert post(dashboard, "/dashboard/keys").status_code == 302
+    length = len(revealed_secret(text(dashboard.get("/dashboard/keys"))) or "")  # every key is as long
+    assert length > 8
+    assert post(dashboard, "/dashboard/keys").status_code == 302
+    stored = bytes(db.session.execute(text_sql("SELECT ciphertext FROM dashboard_reveals")).scalar_one())
+    start = len(stored) - length  # the encrypted secret ends the column, whatever comes before it
+    delta = bytes(a ^ b for a, b in zip(b"sk_test_", b"whsec_XX", strict=True))
+    flipped = (
+        stored[:start]
+        + bytes(x ^ y for x, y in zip(stored[start : start + 8], delta, strict=True))
+        + stored[start + 8 :]
+    )
+    relabel = "kind = 'webhook_secret', subject = 'the signing secret of https://evil.example/'"
+    if attack == "flip":
+        _tamper("UPDATE dashboard_reveals SET ciphertext = :c", c=flipped)
+    elif attack == "relabel":
+        _tamper(f"UPDATE dashboard_reveals SET {relabel}")
+    elif attack == "both":
+        _tamper(f"UPDATE dashboard_reveals SET ciphertext = :c, {relabel}", c=flipped)
+    else:
+        _tamper("UPDATE dashboard_reveals SET ciphertext = :c", c=stored[:start])
+    page = text(dashboard.get("/dashboard/keys"))
+    assert revealed_secret(page) is None, "a tampered row was shown"
+    assert "evil.example" not in page and "whsec_" not in page
+    assert _pending() == 0  # and it is gone
+
+
+def _key_created_in_another_session(client: Any, email: str) -> None:
+    browser = client.application.test_client()
+    assert log_in(browser, email).status_code == 302
+    assert post(browser, "/dashboard/keys").status_code == 302  # and never looked at
+
+
+def test_expired_rows_are_deleted_when_a_secret_is_shown(clock, client, dashboard, other_merchant):
+    _key_created_in_another_session(client, "other@example.com")
+    clock.advance(seconds=REVEAL_TTL_SECONDS - 60)
+    assert post(dashboard, "/dashboard/keys").status_code == 302  # not expired yet: this store leaves it
+    assert _pending() == 2
+    clock.advance(seconds=120)
+    assert revealed_secret(text(dashboard.get("/dashboard/keys"))) is not None
+    assert _pending() == 0
+
+
+def test_expired_rows_are_deleted_at_logout(clock, client, dashboard, other_merchant):
+    _key_created_in_another_session(client, "other@example.com")
+    clock.advance(seconds=REVEAL_TTL_SECONDS + 1)
+    log_out(dashboard)
+    assert _pending() == 0
+
+
+def test_the_worker_sweeps_expired_rows(app, clock, client, other_merchant, redis_url):
+    from redis import Redis
+
+    from backend.queueing import set_job_app
+    from backend.worker import PERIODIC, enqueue_due, run_worker
+
+    assert "purge_expired_reveals" in {p.func.__name__ for p in PERIODIC}
+    _key_created_in_another_session(client, "other@example.com")
+    clock.advance(seconds=REVEAL_TTL_SECONDS + 1)
+    assert _pending() == 1  # nobody stored, showed or logged out since
+    connection = Redis.from_url(redis_url)
+    set_job_app(app)
+    try:
+        enqueue_due(connection)
+        run_worker(connection, burst=True)
+    finally:
+        set_job_app(None)
     assert _pending() == 0
