@@ -24,6 +24,13 @@ def _env_bool(name: str, default: bool = False) -> bool:
     return value in {"1", "true", "yes", "on"}
 
 
+def _env_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    value = value.lower()
+    if value not in choices:
+        raise ValueError(f"{name}: {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
 def _env_coins(name: str, value: str) -> Decimal | None:
     """A relay budget in native coins (``0.05``), or ``unlimited`` (None)."""
     value = value.strip()
@@ -111,6 +118,11 @@ class Settings:
     relay_budget_evm: Decimal | None = Decimal("0.05")
     relay_budget_solana: Decimal | None = Decimal("0.05")
     relay_budgets: tuple[tuple[str, Decimal | None], ...] = ()
+    # Whether anyone may create a merchant account on the dashboard ("open") or only the operator, with
+    # `payintent merchant create` ("closed"): what a public deployment should set (docs/deploy.md).
+    dashboard_signup: str = "open"
+    # Sign-up forms that reach the account check, per client address per hour (0: off).
+    dashboard_signups_per_hour: int = 10
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -145,4 +157,6 @@ class Settings:
             relay_budget_evm=_env_coins("RELAY_BUDGET_EVM", _env("RELAY_BUDGET_EVM", "0.05")),
             relay_budget_solana=_env_coins("RELAY_BUDGET_SOLANA", _env("RELAY_BUDGET_SOLANA", "0.05")),
             relay_budgets=_env_budgets("RELAY_BUDGETS", _env("RELAY_BUDGETS", "")),
+            dashboard_signup=_env_choice("DASHBOARD_SIGNUP", _env("DASHBOARD_SIGNUP", "open"), ("open", "closed")),
+            dashboard_signups_per_hour=int(_env("DASHBOARD_SIGNUPS_PER_HOUR", "10")),
         )

@@ -217,6 +217,8 @@ def run_dev_stack(port: int = 8000) -> None:
     base_url = f"http://127.0.0.1:{port}"
     os.environ.setdefault("CHECKOUT_HOST", base_url)
     os.environ.setdefault("WEBHOOK_ALLOW_PRIVATE_TARGETS", "1")
+    # One developer (or the e2e tests) opens many accounts from 127.0.0.1; a public server keeps 10 an hour.
+    os.environ.setdefault("DASHBOARD_SIGNUPS_PER_HOUR", "100")
     os.environ.setdefault("SECRET_KEY", _local_secret(workdir, "secret_key"))
     os.environ.setdefault("METRICS_TOKEN", _local_secret(workdir, "metrics_token"))
     # The SQLite file under var/ unless DATABASE_URL says otherwise; named, so that serve, worker and relayer,

@@ -30,6 +30,7 @@ from flask import (
 )
 from werkzeug.exceptions import HTTPException, NotFound
 
+from backend import ratelimit
 from backend.chains.registry import ChainRegistry
 from backend.dashboard import display, forms, reveals, security, services
 from backend.dashboard.forms import Form
@@ -39,7 +40,6 @@ from backend.extensions import db
 from backend.intents.models import STATUSES
 from backend.merchants import services as merchants
 from backend.merchants.models import Merchant
-from backend.ratelimit import client_key
 from backend.webhooks import services as webhooks
 from backend.webhooks.transport import TargetRefused, check_url_literal
 
@@ -106,6 +106,7 @@ def render(template: str, http_status: int = 200, /, **context: Any) -> Response
         csrf_token=security.csrf_token,
         csrf_field=security.CSRF_FIELD,
         display=display,
+        signup_open=_signup_open(),
         **context,
     )
     return make_response(page, http_status)
@@ -215,13 +216,43 @@ def _unexpected(exc: Exception) -> Response:
 # --- account -------------------------------------------------------------------------------------
 
 
+def _minutes(seconds: int) -> str:
+    minutes = -(-seconds // 60)
+    return f"{minutes} minute{'s' if minutes != 1 else ''}"
+
+
+def _settings() -> Any:
+    return current_app.config["PAYINTENT_SETTINGS"]
+
+
+def _signup_open() -> bool:
+    return _settings().dashboard_signup == "open"  # type: ignore[no-any-return]
+
+
+def _signup_retry_after() -> int | None:
+    """Count one sign-up from this client (an IPv4 address, an IPv6 /64); the seconds to wait when over the limit."""
+    per_hour = _settings().dashboard_signups_per_hour
+    if per_hour <= 0:
+        return None
+    return ratelimit.hit(f"dashboard:signup:{ratelimit.client_key()}", per_hour, 3600)
+
+
 @bp.route("/signup", methods=["GET", "POST"])
 def signup() -> Any:
     if g.merchant is not None:
         return redirect(url_for(".overview"))
+    if not _signup_open():
+        return render("signup_closed.html", 403)
     if request.method == "GET":
         return render("signup.html", form=Form())
     form = forms.signup_form(request.form)
+    if form.ok:  # counted once the form would reach the accounts: creating one, or saying the email is taken
+        retry_after = _signup_retry_after()
+        if retry_after is not None:
+            form.error("form", f"Too many sign-ups from your network. Try again in {_minutes(retry_after)}.")
+            response = render("signup.html", 429, form=form)
+            response.headers["Retry-After"] = str(retry_after)
+            return response
     issued = services.sign_up(form) if form.ok else None
     if issued is None:
         return render("signup.html", 400, form=form)
@@ -245,10 +276,9 @@ def login() -> Any:
         return render("login.html", 400, form=form, next_page=next_page)
     email = form.values["email"]
     try:
-        attempt = security.reserve_login_attempt(email, client_key())
+        attempt = security.reserve_login_attempt(email, ratelimit.client_key())
     except security.LoginThrottled as throttled:
-        minutes = -(-throttled.retry_after // 60)
-        form.error("form", f"Too many failed attempts. Try again in {minutes} minute{'s' if minutes != 1 else ''}.")
+        form.error("form", f"Too many failed attempts. Try again in {_minutes(throttled.retry_after)}.")
         response = render("login.html", 429, form=form, next_page=next_page)
         response.headers["Retry-After"] = str(throttled.retry_after)
         return response
