@@ -1,5 +1,6 @@
 """Rate limits: the one place requests are counted per client (API keys, client IPs, the public
-checkout API, dashboard logins) and the one place a 429 is answered.
+checkout API, dashboard sign-ups) and the one place an API 429 is answered (the dashboard's login throttle,
+which reserves attempts before checking passwords, is in ``backend.dashboard.security``).
 
 A fixed window that starts at the first request; counts live in ``backend.ephemeral`` (Redis when
 configured and shared by every API process, else per process). Limits of 0 are off.
