@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 from enum import Enum
+from typing import Any
 
 from redis import Redis
 
 from backend import clock
-from backend.chains.evm import AUTHORIZATION_USED_TOPIC, EvmChain, evm_chain
+from backend.chains.evm import AUTHORIZATION_USED_TOPIC, EvmChain, authorization_transfer, evm_chain
 from backend.chains.registry import ChainRegistry
 from backend.relaybudget import services as relaybudget
 from backend.settlement import services
@@ -32,8 +33,11 @@ FINALITY_WATCH_SECONDS = 3600
 
 
 class Outcome(Enum):
-    USED = "used"  # executed, under the network's confirmations: the money moved
+    USED = "used"  # executed with this settlement's terms, under the network's confirmations: the merchant was paid
     CANCELED = "canceled"  # the buyer cancelled it, under the network's confirmations: it can never execute
+    # The payer's nonce was used, under the network's confirmations, by ANOTHER authorization (other recipient
+    # or amount, signed with the same nonce): this one can never execute, and the merchant got nothing from it.
+    USED_ELSEWHERE = "used-elsewhere"
     # Executed or cancelled on chain, but not final yet (or its transaction not found yet). A reorg may
     # still undo it, so it is neither paid nor released: the claim is kept until the chain decides.
     NOT_FINAL = "not-final"
@@ -42,33 +46,65 @@ class Outcome(Enum):
 
 
 # The outcomes that finish a settlement (see ``settle_from_chain``).
-FINISHED = (Outcome.USED, Outcome.CANCELED, Outcome.EXPIRED)
+FINISHED = (Outcome.USED, Outcome.CANCELED, Outcome.USED_ELSEWHERE, Outcome.EXPIRED)
+# failure_code of a settlement whose nonce another authorization of the payer used.
+USED_ELSEWHERE_CODE = "AUTHORIZATION_USED_ELSEWHERE"
+
+
+def _paid_this(chain: EvmChain, settlement: Settlement, receipt: dict[str, Any], nonce: bytes) -> bool | None:
+    """Whether the authorization that used the nonce in ``receipt`` moved exactly the settlement's terms
+    (payer -> pay_to, amount); None if the receipt does not show what it moved."""
+    moved = authorization_transfer(receipt, chain.token.address, settlement.payer, nonce)
+    if moved is None:
+        return None
+    to, value = moved
+    return to.lower() == settlement.pay_to.lower() and value == settlement.amount_atomic
 
 
 def onchain_outcome(chain: EvmChain, settlement: Settlement, head: int | None = None) -> tuple[Outcome, str | None]:
-    """What the chain says about the settlement's authorization: USED, CANCELED, NOT_FINAL or UNUSED.
+    """What the chain says about the settlement's authorization: USED, USED_ELSEWHERE, CANCELED, NOT_FINAL
+    or UNUSED.
 
-    The height (``head``, unless given) is read first: a log or receipt found afterwards is final
-    only if it is buried under the confirmations at that height, so a reorg between the reads
-    cannot pass for final.
+    The height (``head``, unless given) is read first, and the state and the log search are pinned to
+    it: a log or receipt found is final only if it is buried under the confirmations at that height,
+    so a reorg between the reads cannot pass for final, and a lagging RPC node cannot answer "unused"
+    from an older state. A used nonce counts as this payment only if the same transaction moved this
+    settlement's terms: the buyer may have signed the nonce again for something else.
     """
     nonce = bytes.fromhex(settlement.nonce[2:])
     head = chain.block_number() if head is None else head
-    if not chain.authorization_state(settlement.payer, nonce):
+    if not chain.authorization_state(settlement.payer, nonce, head):
         return Outcome.UNUSED, None
-    found = chain.authorization_log(settlement.payer, nonce, (settlement.start_block or 0) - 5)
+    found = chain.authorization_log(settlement.payer, nonce, (settlement.start_block or 0) - 5, head)
     if found is None:
         # Used, but the log is out of our search range (or the RPC's log index lags): only our own
         # mined transaction will do. Until it is found and final, the money may have moved: never release.
         receipt = chain.receipt(settlement.tx_hash) if settlement.tx_hash else None
-        if receipt is not None and receipt.get("status") == 1 and chain.is_final(int(receipt["blockNumber"]), head):
+        if (
+            receipt is not None
+            and receipt.get("status") == 1
+            and chain.is_final(int(receipt["blockNumber"]), head)
+            and _paid_this(chain, settlement, receipt, nonce)
+        ):
             return Outcome.USED, settlement.tx_hash
         log.warning("settlement %s: authorization used but its final transaction was not found yet", settlement.id)
         return Outcome.NOT_FINAL, None
     topic, tx_hash, block_number = found
     if not chain.is_final(block_number, head):
         return Outcome.NOT_FINAL, tx_hash  # executed (or cancelled), but a reorg may still undo it
-    return (Outcome.USED if topic == AUTHORIZATION_USED_TOPIC else Outcome.CANCELED), tx_hash
+    if topic != AUTHORIZATION_USED_TOPIC:
+        return Outcome.CANCELED, tx_hash
+    receipt = chain.receipt(tx_hash)
+    if receipt is None or int(receipt["blockNumber"]) != block_number:
+        log.warning("settlement %s: the receipt of %s is not (or elsewhere) on this node yet", settlement.id, tx_hash)
+        return Outcome.NOT_FINAL, tx_hash  # a lagging node or a reorg under way: look again
+    paid = _paid_this(chain, settlement, receipt, nonce)
+    if paid is None:
+        # Not the token's layout (AuthorizationUsed, then its Transfer): we cannot tell what moved, so neither
+        # pay (the merchant may have nothing) nor release (the buyer may have paid): an operator must look.
+        log.error("settlement %s: cannot read what %s moved; left claimed", settlement.id, tx_hash)
+        return Outcome.NOT_FINAL, tx_hash
+    return (Outcome.USED if paid else Outcome.USED_ELSEWHERE), tx_hash
 
 
 def can_never_execute(chain: EvmChain, settlement: Settlement, head: int) -> bool:
@@ -91,6 +127,13 @@ def settle_from_chain(chain: EvmChain, settlement: Settlement) -> Outcome:
         services.complete_settlement(settlement.id, tx_hash or "")
     elif outcome is Outcome.CANCELED:
         services.fail_settlement(settlement.id, "AUTHORIZATION_CANCELED", "the buyer cancelled the authorization")
+    elif outcome is Outcome.USED_ELSEWHERE:
+        services.fail_settlement(
+            settlement.id,
+            USED_ELSEWHERE_CODE,
+            f"the buyer's nonce was used by another authorization (other recipient or amount) in {tx_hash}; "
+            "this one can never execute and the merchant received nothing from it",
+        )
     elif outcome is Outcome.UNUSED and can_never_execute(chain, settlement, head):
         services.fail_settlement(
             settlement.id, "AUTHORIZATION_EXPIRED", "the authorization expired before it could be executed"

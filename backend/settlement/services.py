@@ -4,7 +4,8 @@ call the same finishing functions, so an authorization ends the same way whoever
 Exactly once: an intent is *claimed* by one settlement (``intents.settlement_id``) with a
 conditional update before anything is sent to a chain. While claimed, no other payment, no
 cancel and no expiry can touch it. The claim is released only when the authorization can no
-longer execute (it reverted, was cancelled by the buyer, or its ``validBefore`` has passed unused).
+longer execute (it reverted, was cancelled by the buyer, its nonce was used by another
+authorization of the buyer, or its ``validBefore`` has passed unused).
 """
 
 from __future__ import annotations
