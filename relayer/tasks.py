@@ -6,7 +6,7 @@ Rules that keep it exactly once:
 - nothing is sent for an intent that another settlement has already paid;
 - a revert releases the intent only when none of our transactions for it can still be mined, our
   reverted transaction's block is final, and the authorization is not used on chain (final or not);
-  the reconciler keeps watching such a settlement past its validBefore;
+  the reconciler keeps watching such a settlement until the chain can no longer execute it;
 - a nonce used by another authorization of the buyer (other terms) is not a payment: released;
 - paid only once final: with confirmations > 1 the chain is asked again after the wait (a reorg).
 """

@@ -8,6 +8,7 @@ managed to record before dying.
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 from enum import Enum
 from typing import Any
@@ -27,9 +28,10 @@ log = logging.getLogger(__name__)
 STALE_AFTER = timedelta(seconds=30)
 # Chain clocks and ours may differ: give up on an unexecuted authorization only this long after validBefore.
 EXPIRY_GRACE_SECONDS = 60
-# A released authorization is watched this long past its validBefore (+ grace): one that executed just before
-# validBefore needs its confirmations before it counts, and the watch must still be looking then.
-FINALITY_WATCH_SECONDS = 3600
+# The watch of released settlements (``watch_released``) visits at most this many per tick, for at most this long
+# (each visit costs one or two RPC calls; the open settlements are handled first).
+WATCH_PER_TICK = 50
+WATCH_SECONDS_PER_TICK = 5.0
 
 
 class Outcome(Enum):
@@ -147,33 +149,63 @@ def finish_from_chain(chain: EvmChain, settlement: Settlement) -> bool:
     return settle_from_chain(chain, settlement) in FINISHED
 
 
-def watch_released(registry: ChainRegistry) -> int:
+def watch_released(registry: ChainRegistry, limit: int = WATCH_PER_TICK) -> dict[str, int]:
     """Settlements released without executing (a revert, or their intent paid by another) may still
     execute until validBefore (their signature is out): if one does, the database follows the chain
-    (the intent is paid, or the second payment is recorded as a duplicate). Watched until the blocks
-    that could hold such an execution are final."""
-    found = 0
-    since = int(clock.now().timestamp()) - EXPIRY_GRACE_SECONDS - FINALITY_WATCH_SECONDS
-    for settlement in services.released_but_valid(since):
+    (the intent is paid, or the second payment is recorded as a duplicate).
+
+    Watched until the chain has decided, not until a clock of ours runs out: a settlement leaves the
+    watch when a check finds it executed (recorded), its nonce used by other terms or cancelled (final),
+    or unused with the newest final block past validBefore (+ grace), so an execution seen late (an
+    outage, a lagging RPC) is still recorded. Visited round-robin (least recently watched first), at
+    most ``limit`` per tick and for at most ``WATCH_SECONDS_PER_TICK``: many released settlements can
+    delay a late execution's record by a few ticks, never hide it. Returns ``{"late": recorded,
+    "watched": visited}``.
+    """
+    found = visited = 0
+    heads: dict[str, int] = {}
+    final_times: dict[str, int] = {}
+    deadline = time.monotonic() + WATCH_SECONDS_PER_TICK
+    for settlement in services.watched_settlements(limit):
+        if time.monotonic() > deadline:
+            break  # the rest keep their turn: they are the least recently watched next tick
+        visited += 1
+        services.mark_watched(settlement.id)  # to the back of the line, whatever this visit finds
         network = registry.get(settlement.network)
-        if network is None or network.kind != "evm":
+        if network is None:
+            continue  # not configured now (it may come back): keep watching
+        if network.kind != "evm":
+            services.end_watch(settlement.id)  # a failed Solana transaction can never land again
             continue
         try:
-            outcome, tx_hash = onchain_outcome(evm_chain(network), settlement)
+            chain = evm_chain(network)
+            if network.network not in heads:
+                heads[network.network] = chain.block_number()  # read before any state or log of this tick
+            head = heads[network.network]
+            outcome, tx_hash = onchain_outcome(chain, settlement, head)
+            if outcome is Outcome.USED and tx_hash:
+                services.complete_settlement(settlement.id, tx_hash)
+                services.end_watch(settlement.id)
+                found += 1
+            elif outcome in (Outcome.CANCELED, Outcome.USED_ELSEWHERE):
+                # The nonce is spent without paying this settlement's terms: it can never execute. Nothing
+                # to record (a nonce consumed by a 0-value self-transfer is no second charge).
+                services.end_watch(settlement.id)
+            elif outcome is Outcome.UNUSED:
+                if network.network not in final_times:
+                    final_times[network.network] = chain.block_timestamp(chain.final_block(head))
+                if final_times[network.network] > settlement.valid_before + EXPIRY_GRACE_SECONDS:
+                    services.end_watch(settlement.id)  # no block that can still join the chain may execute it
         except Exception as exc:
             log.warning("could not watch settlement %s (%s)", settlement.id, type(exc).__name__)
-            continue
-        if outcome is Outcome.USED and tx_hash:
-            services.complete_settlement(settlement.id, tx_hash)
-            found += 1
-    return found
+    return {"late": found, "watched": visited}
 
 
 def reconcile(registry: ChainRegistry, redis: Redis | None, queue_name: str = "relayer") -> dict[str, int]:
     """Periodic: finish or re-send every settlement left open by a crash, a timeout or a lost job."""
     from backend.settlement.flow import enqueue_settlement, notify_settled
 
-    counts = {"finished": 0, "resent": 0, "waiting": 0, "errors": 0, "late": watch_released(registry)}
+    counts = {"finished": 0, "resent": 0, "waiting": 0, "errors": 0}
     for settlement in services.open_settlements(clock.now() - STALE_AFTER):
         network = registry.get(settlement.network)
         if network is None:
@@ -209,7 +241,16 @@ def reconcile(registry: ChainRegistry, redis: Redis | None, queue_name: str = "r
         except Exception as exc:  # logged without the message: RPC errors carry the RPC URL
             log.warning("could not reconcile settlement %s (%s)", settlement.id, type(exc).__name__)
             counts["errors"] += 1
+    counts.update(watch_released(registry))  # after the open ones, bounded: the watch cannot hold them up
     return counts
 
 
-__all__ = ["FINISHED", "Outcome", "finish_from_chain", "onchain_outcome", "reconcile", "settle_from_chain"]
+__all__ = [
+    "FINISHED",
+    "Outcome",
+    "finish_from_chain",
+    "onchain_outcome",
+    "reconcile",
+    "settle_from_chain",
+    "watch_released",
+]

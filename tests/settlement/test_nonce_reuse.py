@@ -76,6 +76,7 @@ def test_a_nonce_used_by_the_buyers_own_other_terms_is_not_paid_by_the_reconcile
     settlement = iso.settlement(intent_id)
     assert settlement.status == "failed" and settlement.failure_code == "AUTHORIZATION_USED_ELSEWHERE"
     assert decoy_tx in (settlement.failure_reason or "")
+    assert settlement.watched_at is None  # its nonce is spent: nothing left to watch
     assert _events("payment.completed", intent_id) == []
     (failed,) = _events("payment.failed", intent_id)
     assert failed["code"] == "AUTHORIZATION_USED_ELSEWHERE" and failed["settlement_id"] == settlement.id
@@ -141,7 +142,7 @@ def test_front_running_the_relayer_with_the_same_nonce_is_not_paid_by_the_relaye
 
 def test_a_released_nonce_used_for_a_self_transfer_is_no_duplicate_charge(iso):  # noqa: F811
     """H2: after the intent is paid, the buyer spends a released authorization's nonce on a 0-value
-    self-transfer. Nothing was charged twice: no payment.duplicate."""
+    self-transfer. Nothing was charged twice: no payment.duplicate, and the watch is done with it."""
     w3, token = _token(iso.devnet, NETWORK)
     buyer, elsewhere = _funded_buyer(w3, token, iso.devnet, 30_000_000), Account.create()
     intent = create_intent(iso.client, iso.shop, 30)
@@ -164,11 +165,14 @@ def test_a_released_nonce_used_for_a_self_transfer_is_no_duplicate_charge(iso): 
     counts = iso.reconcile_later()
     assert counts["late"] == 0
     assert _events("payment.duplicate", intent_id) == []
+    assert counts["watched"] == 1
     db.session.expire_all()
     record = db.session.get(Settlement, released.id)
     assert record is not None and record.status == "failed" and record.failure_code == "SETTLEMENT_FAILED"
     assert record.tx_hash != decoy_tx
+    assert record.watched_at is None and record.watch_done_at is not None  # it can never execute: watch done
     row = iso.intent_row(intent_id)
     assert row.status == "paid" and row.tx_hash == paid.tx_hash
     assert len(_events("payment.completed", intent_id)) == 1
     assert iso.devnet.balance(NETWORK, iso.payout) == 30_000_000  # still one payment: nothing to refund
+    assert iso.reconcile_later()["watched"] == 0
