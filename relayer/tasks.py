@@ -4,9 +4,10 @@ Rules that keep it exactly once:
 - one job at a time per settlement (a Redis lock held for the whole job);
 - the chain is asked first (a retry may find the authorization already executed);
 - nothing is sent for an intent that another settlement has already paid;
-- a revert releases the intent only when none of our transactions for it can still be mined and
-  the authorization is not used on chain (final or not), and the reconciler keeps watching such a
-  settlement past its validBefore;
+- a revert releases the intent only when none of our transactions for it can still be mined, our
+  reverted transaction's block is final, and the authorization is not used on chain (final or not);
+  the reconciler keeps watching such a settlement until the chain can no longer execute it;
+- a nonce used by another authorization of the buyer (other terms) is not a payment: released;
 - paid only once final: with confirmations > 1 the chain is asked again after the wait (a reorg).
 """
 
@@ -185,13 +186,32 @@ def _finish(chain: EvmChain, settlement: st.Settlement, tx_hash: str, receipt: d
 
 
 def _reverted(chain: EvmChain, settlement: st.Settlement, reason: str) -> str:
-    """A revert: the chain decides (someone may have executed or cancelled it); else release the intent."""
-    outcome = settle_from_chain(chain, settlement)
-    if outcome in FINISHED:
-        return "finished-from-chain"
-    if outcome is Outcome.NOT_FINAL:
-        return "waiting-for-confirmations"  # executed (by anyone), not final: never release it now
-    if settlement.tx_hash and evm.is_pending(chain, settlement.tx_hash):
-        return "still-pending"
+    """A revert: the chain decides (someone may have executed or cancelled it); else release the intent.
+
+    Not while our own transaction's revert is in a block that is not final: a reorg may still replace
+    that block and mine our transaction alone, and then it succeeds, after the intent was released (and
+    perhaps paid again). The revert is waited for up to its confirmations, then decided again.
+    """
+    for _ in range(2):
+        head = chain.block_number()  # before the receipt: its block is final only if buried at this height
+        receipt = chain.receipt(settlement.tx_hash) if settlement.tx_hash else None
+        outcome = settle_from_chain(chain, settlement)
+        if outcome in FINISHED:
+            return "finished-from-chain"
+        if outcome is Outcome.NOT_FINAL:
+            return "waiting-for-confirmations"  # executed (by anyone), not final: never release it now
+        if receipt is None:
+            if settlement.tx_hash and evm.is_pending(chain, settlement.tx_hash):
+                return "still-pending"
+            break  # none of our transactions for it is mined or pending
+        if receipt.get("status") == 1:
+            return "waiting-for-confirmations"  # mined after all (a reorg): the chain decides once its log is final
+        block = int(receipt["blockNumber"])
+        if chain.is_final(block, head):
+            break
+        if not evm.wait_confirmations(chain, block, RECEIPT_TIMEOUT_SECONDS):
+            return "waiting-for-confirmations"  # the reconciler sends it back to us; decided once final
+    else:
+        return "waiting-for-confirmations"  # the block moved under us while we waited: decide next time
     services.fail_settlement(settlement.id, "SETTLEMENT_FAILED", reason)
     return "reverted"

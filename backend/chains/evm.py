@@ -53,6 +53,49 @@ USDC_ABI: list[dict[str, Any]] = [
 ]
 AUTHORIZATION_USED_TOPIC = "0x" + keccak(text="AuthorizationUsed(address,bytes32)").hex()
 AUTHORIZATION_CANCELED_TOPIC = "0x" + keccak(text="AuthorizationCanceled(address,bytes32)").hex()
+TRANSFER_TOPIC = "0x" + keccak(text="Transfer(address,address,uint256)").hex()
+
+
+def _word(address: str) -> str:
+    """An address as an indexed log topic (32 bytes, lowercase hex)."""
+    return "0x" + bytes(12).hex() + to_checksum_address(address)[2:].lower()
+
+
+def _hex(value: Any) -> str:
+    """A log's topic or data (bytes from web3, or hex text) as lowercase 0x-hex."""
+    if isinstance(value, str):
+        return "0x" + value.removeprefix("0x").lower()
+    return "0x" + bytes(value).hex()
+
+
+def authorization_transfer(
+    receipt: dict[str, Any], token: str, authorizer: str, nonce: bytes
+) -> tuple[str, int] | None:
+    """What the authorization ``(authorizer, nonce)`` moved in this transaction: ``(to, value)`` of the
+    token's ``Transfer(authorizer, to, value)`` log right after its ``AuthorizationUsed`` log.
+
+    EIP-3009 nonces belong to the authorizer, not to one set of terms: the same nonce may be signed
+    again with another recipient or amount, and whichever executes first uses it. The token (FiatToken,
+    our TestUSDC) marks the nonce used and transfers in the same call, with nothing in between, so the
+    log after ``AuthorizationUsed`` is the transfer that authorization made. None if the receipt holds
+    no ``AuthorizationUsed(authorizer, nonce)`` of the token, or no such transfer right after it.
+    """
+    logs = sorted(receipt.get("logs") or [], key=lambda entry: int(entry["logIndex"]))
+    used = [AUTHORIZATION_USED_TOPIC, _word(authorizer), "0x" + nonce.hex()]
+    for i, entry in enumerate(logs):
+        if entry["address"].lower() != token.lower() or [_hex(t) for t in entry["topics"]] != used:
+            continue
+        following = logs[i + 1] if i + 1 < len(logs) else None
+        if following is None or following["address"].lower() != token.lower():
+            return None
+        topics = [_hex(t) for t in following["topics"]]
+        if int(following["logIndex"]) != int(entry["logIndex"]) + 1 or len(topics) != 3:
+            return None
+        if topics[0] != TRANSFER_TOPIC or topics[1] != _word(authorizer):
+            return None
+        value = int(_hex(following["data"]), 16) if _hex(following["data"]) != "0x" else 0
+        return to_checksum_address("0x" + topics[2][-40:]), value
+    return None
 
 
 class EvmChain:
@@ -78,8 +121,11 @@ class EvmChain:
     def balance_of(self, address: str) -> int:
         return int(self.token.functions.balanceOf(to_checksum_address(address)).call())
 
-    def authorization_state(self, authorizer: str, nonce: bytes) -> bool:
-        return bool(self.token.functions.authorizationState(to_checksum_address(authorizer), nonce).call())
+    def authorization_state(self, authorizer: str, nonce: bytes, block: int | str = "latest") -> bool:
+        """Whether the nonce is used or cancelled, at ``block`` (a height read before: a lagging node
+        behind a load balancer then fails the call instead of answering from an older state)."""
+        call = self.token.functions.authorizationState(to_checksum_address(authorizer), nonce)
+        return bool(call.call(block_identifier=block))
 
     def token_name(self) -> str:
         return str(self.token.functions.name().call())
@@ -103,15 +149,15 @@ class EvmChain:
         """The newest block that is final when the chain is at ``head`` (no reorg reaches it)."""
         return max(head - max(self.network.confirmations, 1) + 1, 0)
 
-    def authorization_log(self, authorizer: str, nonce: bytes, from_block: int) -> tuple[str, str, int] | None:
+    def authorization_log(
+        self, authorizer: str, nonce: bytes, from_block: int, to_block: int | str = "latest"
+    ) -> tuple[str, str, int] | None:
         """(topic, tx hash, block) of the AuthorizationUsed/Canceled event for this authorization, if any."""
-        topics = [
-            [AUTHORIZATION_USED_TOPIC, AUTHORIZATION_CANCELED_TOPIC],
-            "0x" + bytes(12).hex() + to_checksum_address(authorizer)[2:].lower(),
-            "0x" + nonce.hex(),
-        ]
+        topics = [[AUTHORIZATION_USED_TOPIC, AUTHORIZATION_CANCELED_TOPIC], _word(authorizer), "0x" + nonce.hex()]
+        if isinstance(to_block, int) and max(from_block, 0) > to_block:
+            return None  # the search would start after the height it ends at: nothing to find yet
         logs = self.w3.eth.get_logs(
-            {"address": self.token.address, "fromBlock": max(from_block, 0), "toBlock": "latest", "topics": topics}
+            {"address": self.token.address, "fromBlock": max(from_block, 0), "toBlock": to_block, "topics": topics}
         )
         if not logs:
             return None

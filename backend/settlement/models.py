@@ -23,6 +23,7 @@ class Settlement(db.Model):
     __table_args__ = (
         UniqueConstraint("network", "payer", "nonce"),
         Index("ix_settlements_status_updated", "status", "updated_at"),
+        Index("ix_settlements_watched_at", "watched_at"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -49,3 +50,8 @@ class Settlement(db.Model):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
     submitted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # The watch of released settlements (``settlement.reconcile.watch_released``): set while the settlement is
+    # in it (released, its authorization may still execute) to when it was last looked at; None otherwise.
+    watched_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # When the watch found the chain had decided (executed and recorded, or it can never execute).
+    watch_done_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -4,7 +4,8 @@ call the same finishing functions, so an authorization ends the same way whoever
 Exactly once: an intent is *claimed* by one settlement (``intents.settlement_id``) with a
 conditional update before anything is sent to a chain. While claimed, no other payment, no
 cancel and no expiry can touch it. The claim is released only when the authorization can no
-longer execute (it reverted, was cancelled by the buyer, or its ``validBefore`` has passed unused).
+longer execute (it reverted in a final block, was cancelled by the buyer, its nonce was used by
+another authorization of the buyer, or its ``validBefore`` has passed unused).
 """
 
 from __future__ import annotations
@@ -311,17 +312,21 @@ def fail_settlement(settlement_id: str, code: str, reason: str) -> bool:
     """The authorization can no longer execute: release the intent and write payment.failed.
 
     Only for certain failures (a revert, a cancelled or expired authorization, a refusal before
-    broadcast). Returns False if the settlement was already finished.
+    broadcast). Returns False if the settlement was already finished. A failure after which the
+    authorization may still execute (``STILL_EXECUTABLE``) puts the settlement in the watch of released
+    settlements. No payment.failed for an intent that is paid: nothing failed for the merchant.
     """
     settlement = get_settlement(settlement_id)
     if settlement is None or settlement.status not in st.OPEN:
         return False
     now = clock.now()
+    watch = {"watched_at": now} if code in STILL_EXECUTABLE else {}
     done = db.session.execute(
         update(Settlement)
         .where(Settlement.id == settlement_id, Settlement.status.in_(st.OPEN))
-        .values(status=st.FAILED, failure_code=code, failure_reason=reason[:500], finished_at=now, updated_at=now)
-    )
+        .values(status=st.FAILED, failure_code=code, failure_reason=reason[:500], finished_at=now, updated_at=now,
+                **watch)
+    )  # fmt: skip
     if done.rowcount != 1:
         db.session.rollback()
         return False
@@ -332,13 +337,14 @@ def fail_settlement(settlement_id: str, code: str, reason: str) -> bool:
     )
     intent = db.session.get(Intent, settlement.intent_id, populate_existing=True)
     assert intent is not None
-    record_event(
-        intent.merchant_id,
-        "payment.failed",
-        {"intent_id": intent.id, "order_id": intent.order_id, "reason": reason, "code": code,
-         "amount_usdc": from_atomic(intent.amount_atomic), "settlement_id": settlement_id},
-        intent_id=intent.id,
-    )  # fmt: skip
+    if intent.status != PAID:
+        record_event(
+            intent.merchant_id,
+            "payment.failed",
+            {"intent_id": intent.id, "order_id": intent.order_id, "reason": reason, "code": code,
+             "amount_usdc": from_atomic(intent.amount_atomic), "settlement_id": settlement_id},
+            intent_id=intent.id,
+        )  # fmt: skip
     db.session.commit()
     return True
 
@@ -350,24 +356,36 @@ def touch(settlement_id: str) -> None:
 
 
 # Failures after which the authorization can still execute (its signature is out): a revert, or an
-# intent paid by another settlement before this one was sent.
+# intent paid by another settlement before this one was sent. Such a settlement is watched (``watched_at``).
 STILL_EXECUTABLE = ("SETTLEMENT_FAILED", "ALREADY_PAID")
 
 
-def released_but_valid(now_ts: int, limit: int = 200) -> list[Settlement]:
-    """Settlements released while their authorization may still execute (validBefore after ``now_ts``)."""
+def watched_settlements(limit: int) -> list[Settlement]:
+    """Released settlements whose authorization may still execute, least recently watched first."""
     return list(
         db.session.scalars(
-            select(Settlement)
-            .where(
-                Settlement.status == st.FAILED,
-                Settlement.failure_code.in_(STILL_EXECUTABLE),
-                Settlement.valid_before > now_ts,
-            )
-            .order_by(Settlement.valid_before)
-            .limit(limit)
+            select(Settlement).where(Settlement.watched_at.is_not(None)).order_by(Settlement.watched_at).limit(limit)
         )
     )
+
+
+def mark_watched(settlement_id: str) -> None:
+    """Just looked at by the watch: the others come first next time (round-robin)."""
+    db.session.execute(
+        update(Settlement)
+        .where(Settlement.id == settlement_id, Settlement.watched_at.is_not(None))
+        .values(watched_at=clock.now())
+    )
+    db.session.commit()
+
+
+def end_watch(settlement_id: str) -> None:
+    """The chain has decided this released settlement (executed and recorded, or it can never execute)."""
+    now = clock.now()
+    db.session.execute(
+        update(Settlement).where(Settlement.id == settlement_id).values(watched_at=None, watch_done_at=now)
+    )
+    db.session.commit()
 
 
 def open_settlements(older_than: datetime, limit: int = 200) -> list[Settlement]:

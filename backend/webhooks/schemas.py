@@ -19,7 +19,10 @@ class CreateWebhookSchema(StrictSchema):
         _EVENT_TYPE,
         required=True,
         validate=validate.Length(min=1, max=len(EVENT_TYPES)),
-        metadata={"description": "Event types to receive (at least one)"},
+        metadata={
+            "description": "Event types to receive (at least one). payment.completed also brings payment.duplicate "
+            "(a buyer charged twice: refund needed)"
+        },
     )
 
 

@@ -158,11 +158,22 @@ def rotate_secret(merchant_id: str, webhook_id: str) -> tuple[WebhookEndpoint, s
 # --- scheduling ----------------------------------------------------------------------------------
 
 
+# Event types an endpoint receives without naming them, because it subscribed to another: a merchant that
+# handles payment.completed must hear of a buyer charged twice for one intent (docs/webhooks.md).
+IMPLIED_BY: dict[str, str] = {"payment.duplicate": "payment.completed"}
+
+
+def subscribed(events: Sequence[str] | None, event_type: str) -> bool:
+    """Whether an endpoint subscribed to ``events`` receives ``event_type`` (named, or implied)."""
+    events = events or ()
+    return event_type in events or IMPLIED_BY.get(event_type, "") in events
+
+
 def schedule_deliveries(event: Event, *, endpoint_id: str | None = None) -> int:
     """Add a pending delivery of ``event`` per subscribed live endpoint (or to ``endpoint_id`` only).
 
     Runs inside the transaction that writes the event, so the event and its deliveries commit
-    together; workers are woken after that commit.
+    together; workers are woken after that commit. ``IMPLIED_BY`` widens a subscription.
     """
     query = select(_endpoints.c.id, _endpoints.c.events).where(
         _endpoints.c.merchant_id == event.merchant_id, _endpoints.c.deleted_at.is_(None)
@@ -170,7 +181,7 @@ def schedule_deliveries(event: Event, *, endpoint_id: str | None = None) -> int:
     if endpoint_id is not None:
         query = query.where(_endpoints.c.id == endpoint_id)
     targets = [
-        row.id for row in db.session.execute(query) if endpoint_id is not None or event.type in (row.events or ())
+        row.id for row in db.session.execute(query) if endpoint_id is not None or subscribed(row.events, event.type)
     ]
     if targets:
         db.session.flush()  # the event row first: deliveries reference it
