@@ -74,8 +74,9 @@ def parse_evm_payload(payload: Any) -> EvmAuthorization:
     value = _uint(payload, "value")
     valid_after = _uint(payload, "validAfter")
     valid_before = _uint(payload, "validBefore")
-    if valid_after > MAX_TIMESTAMP or valid_before > MAX_TIMESTAMP:
-        raise _invalid("validAfter and validBefore must be unix times in seconds", "validBefore")
+    for field, moment in (("validAfter", valid_after), ("validBefore", valid_before)):
+        if moment > MAX_TIMESTAMP:
+            raise _invalid(f"{field} must be a unix time in seconds", field)
     return EvmAuthorization(
         payer=to_checksum_address(payload["from"]),
         pay_to=to_checksum_address(payload["to"]),
