@@ -9,11 +9,12 @@ funded demo buyer keys and a sample curl are printed and written to var/demo.jso
 (``examples/agent_pay.py`` reads it).
 
 SIGTERM, SIGINT (Ctrl-C) or SIGHUP (a closed terminal), also in the middle of start-up, stops everything
-it started within seconds (a devnet that was already running, from ``devnet up``, is left running): the
-api, worker and relayer first (they get the signal with the process group anyway), then Redis and the
-devnet, which run in their own sessions so that they outlive the group's signal until the relayer is
-done. On Linux each child also ends when this process ends however it ends (PR_SET_PDEATHSIG), so even
-a SIGKILLed ``payintent dev`` leaves nothing running. At start-up it refuses a taken port, naming what
+it started within seconds (a devnet that was already running, from ``devnet up``, is left running). Each
+child runs in its own session, so a signal to our process group reaches this process only (gunicorn
+would take SIGHUP for "reload", Redis and the chains must outlive the relayer's last step); this process
+then sends SIGTERM to the api, worker and relayer, and once they are gone stops the devnet and Redis.
+On Linux each child also ends when this process ends however it ends (PR_SET_PDEATHSIG), so even a
+SIGKILLed ``payintent dev`` leaves nothing running. At start-up it refuses a taken port, naming what
 holds it, and a second ``payintent dev`` on the same var dir.
 """
 
@@ -390,7 +391,7 @@ class _DevStack:
 
     def spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
         with _stopper.deferred():  # recorded before a stop can interrupt
-            proc = subprocess.Popen(argv, preexec_fn=tie_to_parent(signal.SIGTERM))
+            proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=tie_to_parent(signal.SIGTERM))
             self.apps.append(proc)
         return proc
 
