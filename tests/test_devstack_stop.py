@@ -5,8 +5,8 @@ cannot use; and an idle stack keeps its banner on screen.
 Each run gets its own var dir and free ports (``--port``, PAYINTENT_DEVNET_PORT_BASE). The signal goes to the
 whole process group, as a supervisor, a closed terminal or Ctrl-C sends it; the SIGTERM runs go through
 ``make`` (which sends its child a second SIGTERM) when make is installed. "Everything it started" is every
-process whose environment carries the run's var dir (Anvil, the Solana RPC, Redis, gunicorn and its workers,
-the worker, the relayer), so a process that escaped its parent is found too.
+process seen below it, and every process whose environment or command line names the run's var dir (Anvil,
+the Solana RPC, Redis, gunicorn and its workers, the worker, the relayer), so one that escaped is found too.
 """
 
 from __future__ import annotations
@@ -72,11 +72,14 @@ class DevRun:
         threading.Thread(target=loop, daemon=True).start()
 
     def ours(self) -> list[psutil.Process]:
-        """Live processes of this run: descendants seen, and any process whose environment names our var dir."""
+        """Live processes of this run: descendants seen, and any process whose environment or command line
+        names our var dir (redis-server rewrites the memory /proc shows as its environment: its socket path)."""
         found = {p.pid: p for p in self.seen.values()}
         for proc in psutil.process_iter():
             try:
-                if proc.environ().get("PAYINTENT_VAR_DIR") == str(self.var_dir):
+                if proc.environ().get("PAYINTENT_VAR_DIR") == str(self.var_dir) or any(
+                    str(self.var_dir) in arg for arg in proc.cmdline()
+                ):
                     found.setdefault(proc.pid, proc)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
