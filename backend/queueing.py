@@ -116,26 +116,23 @@ class StopNow(BaseException):
     the durable facts; the relayer re-checks the chain before sending anything again)."""
 
 
-class _Stop(Exception):
-    """A stop signal while no RQ worker runs (waiting for Redis): there is no job to finish."""
+class _Stop(SystemExit):
+    """A stop signal while no job runs. A SystemExit, which RQ's loop lets through (after its teardown) and which
+    an ``except Exception`` on the way, logging's own for one, does not swallow (a StopRequested raised while
+    RQ logged a Redis error was swallowed so, and the worker retried Redis until the deadline)."""
 
 
 _stopping = threading.Event()
 
 
-def stopping() -> bool:
-    """Whether this process has received a stop signal (SIGTERM, SIGINT, SIGHUP) while working."""
-    return _stopping.is_set()
-
-
-def _stop_requested(signum: int) -> None:
+def _stop_requested(signum: int, note: str = "") -> None:
     """The first stop signal: note it, and make sure the process is gone by STOP_DEADLINE_SECONDS."""
     if _stopping.is_set():
         return
     _stopping.set()
-    log.info("%s: stopping", signal.Signals(signum).name)
 
     def deadline() -> None:
+        log.info("%s: stopping%s", signal.Signals(signum).name, note)  # here: logging in a signal handler may clash
         time.sleep(STOP_DEADLINE_SECONDS)
         # Straight to fd 2: the logging handler's lock may be held by a thread stuck writing.
         os.write(2, f"still running {STOP_DEADLINE_SECONDS:.0f}s after the stop signal: exiting now\n".encode())
@@ -158,14 +155,14 @@ class StoppableWorker(SimpleWorker):
             signal.signal(sig, self.request_stop)
 
     def request_stop(self, signum: int, frame: Any) -> None:
-        _stop_requested(signum)
+        busy = self.get_state() == WorkerStatus.BUSY
+        _stop_requested(signum, f" after the job in progress (up to {STOP_GRACE_SECONDS:.0f}s)" if busy else "")
         self._shutdown_requested_date = rq_now()
         for sig in STOP_SIGNALS:
             signal.signal(sig, self.request_force_stop)
-        if self.get_state() != WorkerStatus.BUSY:
-            raise StopRequested()
-        self._stop_requested = True  # RQ's loop stops after this job
-        log.info("finishing the job in progress (up to %.0fs), then stopping", STOP_GRACE_SECONDS)
+        self._stop_requested = True  # RQ's loop stops after this job; heartbeat() makes sure of it
+        if not busy:
+            raise _Stop()
         signal.signal(signal.SIGALRM, self._grace_over)  # replaces the job's timeout: it ends sooner
         signal.setitimer(signal.ITIMER_REAL, STOP_GRACE_SECONDS)
 
@@ -174,7 +171,14 @@ class StoppableWorker(SimpleWorker):
             return  # the same stop twice (the process group's signal and a parent's own, as make sends)
         if self.get_state() == WorkerStatus.BUSY:
             raise StopNow(f"{signal.Signals(signum).name} again: the job in progress is interrupted")
-        raise StopRequested()
+        raise _Stop()
+
+    def heartbeat(self, *args: Any, **kwargs: Any) -> None:
+        """RQ beats at each turn of its loops, also while it retries a Redis that has gone: a stop requested
+        while idle (whose _Stop a finalizer could have swallowed) or after a job ends here."""
+        if self._stop_requested and self.get_state() != WorkerStatus.BUSY:
+            raise _Stop()
+        super().heartbeat(*args, **kwargs)
 
     def _grace_over(self, signum: int, frame: Any) -> None:
         if self.get_state() == WorkerStatus.BUSY:
@@ -195,13 +199,21 @@ def work(queues: list[str], connection: Redis, *, burst: bool = False, logging_l
     forget a dead worker once its heartbeat expires).
     """
     _stopping.clear()
+    # A stop signal raises _Stop, in RQ's loop (StoppableWorker) or outside it (between workers, waiting for
+    # Redis); RQ's own StopRequested, should anything raise it, ends the work too.
+    with contextlib.suppress(_Stop, StopRequested), _stop_on_signals():
+        _work(queues, connection, burst=burst, logging_level=logging_level)
+
+
+def _work(queues: list[str], connection: Redis, *, burst: bool, logging_level: str) -> None:
     while True:
         worker = StoppableWorker([queue(name, connection) for name in queues], connection=connection)
         try:
-            worker.work(burst=burst, with_scheduler=False, logging_level=logging_level)  # RQ sets its loggers' level
-            return
-        except StopRequested:  # a stop signal before RQ's loop began (a new worker after a Redis outage)
-            return
+            try:
+                worker.work(burst=burst, with_scheduler=False, logging_level=logging_level)  # sets RQ loggers' level
+                return
+            finally:
+                _install_stop_handlers()  # RQ leaves its own installed, bound to a worker that is done
         except (RedisConnectionError, RedisTimeoutError) as exc:
             if _stopping.is_set():
                 log.info("stopped without Redis (%s): nothing recorded there", type(exc).__name__)
@@ -209,26 +221,29 @@ def work(queues: list[str], connection: Redis, *, burst: bool = False, logging_l
             if burst:
                 raise
             log.warning("lost Redis while working (%s); waiting for it, then starting again", type(exc).__name__)
-            try:
-                with _stop_on_signals():
-                    if _stopping.is_set():  # a signal between RQ's loop and ours
-                        return
-                    wait_for_redis(connection)
-            except _Stop:
-                return
+            wait_for_redis(connection)
+
+
+def _raise_stop(signum: int, _frame: Any) -> None:
+    _stop_requested(signum)
+    raise _Stop
+
+
+def _install_stop_handlers() -> None:
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _raise_stop)
 
 
 @contextlib.contextmanager
 def _stop_on_signals() -> Iterator[None]:
+    """Stop signals raise _Stop in here (RQ's worker installs its own while it works); the caller's handlers
+    are back afterwards."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def stop(signum: int, _frame: Any) -> None:
-        _stop_requested(signum)
-        raise _Stop
-
-    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    _install_stop_handlers()
     try:
         yield
     finally:
