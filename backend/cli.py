@@ -382,8 +382,14 @@ def devnet_status() -> None:
     _emit(_devnet_call(local_devnet.status))
 
 
-@cli.command(help="Run the whole local stack (what `make run` does).")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@cli.command(
+    help="Run the whole local stack (what `make run` does) until SIGTERM, SIGINT (Ctrl-C) or SIGHUP, which stop "
+    "everything it started."
+)
+@click.option(
+    "--port", default=8000, show_default=True, type=click.IntRange(1, 65535), envvar="PAYINTENT_DEV_PORT",
+    help="The API's port (also PAYINTENT_DEV_PORT); the devnet's are PAYINTENT_DEVNET_PORT_BASE's.",
+)  # fmt: skip
 def dev(port: int) -> None:
     from backend.devstack import run_dev_stack
 

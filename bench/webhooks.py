@@ -80,9 +80,10 @@ EVENT_TYPE = "payment.completed"
 AIM_RATE = 300.0  # deliveries/s
 AIM_P50_MS = 50.0
 KINDS = ("backlog", "stream", "latency")
-# The line RQ's worker logs when it has dequeued a wake-up job (logging's default asctime: local time, ms).
+# The line RQ's worker logs when it has dequeued a wake-up job (logging's default asctime: local time, ms;
+# DEBUG since backend.observability.logs.QuietRQFilter, so only with LOG_LEVEL=DEBUG).
 JOB_START = re.compile(
-    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO rq\.worker .*payintent-webhooks: "
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (?:DEBUG|INFO) rq\.worker .*payintent-webhooks: "
     r"backend\.webhooks\.tasks\.deliver_webhooks\(\)"
 )
 
@@ -924,7 +925,7 @@ def settings_lines(stack: Stack, args: argparse.Namespace, started: dt.datetime,
         f"psycopg2 {v('psycopg2-binary')}, urllib3 {v('urllib3')}",
         f"- workers: `payintent worker` processes, WEBHOOK_CONCURRENCY={args.concurrency} sender threads each, "
         "LOG_LEVEL=WARNING, WEBHOOK_ALLOW_PRIVATE_TARGETS=1; they also run the periodic sweeps (a "
-        "`deliver_webhooks` wake-up every 2 s among them); RQ logs 4 INFO lines per job",
+        "`deliver_webhooks` wake-up every 2 s among them); RQ's 4 lines per job are DEBUG",
         "- receiver: asyncio HTTP/1.1 keep-alive server in its own process, answers `200 ok` at once; the "
         "receipt time is taken when the request's body has been read",
         f"- events: `{EVENT_TYPE}` with the sample data of test events, produced by one thread of this process; "

@@ -11,12 +11,15 @@ nothing behind outside ``var/devnet``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,8 +70,57 @@ class Spawned:
     create_time: float
 
 
-def spawn(binary: str, *, port: int, chain_id: int, cache_dir: Path, log_file: Path, cwd: Path) -> Spawned:
-    """Start a detached Anvil (own session: a terminal's Ctrl-C does not reach it; ``down`` stops it)."""
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def tie_to_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A ``preexec_fn`` making the child get ``sig`` when this process ends, however it ends (even by SIGKILL):
+    Linux's PR_SET_PDEATHSIG, kept across exec. None elsewhere (there the parent's own clean-up is all)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def setup() -> None:  # in the child, between fork and exec
+        prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), sig)
+
+    return setup
+
+
+def port_holder(port: int) -> tuple[int | None, list[str]] | None:
+    """Who listens on ``port`` (any address): (pid, command line), or None if nobody. The pid and command
+    line are known only for this user's processes ((None, []) for another user's)."""
+    try:
+        connections = psutil.net_connections("tcp")
+    except (psutil.AccessDenied, OSError):
+        return None
+    listening = [c for c in connections if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
+    for conn in listening:
+        if conn.pid is not None:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                return conn.pid, psutil.Process(conn.pid).cmdline()
+    return (None, []) if listening else None
+
+
+def describe_holder(port: int) -> str:
+    """``port`` and what holds it, for a refusal: "port 8545 (pid 123: anvil --host ...)"."""
+    holder = port_holder(port)
+    if holder is None or holder[0] is None:
+        return f"port {port}" + (" (another user's process)" if holder else "")
+    pid, cmdline = holder
+    return f"port {port} (pid {pid}: {' '.join(cmdline)[:160]})"
+
+
+def spawn(
+    binary: str, *, port: int, chain_id: int, cache_dir: Path, log_file: Path, cwd: Path, die_with_parent: bool = False
+) -> Spawned:
+    """Start a detached Anvil (own session: a terminal's Ctrl-C does not reach it; ``down`` stops it).
+    ``die_with_parent``: it also ends when this process does (``payintent dev``), see :func:`tie_to_parent`."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     argv = [
         binary,
@@ -77,7 +129,13 @@ def spawn(binary: str, *, port: int, chain_id: int, cache_dir: Path, log_file: P
     ]
     with log_file.open("wb") as log:
         proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=tie_to_parent() if die_with_parent else None,
         )
     return adopt(proc)
 
@@ -172,6 +230,11 @@ def stop(pids: list[int], timeout: float = 5.0) -> list[int]:
     for pid in signalled:
         _SPAWNED.pop(pid, None)
     return signalled
+
+
+def spawned_pids() -> list[int]:
+    """The processes this one has started (and not yet stopped with :func:`stop`)."""
+    return list(_SPAWNED)
 
 
 def _reap(pid: int) -> None:

@@ -20,8 +20,11 @@ MODULE = "devnet.solana_rpc"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def spawn(*, port: int, setup_file: Path, log_file: Path, cwd: Path, slot_ms: int | None = None) -> anvil.Spawned:
-    """Start a detached Solana RPC (own session, like the Anvils) that sets itself up from ``setup_file``."""
+def spawn(
+    *, port: int, setup_file: Path, log_file: Path, cwd: Path, slot_ms: int | None = None, die_with_parent: bool = False
+) -> anvil.Spawned:
+    """Start a detached Solana RPC (own session, like the Anvils) that sets itself up from ``setup_file``;
+    ``die_with_parent`` as for :func:`devnet.anvil.spawn`."""
     argv = [sys.executable, "-m", MODULE, "--host", anvil.HOST, "--port", str(port), "--setup", str(setup_file)]
     if slot_ms is not None:
         argv += ["--slot-ms", str(slot_ms)]
@@ -37,6 +40,7 @@ def spawn(*, port: int, setup_file: Path, log_file: Path, cwd: Path, slot_ms: in
             cwd=cwd,
             env=env,
             start_new_session=True,
+            preexec_fn=anvil.tie_to_parent() if die_with_parent else None,
         )
     return anvil.adopt(proc)
 

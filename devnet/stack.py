@@ -4,7 +4,8 @@ USDC-like SPL mint, funded demo buyers and relay accounts.
 Ports: the Anvils take ``port_base`` .. ``port_base + 2``, the Solana RPC (:mod:`devnet.solana_rpc`,
 over LiteSVM) ``port_base + 3``. Everything lives under ``<PAYINTENT_VAR_DIR or ./var>/devnet/``:
 
-- ``state.json`` (0600): pids, ports, start time, the deployer, buyer and Solana mint-authority keys;
+- ``state.json`` (0600): pids, ports, start time, the deployer, buyer and Solana mint-authority keys, and
+  the ``payintent dev`` that owns the devnet (``up(owned=True)``), if one does;
 - ``chains.json``: a chains file for ``CHAINS_FILE`` (RPC URLs, token addresses, relay addresses; the
   Solana network's ``usdc_address`` is the mint and its ``fee_payer`` the relay);
 - ``relay_keys.json`` (0600): ``{network: [key, ...]}``, read only by the relayer: hex private keys for
@@ -27,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import requests
 
 from backend.config import var_dir
@@ -113,29 +115,44 @@ def free_port_base(count: int = PORTS, attempts: int = 200) -> int:
 # --- the three commands ------------------------------------------------------------------------
 
 
-def up(port_base: int | None = None) -> tuple[dict[str, Any], bool]:
-    """Start the devnet unless it already runs. Returns (what ``devnet up`` prints, whether this call started it)."""
+def up(port_base: int | None = None, *, owned: bool = False) -> tuple[dict[str, Any], bool]:
+    """Start the devnet unless it already runs. Returns (what ``devnet up`` prints, whether this call started it).
+
+    ``owned`` (``payintent dev``): the devnet belongs to this process. Its processes end when this process
+    does, however it ends (Linux), and ``down(owner_pid=...)`` stops it. A devnet whose owner has died is a
+    leftover: it is stopped here and a fresh one started (the summary's ``replaced_leftover`` says so),
+    never reused. A devnet ``devnet up`` started (no owner) is reused and left running.
+    """
     port_base = default_port_base() if port_base is None else port_base
     if not 1 <= port_base <= 65535 - (PORTS - 1):
         raise DevnetError("INVALID_PORT", f"--port-base must be between 1 and {65535 - PORTS + 1}")
     workdir = devnet_dir()
     with _locked(workdir):
         state = _read_state(workdir)
+        leftover = None
         if state is not None:
-            if state.get("complete") and _all_alive(state):
+            owner = state.get("owner")
+            if owner and not _owner_alive(owner):
+                leftover = {"owner_pid": owner["pid"], "stopped_pids": _stop_state(state)}
+            elif state.get("complete") and _all_alive(state):
                 return _summary(state), False
-            _stop_state(state)  # a half-started or half-dead devnet: clear it and start afresh
+            else:
+                _stop_state(state)  # a half-started or half-dead devnet: clear it and start afresh
             (workdir / "state.json").unlink(missing_ok=True)
-        return _start(workdir, port_base), True
+        summary = _start(workdir, port_base, owned=owned)
+        return (summary | {"replaced_leftover": leftover} if leftover else summary), True
 
 
-def down() -> dict[str, Any]:
-    """Stop exactly the processes ``up`` recorded (Anvils, Solana RPC); forget the running state."""
+def down(*, owner_pid: int | None = None) -> dict[str, Any]:
+    """Stop exactly the processes ``up`` recorded (Anvils, Solana RPC); forget the running state.
+    ``owner_pid``: only if the devnet belongs to that process (``up(owned=True)`` there); else leave it."""
     workdir = devnet_dir()
     with _locked(workdir):
         state = _read_state(workdir)
         if state is None:
             return {"state": "stopped", "stopped_pids": []}
+        if owner_pid is not None and (state.get("owner") or {}).get("pid") != owner_pid:
+            return {"state": "not-ours", "stopped_pids": []}
         stopped = _stop_state(state)
         (workdir / "state.json").unlink(missing_ok=True)
         return {"state": "stopped", "stopped_pids": stopped}
@@ -219,19 +236,16 @@ def _solana_status(entry: dict[str, Any] | None) -> dict[str, Any] | None:
 # --- start-up ----------------------------------------------------------------------------------
 
 
-def _start(workdir: Path, port_base: int) -> dict[str, Any]:
+def _start(workdir: Path, port_base: int, *, owned: bool = False) -> dict[str, Any]:
     from eth_account import Account
     from solders.keypair import Keypair
 
     binary = _binary()
     ports = {c.network: port_base + i for i, c in enumerate(LOCAL_CHAINS)}
     solana_port = port_base + len(LOCAL_CHAINS)
-    taken = [str(p) for p in [*ports.values(), solana_port] if not anvil.port_is_free(p)]
+    taken = [p for p in [*ports.values(), solana_port] if not anvil.port_is_free(p)]
     if taken:
-        ports_text = f"port {taken[0]} is" if len(taken) == 1 else f"ports {', '.join(taken)} are"
-        raise DevnetError(
-            "PORT_IN_USE", f"{ports_text} already in use on {anvil.HOST}; stop what holds them or pass --port-base"
-        )
+        raise DevnetError("PORT_IN_USE", _ports_taken_message(taken))
     deployer = Account.create()
     buyers = [Account.create() for _ in range(BUYERS)]
     relays = [Account.create() for _ in range(RELAYS)]
@@ -250,6 +264,10 @@ def _start(workdir: Path, port_base: int) -> dict[str, Any]:
         "solana_mint_authority": _solana_keypair(solana_authority),
         "networks": {},
     }
+    if owned:
+        me = psutil.Process()
+        state["owner"] = {"pid": me.pid, "create_time": me.create_time(), "command": " ".join(me.cmdline()[:3])}
+    spawned_before = set(anvil.spawned_pids())
     try:
         for chain in LOCAL_CHAINS:
             port = ports[chain.network]
@@ -260,6 +278,7 @@ def _start(workdir: Path, port_base: int) -> dict[str, Any]:
                 cache_dir=workdir / "cache" / str(chain.chain_id),
                 log_file=workdir / f"anvil-{chain.chain_id}.log",
                 cwd=workdir,
+                die_with_parent=owned,
             )
             state["networks"][chain.network] = {
                 "name": chain.name,
@@ -273,7 +292,7 @@ def _start(workdir: Path, port_base: int) -> dict[str, Any]:
             }
             _write_json(workdir / "state.json", state, 0o600)  # recorded at once, so `down` can always stop it
         state["solana"] = _spawn_solana(
-            workdir, solana_port, solana_mint, solana_authority, solana_relay, solana_buyers
+            workdir, solana_port, solana_mint, solana_authority, solana_relay, solana_buyers, owned
         )
         _write_json(workdir / "state.json", state, 0o600)
         for chain in LOCAL_CHAINS:
@@ -292,22 +311,36 @@ def _start(workdir: Path, port_base: int) -> dict[str, Any]:
         state["complete"] = True
         _write_json(workdir / "state.json", state, 0o600)
     except anvil.AnvilError as exc:
-        _abort(workdir, state)
+        _abort(workdir, state, spawned_before)
         raise DevnetError(exc.code, exc.message) from None
-    except BaseException:
-        _abort(workdir, state)
+    except BaseException:  # also a stop signal in the middle (payintent dev's handler raises one)
+        _abort(workdir, state, spawned_before)
         raise
     return _summary(state)
 
 
-def _abort(workdir: Path, state: dict[str, Any]) -> None:
-    _stop_state(state)
+def _abort(workdir: Path, state: dict[str, Any], spawned_before: set[int]) -> None:
+    """Stop what this start-up recorded, and any process it spawned but had not recorded yet."""
+    stopped = set(_stop_state(state))
+    anvil.stop([pid for pid in anvil.spawned_pids() if pid not in spawned_before and pid not in stopped])
     (workdir / "state.json").unlink(missing_ok=True)
     (workdir / SOLANA_SETUP_FILE).unlink(missing_ok=True)
 
 
+def _ports_taken_message(taken: list[int]) -> str:
+    """Which ports are taken and by what; a devnet's own process is named as such, with how to stop it."""
+    holders = [anvil.describe_holder(port) for port in taken]
+    text = f"{', '.join(holders)} {'is' if len(taken) == 1 else 'are'} already in use on {anvil.HOST}"
+    if any("anvil" in h or "devnet.solana_rpc" in h for h in holders):
+        text += (
+            ": a payintent devnet left running (by `payintent devnet up`, or by a `payintent dev` that was killed); "
+            "`payintent devnet down` with its PAYINTENT_VAR_DIR stops it"
+        )
+    return text + "; stop what holds them or pass --port-base (PAYINTENT_DEVNET_PORT_BASE)"
+
+
 def _spawn_solana(
-    workdir: Path, port: int, mint: Keypair, authority: Keypair, relay: Keypair, buyers: list[Keypair]
+    workdir: Path, port: int, mint: Keypair, authority: Keypair, relay: Keypair, buyers: list[Keypair], owned: bool
 ) -> dict[str, Any]:
     """Start the Solana RPC; it creates the mint and funds the relay (SOL) and buyers (SOL, USDC) itself."""
     from devnet.solana_setup import setup_document
@@ -317,7 +350,7 @@ def _spawn_solana(
     setup_file = workdir / SOLANA_SETUP_FILE
     _write_json(setup_file, setup_document(mint, authority, accounts), 0o600)
     log = workdir / "solana-rpc.log"
-    spawned = solana_process.spawn(port=port, setup_file=setup_file, log_file=log, cwd=workdir)
+    spawned = solana_process.spawn(port=port, setup_file=setup_file, log_file=log, cwd=workdir, die_with_parent=owned)
     return {
         "name": solana_network.NAME,
         "network": solana_network.NETWORK,
@@ -433,6 +466,15 @@ def _chain_alive(chain: dict[str, Any]) -> bool:
 
 def _solana_alive(entry: dict[str, Any]) -> bool:
     return solana_process.is_ours(entry["pid"], entry.get("create_time"), entry["port"])
+
+
+def _owner_alive(owner: dict[str, Any]) -> bool:
+    """Whether the ``payintent dev`` that owns a devnet still runs (not a recycled pid)."""
+    try:
+        proc = psutil.Process(owner["pid"])
+        return proc.status() != psutil.STATUS_ZOMBIE and abs(proc.create_time() - owner.get("create_time", 0)) < 1.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, TypeError):
+        return False
 
 
 def _all_alive(state: dict[str, Any]) -> bool:

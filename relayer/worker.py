@@ -74,7 +74,7 @@ def run_pool(processes: int, argv: list[str]) -> int:
     """Supervise ``processes`` relayer processes (one job at a time each), restarting any that dies.
 
     Each job leases a free relay account of its chain, so N processes use up to N accounts of a
-    chain in parallel. SIGTERM/SIGINT stop them all.
+    chain in parallel. SIGTERM, SIGINT or SIGHUP stops them all.
     """
     import signal
     import subprocess
@@ -87,8 +87,8 @@ def run_pool(processes: int, argv: list[str]) -> int:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
     delays = [1.0] * processes
     try:
         while not stopping and any(child is not None for child in children):

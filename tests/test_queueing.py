@@ -1,18 +1,27 @@
-"""backend.queueing.work: a worker outlives a Redis restart that happens while it runs a job."""
+"""backend.queueing.work: a worker outlives a Redis restart that happens while it runs a job, and stops within
+seconds of a stop signal whatever it waits on."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from redis import Redis
 from rq import Queue
 from rq.job import JobStatus
 
 from backend.devstack import start_private_redis
+from backend.queueing import STOP_DEADLINE_SECONDS, STOP_GRACE_SECONDS
 
 WORKER = """
 import sys
@@ -55,3 +64,125 @@ def test_worker_survives_redis_restarting_mid_job_and_stops_on_sigterm(tmp_path:
         if worker.poll() is None:
             worker.kill()
         redis_proc.kill()
+
+
+# --- stopping: a stop signal stops the worker and the relayer within seconds, whatever they wait on ---------
+
+PAYINTENT = str(Path(sys.executable).with_name("payintent"))
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A short directory for a Redis unix socket (the path of one is limited to about 100 characters)."""
+    path = Path(tempfile.mkdtemp(prefix="rq-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _stderr_shows(path: Path, text: str) -> bool:
+    return text in path.read_text(errors="replace")
+
+
+@pytest.mark.parametrize(
+    ("command", "sig"),
+    [("worker", signal.SIGTERM), ("relayer", signal.SIGTERM), ("worker", signal.SIGINT), ("relayer", signal.SIGHUP)],
+    ids=lambda value: value.name if isinstance(value, signal.Signals) else value,
+)
+def test_a_stop_signal_stops_worker_and_relayer_while_redis_is_gone(
+    command: str, sig: signal.Signals, tmp_path: Path, short_dir: Path
+) -> None:
+    """They used to ignore SIGTERM for minutes, retrying a Redis that had gone (the stop landed in RQ's
+    loop, whose teardown then failed on Redis, and the retry loop waited for Redis with the signal spent)."""
+    from eth_account import Account
+
+    from backend.devstack import wait_registered
+    from tests.conftest import free_port
+
+    redis_proc, url = start_private_redis(short_dir)
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "CHAINS_FILE", "RELAY_KEYS_FILE")}
+    env |= {"PAYINTENT_VAR_DIR": str(tmp_path / "var"), "REDIS_URL": url, "LOG_FORMAT": "text", "LOG_LEVEL": "INFO"}
+    # The relayer needs keys to start: one fresh key for Base Sepolia, whose RPC does not answer (not needed here).
+    env |= {"RELAY_KEYS": json.dumps({"eip155:84532": [Account.create().key.hex()]}),
+            "BASE_SEPOLIA_RPC_URL": f"http://127.0.0.1:{free_port()}"}  # fmt: skip
+    stderr = tmp_path / "stderr"
+    with stderr.open("w") as err:
+        proc = subprocess.Popen([PAYINTENT, command], env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_registered(proc, url)
+        redis_proc.kill()  # Redis goes away
+        redis_proc.wait()
+        _until(lambda: _stderr_shows(stderr, "could not connect to Redis"))  # the worker noticed: it retries
+        proc.send_signal(sig)
+        started = time.monotonic()
+        code = proc.wait(timeout=STOP_DEADLINE_SECONDS + 10)
+        took = time.monotonic() - started
+        assert code == 0, stderr.read_text()[-3000:]  # a clean stop, not the deadline's forced exit
+        assert took < 5, took
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if redis_proc.poll() is None:
+            redis_proc.kill()
+
+
+JOB_WORKER = """
+import sys
+from redis import Redis
+from backend.queueing import work
+work(["drill"], Redis.from_url(sys.argv[1]), logging_level="DEBUG")
+"""
+
+
+def _start_job_worker(url: str, stderr: Path) -> subprocess.Popen[bytes]:
+    with stderr.open("w") as err:
+        return subprocess.Popen([sys.executable, "-c", JOB_WORKER, url], stderr=err)
+
+
+def test_a_stop_signal_lets_a_short_job_finish(short_dir: Path) -> None:
+    redis_proc, url = start_private_redis(short_dir)
+    worker = _start_job_worker(url, short_dir / "stderr")
+    try:
+        connection = Redis.from_url(url)
+        job = Queue("drill", connection=connection).enqueue("time.sleep", 1.5)
+        _until(lambda: job.get_status(refresh=True) == JobStatus.STARTED)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=STOP_GRACE_SECONDS + 10) == 0
+        assert job.get_status(refresh=True) == JobStatus.FINISHED  # it finished its step, then stopped
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        redis_proc.kill()
+
+
+@pytest.mark.parametrize("redis_gone", [False, True], ids=["redis-up", "redis-gone"])
+def test_a_stop_signal_interrupts_a_long_job_after_the_grace_period(short_dir: Path, redis_gone: bool) -> None:
+    """A job still running STOP_GRACE_SECONDS after the signal is interrupted (StopNow, which its own
+    ``except Exception`` does not swallow), also when Redis has gone meanwhile."""
+    redis_proc, url = start_private_redis(short_dir)
+    worker = _start_job_worker(url, short_dir / "stderr")
+    try:
+        connection = Redis.from_url(url)
+        job = Queue("drill", connection=connection).enqueue("tests.test_queueing.stubborn_job", 120, job_timeout=600)
+        _until(lambda: job.get_status(refresh=True) == JobStatus.STARTED)
+        if redis_gone:
+            redis_proc.kill()
+            redis_proc.wait()
+        worker.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert worker.wait(timeout=STOP_DEADLINE_SECONDS + 10) == 0, (short_dir / "stderr").read_text()[-3000:]
+        assert STOP_GRACE_SECONDS - 0.5 < time.monotonic() - started < STOP_GRACE_SECONDS + 4
+        if not redis_gone:
+            assert job.get_status(refresh=True) == JobStatus.FAILED
+            assert "StopNow" in (job.latest_result().exc_string or "")
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        redis_proc.kill()
+
+
+def stubborn_job(seconds: float) -> None:
+    """Sleeps, and carries on past any ordinary exception (as a retry loop would)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):  # the point: StopNow is not an Exception
+            time.sleep(0.1)

@@ -60,3 +60,32 @@ def test_rq_logs_follow_log_level(redis_url, tmp_path):
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         assert ("INFO rq.worker" in done.stderr) is logged, (level, done.stderr)
+
+
+def test_rq_job_lines_are_debug(redis_url, tmp_path):
+    """RQ's three or four lines per job (an idle `make run` printed about 80 per 30 s, scrolling the banner
+    away) are DEBUG: hidden at the default INFO, back with LOG_LEVEL=DEBUG. The worker's start stays INFO."""
+    import os
+    import subprocess
+
+    from tests.test_cli import PAYINTENT
+
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    env |= {"PAYINTENT_VAR_DIR": str(tmp_path / "var"), "REDIS_URL": redis_url, "LOG_FORMAT": "text"}
+    connection = Redis.from_url(redis_url)
+    per_job = ("Job OK", "Successfully completed", "result is kept", "deliver_webhooks()")
+    for level in ("INFO", "DEBUG"):
+        connection.flushdb()
+        assert len(enqueue_due(connection)) == len(PERIODIC)
+        done = subprocess.run(
+            [PAYINTENT, "worker", "--burst"], env={**env, "LOG_LEVEL": level}, capture_output=True, text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert Queue(DEFAULT_QUEUE, connection=connection).count == 0  # the jobs ran
+        assert "INFO rq.worker" in done.stderr and "started with PID" in done.stderr
+        job_lines = [line for line in done.stderr.splitlines() if any(text in line for text in per_job)]
+        if level == "INFO":
+            assert job_lines == [], done.stderr
+        else:
+            assert len(job_lines) >= 3 * len(PERIODIC) and all(" DEBUG rq." in line for line in job_lines)

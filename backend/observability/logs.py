@@ -1,12 +1,13 @@
 """Logs: one JSON object per line (or readable text), the request id on every line, secrets redacted.
 
 :func:`configure_logging` puts one handler on the root logger of the api, worker and relayer
-(``create_app`` calls it; gunicorn's and RQ's loggers propagate to it). Every record passes two
-filters on that handler: :class:`ContextFilter` adds the request id (the api request's, or the one
-an RQ job was enqueued with, so a settlement's relayer lines carry the /pay call's id) and
-:class:`RedactionFilter` scrubs what must never be written: API keys, webhook secrets, bearer
-tokens and Authorization values, passwords, URL credentials, and the literal secrets registered
-with :func:`register_secret` (relay keys, RPC URLs, which may embed a provider key).
+(``create_app`` calls it; gunicorn's and RQ's loggers propagate to it). Every record passes its
+filters: :class:`QuietRQFilter` makes RQ's per-job lines DEBUG, :class:`ContextFilter` adds the
+request id (the api request's, or the one an RQ job was enqueued with, so a settlement's relayer
+lines carry the /pay call's id) and :class:`RedactionFilter` scrubs what must never be written:
+API keys, webhook secrets, bearer tokens and Authorization values, passwords, URL credentials, and
+the literal secrets registered with :func:`register_secret` (relay keys, RPC URLs, which may embed
+a provider key).
 """
 
 from __future__ import annotations
@@ -144,6 +145,21 @@ class ContextFilter(logging.Filter):
         return True
 
 
+class QuietRQFilter(logging.Filter):
+    """RQ logs three or four INFO lines per job (taken, done, result kept), so an idle ``make run``, whose
+    worker runs a periodic job every 2 s, printed about 80 lines per 30 s. Those lines are DEBUG here: shown
+    with LOG_LEVEL=DEBUG (RQ's loggers then take DEBUG records), dropped otherwise. RQ's lines about the
+    worker itself (started, listening on, stopping) stay INFO, as do its warnings and errors."""
+
+    LIFECYCLE = frozenset({"bootstrap", "work", "handle_warm_shutdown_request", "check_for_suspension"})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or not record.name.startswith("rq.") or record.funcName in self.LIFECYCLE:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
 # --- formatters ----------------------------------------------------------------------------------
 
 
@@ -201,6 +217,7 @@ def make_handler(fmt: str = "json") -> logging.Handler:
         raise ValueError(f"LOG_FORMAT must be one of {', '.join(FORMATS)}, not {fmt!r}")
     handler = StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.addFilter(QuietRQFilter())
     handler.addFilter(ContextFilter())
     handler.addFilter(RedactionFilter())
     handler._payintent = True  # type: ignore[attr-defined]
