@@ -27,9 +27,9 @@ from payintent.client import PayIntentClient
 from payintent.paywall import Paywall
 
 
-def create_app(client: PayIntentClient, price: str) -> Flask:
+def create_app(client: PayIntentClient, price: str, origin: str | None = None) -> Flask:
     app = Flask(__name__)
-    paywall = Paywall(client)
+    paywall = Paywall(client, origin=origin)  # the origin buyers use: shown in 402s, named in tokens and proofs
 
     @app.get("/")
     def index() -> Any:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     key = os.environ.get("PAYINTENT_API_KEY") or demo.get("api_key")
     if not url or not key:
         raise SystemExit("paywalled_api: run `make run` first, or set PAYINTENT_URL and PAYINTENT_API_KEY")
-    app = create_app(PayIntentClient(url, key), args.price)
+    app = create_app(PayIntentClient(url, key), args.price, origin=f"http://127.0.0.1:{args.port}")
     print(f"selling GET http://127.0.0.1:{args.port}/report for {args.price} USDC (payintent at {url})", flush=True)
     app.run(host="127.0.0.1", port=args.port, threaded=True)
     return 0

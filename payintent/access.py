@@ -6,13 +6,15 @@ buyer who settled a payment an **access token** (an HMAC only the paywall can ma
 who lost that answer (a connection broken after paying) get a new one by **proving it holds the
 payer's key**: a signature over a fresh server challenge that names the resource.
 
-- Token: ``pa1.<base64url JSON {k, r, i, p, e}>.<base64url HMAC-SHA256>``: kind (``access``, or
-  ``claim`` for a payment still settling), resource key, intent id, payer, expiry (unix seconds).
+- Token: ``pa1.<base64url JSON {k, a, r, v, i, p, e}>.<base64url HMAC-SHA256>``: kind (``access``, or
+  ``claim`` for a payment still settling), audience (the paywall's name), resource key, price, intent
+  id, payer, expiry (unix seconds). A token is served only by a paywall of that name, for that
+  resource at that price.
 - Challenge: ``<unix seconds>.<base64url HMAC>`` bound to the resource key, valid for
   ``CHALLENGE_TTL`` seconds; stateless, so any paywall process sharing the secret accepts it.
 - Proof: the payer signs :func:`proof_message` (EVM: EIP-191 ``personal_sign``; Solana: ed25519
   over the UTF-8 bytes, base58 signature), sent as base64 JSON ``{intent_id, payer, challenge,
-  signature}`` (plus ``network`` and ``nonce`` of the EVM authorization, as hints).
+  signature, origin}`` (plus ``network`` and ``nonce`` of the EVM authorization, as hints).
 
 Every MAC carries its own label, so a token is never a valid challenge and the other way round.
 """
@@ -51,7 +53,7 @@ CHALLENGE_TTL = 120
 CHALLENGE_SKEW = 5
 MAX_TOKEN_CHARS = 2048
 _SECRET_LABEL = b"payintent paywall secret v1"
-_TOKEN_LABEL = b"payintent paywall token v1\x00"
+_TOKEN_LABEL = b"payintent paywall token v2\x00"  # v2: audience and price in the grant
 _CHALLENGE_LABEL = b"payintent paywall challenge v1\x00"
 
 
@@ -75,14 +77,17 @@ def resolve_secret(secret: str | bytes | None, api_key: str | None) -> bytes:
 
 @dataclass(frozen=True)
 class Grant:
-    """What a token says: ``kind`` access to ``resource`` (a resource key) bought by ``payer`` with
-    intent ``intent_id``, until ``expires`` (unix seconds)."""
+    """What a token says: ``kind`` access to ``resource`` (a resource key) of the paywall named
+    ``audience`` at ``price`` (USDC, as :func:`payintent.paywall_request.price_text` writes it), bought
+    by ``payer`` with intent ``intent_id``, until ``expires`` (unix seconds)."""
 
     kind: str
     resource: str
     intent_id: str
     payer: str
     expires: int
+    audience: str = ""
+    price: str = ""
 
 
 def _b64(raw: bytes) -> str:
@@ -103,12 +108,14 @@ class AccessKeys:
         return hmac.new(self._secret, label + message, hashlib.sha256).digest()
 
     def issue(self, grant: Grant) -> str:
-        body = {"k": grant.kind, "r": grant.resource, "i": grant.intent_id, "p": grant.payer, "e": grant.expires}
+        body = {"k": grant.kind, "a": grant.audience, "r": grant.resource, "v": grant.price,
+                "i": grant.intent_id, "p": grant.payer, "e": grant.expires}  # fmt: skip
         payload = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
         return f"{TOKEN_PREFIX}.{_b64(payload)}.{_b64(self._mac(_TOKEN_LABEL, payload))}"
 
-    def read(self, token: str, resource: str, now: float) -> Grant:
-        """The grant of a token made by this secret, for ``resource``, not expired at ``now``."""
+    def read(self, token: str, resource: str, now: float, *, audience: str = "", price: str = "") -> Grant:
+        """The grant of a token made by this secret for ``resource`` of the paywall ``audience`` at
+        ``price``, not expired at ``now``."""
         parts = token.strip().split(".") if isinstance(token, str) and len(token) <= MAX_TOKEN_CHARS else []
         if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
             raise AccessError("the access token is malformed")
@@ -120,11 +127,16 @@ class AccessKeys:
             raise AccessError("the access token is not valid")
         try:
             body = json.loads(payload)
-            grant = Grant(str(body["k"]), str(body["r"]), str(body["i"]), str(body["p"]), int(body["e"]))
-        except (ValueError, KeyError, TypeError):
+            grant = Grant(str(body["k"]), str(body["r"]), str(body["i"]), str(body["p"]), int(body["e"]),
+                          str(body["a"]), str(body["v"]))  # fmt: skip
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise AccessError("the access token is malformed") from None
+        if not hmac.compare_digest(grant.audience.encode(), audience.encode()):
+            raise AccessError("the access token is for another paywall")
         if not hmac.compare_digest(grant.resource.encode(), resource.encode()):
             raise AccessError("the access token is for another resource")
+        if not hmac.compare_digest(grant.price.encode(), price.encode()):
+            raise AccessError("the access token is for another price")
         if grant.expires <= now:
             raise AccessError("the access token has expired")
         return grant
@@ -149,11 +161,12 @@ class AccessKeys:
             raise AccessError("the proof's challenge has expired: ask for a new one (a request without payment)")
 
 
-def proof_message(resource_label: str, intent_id: str, payer: str, challenge: str) -> str:
-    """The text a payer signs to prove it paid: the resource ("GET /path?query"), the intent, itself
-    and the server's challenge."""
+def proof_message(resource_label: str, intent_id: str, payer: str, challenge: str, origin: str = "") -> str:
+    """The text a payer signs to prove it paid: the origin it asked (``https://shop.example``), the
+    resource ("GET /path?query", percent-encoded), the intent, itself and the server's challenge."""
     return (
         "payintent paywall: proof of payment\n"
+        f"origin: {origin}\n"
         f"resource: {resource_label}\n"
         f"intent: {intent_id}\n"
         f"payer: {payer}\n"
@@ -161,17 +174,20 @@ def proof_message(resource_label: str, intent_id: str, payer: str, challenge: st
     )
 
 
-def sign_evm_proof(account: Any, resource_label: str, intent_id: str, challenge: str) -> dict[str, str]:
+def sign_evm_proof(
+    account: Any, resource_label: str, intent_id: str, challenge: str, origin: str = ""
+) -> dict[str, str]:
     """A proof signed with an eth-account account (EIP-191), as the ``X-Payment-Proof`` JSON."""
     from eth_account.messages import encode_defunct
 
-    message = proof_message(resource_label, intent_id, account.address, challenge)
+    message = proof_message(resource_label, intent_id, account.address, challenge, origin)
     signature = account.sign_message(encode_defunct(text=message)).signature
     return {
         "intent_id": intent_id,
         "payer": account.address,
         "challenge": challenge,
         "signature": "0x" + bytes(signature).hex(),
+        "origin": origin,
     }
 
 
@@ -208,11 +224,15 @@ def read_proof(value: Mapping[str, Any]) -> dict[str, str]:
     fields = {}
     for name in ("intent_id", "payer", "challenge", "signature"):
         item = value.get(name)
-        if not isinstance(item, str) or not item or len(item) > 200:
-            raise AccessError(f"the proof needs {name} (a string)")
+        if not isinstance(item, str) or not item or len(item) > 200 or "\n" in item:
+            raise AccessError(f"the proof needs {name} (a string of one line)")
         fields[name] = item
     for name in ("network", "nonce"):
         item = value.get(name)
         if isinstance(item, str) and len(item) <= 200:
             fields[name] = item
+    origin = value.get("origin", "")
+    if not isinstance(origin, str) or len(origin) > 200 or "\n" in origin:
+        raise AccessError("the proof's origin must be a string")
+    fields["origin"] = origin
     return fields

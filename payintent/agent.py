@@ -36,13 +36,13 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from decimal import Decimal
 from typing import Any
-from urllib.parse import urlsplit
 
 import requests
 
 from payintent import access, jsonlimits, x402
 from payintent.client import choose_requirement
 from payintent.eip3009 import DEFAULT_VALIDITY_SECONDS, sign_authorization
+from payintent.paywall_request import canonical_origin, resource_label
 
 __all__ = ["KNOWN_USDC", "AssetNotAllowedError", "PayingAgent", "PaymentRequiredError", "SpendLimitError"]
 
@@ -191,7 +191,7 @@ class PayingAgent:
         url: str,
         headers: dict[str, str],
         pay_headers: dict[str, str],
-        prove: Callable[[str, str], str] | None,
+        prove: Callable[[str, str, str], str] | None,
         kwargs: dict[str, Any],
     ) -> requests.Response:
         """Get what a payment whose answer was lost bought: a proof signed with the payer's key over the
@@ -207,7 +207,7 @@ class PayingAgent:
                     return challenge
                 if not nonce or prove is None:  # not a payintent paywall, or nothing to prove: resend
                     break
-                proof = prove(_label(method, challenge.url or url), nonce)
+                proof = prove(method, challenge.url or url, nonce)
                 last = self.session.request(method, url, headers={**headers, x402.PAYMENT_PROOF: proof}, **kwargs)
                 if last.status_code != 503:
                     break
@@ -228,13 +228,14 @@ class PayingAgent:
 
     def _prover(
         self, requirement: Mapping[str, Any], payload: Mapping[str, Any], intent_id: str | None
-    ) -> Callable[[str, str], str] | None:
+    ) -> Callable[[str, str, str], str] | None:
         """Signs proofs of this payment (None when the payment named no intent: nothing to prove)."""
         if not intent_id:
             return None
 
-        def prove(label: str, challenge: str) -> str:
-            proof = access.sign_evm_proof(self.account, label, intent_id, challenge)
+        def prove(method: str, url: str, challenge: str) -> str:
+            label, origin = resource_label(method, url), canonical_origin(url)
+            proof = access.sign_evm_proof(self.account, label, intent_id, challenge, origin)
             proof.update({"network": str(requirement["network"]), "nonce": str(payload["nonce"])})
             return x402.encode_header(proof)
 
@@ -325,12 +326,6 @@ class PayingAgent:
             body["network"] = x402.v1_network(requirement["network"])
             body["payload"] = _nested(payload)
         return x402.PAYMENT, x402.encode_header(body), payload, intent_id
-
-
-def _label(method: str, url: str) -> str:
-    """What a proof names: ``GET /path?query`` (as the paywall computes it)."""
-    split = urlsplit(url)
-    return f"{method.upper()} {split.path}" + (f"?{split.query}" if split.query else "")
 
 
 def _nested(payload: Mapping[str, str]) -> dict[str, Any]:

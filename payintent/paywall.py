@@ -1,6 +1,6 @@
 """Charge for HTTP resources with x402: a Flask decorator and a WSGI middleware for resource servers.
 
-    paywall = Paywall(PayIntentClient("http://127.0.0.1:8000", "sk_test_..."))
+    paywall = Paywall(PayIntentClient("http://127.0.0.1:8000", "sk_test_..."), origin="https://api.example")
 
     @app.get("/report")
     @paywall.require("0.05", description="Today's report")
@@ -17,17 +17,23 @@ through ``/api/v1/x402/pay`` and, once paid, served with ``X-Payment-Response`` 
 Rules (the money-safety ones are marked *):
 
 - * Proof, not data: a paid resource is served again only to a request carrying the access token
-  the settlement returned (HMAC, bound to the method, path and query, short-lived), or a proof
-  signed with the payer's key over a fresh challenge of this paywall (``X-Payment-Proof``, within
-  ``recovery_seconds`` of paying). A settled payment presented again is *not* proof (its data is
-  public on chain): it gets a 402.
-- * A payment settles only an intent made for this method and path at this price; a payment
-  naming another route's intent gets a new 402.
-- One intent per route and price is shared by all 402s while it is pending and not close to expiry
-  (anonymous requests create no intents). A payment that names no intent (plain x402 v1 clients)
-  settles that shared intent. When another buyer took the intent first, an EVM authorization (it
-  names no intent) is settled on a fresh shared intent instead; a Solana transaction (its memo
-  names the intent) gets a 402 with a fresh intent, nothing charged.
+  the settlement returned (HMAC over this paywall's name, the method, route, path, query and price;
+  short-lived), or a proof signed with the payer's key over a fresh challenge of this paywall
+  (``X-Payment-Proof``, within ``recovery_seconds`` of paying, for the very resource the payment
+  bought). A settled payment presented again is *not* proof (its data is public on chain): a 402.
+- * Keys never come from the ``Host`` header: method, route, path and query are passed separately
+  (:mod:`payintent.paywall_request`); the middleware keys and prices by its configured route.
+- * A payment settles only an intent made for this route at this price; a payment naming another
+  route's intent gets a new 402.
+- * Nobody spends the merchant's API quota for free: a payment is checked offline first
+  (:mod:`payintent.paywall_verify`), a named intent must be one this paywall issued, and requests
+  that still need the API pass a budget per client and in all (429 / 503 with ``Retry-After``). An
+  API error is answered 503 with ``Retry-After``, never 500.
+- One intent per route (the Flask rule, e.g. ``/items/<int:n>``) and price is shared by all 402s
+  while it is pending and not close to expiry. A payment that names no intent (plain x402 v1
+  clients) settles that shared intent. When another buyer took the intent first, an EVM
+  authorization (it names no intent) is settled on a fresh shared intent instead; a Solana
+  transaction (its memo names the intent) gets a 402 with a fresh intent, nothing charged.
 - A settlement still running answers 503 with ``Retry-After`` and a claim token in
   ``X-Payment-Access``: retry with that header; it is never charged twice (one authorization
   settles once).
@@ -35,38 +41,44 @@ Rules (the money-safety ones are marked *):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from decimal import Decimal
 from functools import wraps
 from typing import Any
-from urllib.parse import urlsplit
 
 from payintent import access, x402
 from payintent.access import ACCESS, CLAIM, AccessError, AccessKeys, Grant
 from payintent.client import PayIntentClient, PayIntentError
+from payintent.paywall_request import (
+    PaidRequest,
+    canonical_origin,
+    canonical_path,
+    canonical_query,
+    display_url,
+    price_text,
+)
+from payintent.paywall_state import PATH_KEY, RESOURCE_KEY, Bounded, Budget, SharedIntents, client_key, parse_timestamp
+from payintent.paywall_verify import Refused, check_payment
 
-__all__ = ["Outcome", "Paywall", "PaywallMiddleware", "require_payment"]
+__all__ = ["PATH_KEY", "RESOURCE_KEY", "Outcome", "Paywall", "PaywallMiddleware", "require_payment"]
 
 log = logging.getLogger(__name__)
 
-RESOURCE_KEY = "paywall_resource"  # intent metadata: a digest of "<METHOD> <path>" (the route, no query)
-PATH_KEY = "paywall_path"  # intent metadata: the path, for people reading the dashboard
 SETTLING_RETRY_SECONDS = 5
+UNAVAILABLE_RETRY_SECONDS = 10
 DEFAULT_ACCESS_SECONDS = 300
 DEFAULT_RECOVERY_SECONDS = 120
 INTENT_MARGIN_SECONDS = 300  # a shared intent this close to expiry is replaced (buyers need time to pay)
 RECHECK_SECONDS = 15  # how often a shared intent's state is read again (another process may have settled it)
 CLAIM_SECONDS = 1800  # a claim token outlives any settlement (an intent lives 30 minutes)
 REROUTES = 2  # fresh intents an EVM authorization may be settled on after the named one was taken
-REMEMBERED_SETTLEMENTS = 4096
+REMEMBERED_SALES = 8192
+DEFAULT_REQUESTS_PER_MINUTE = 600  # requests that make API calls (each 1-3), for the whole paywall
+DEFAULT_REQUESTS_PER_MINUTE_PER_CLIENT = 60
 # /pay answers meaning "a settlement for this intent is still running".
 _SETTLING = frozenset({"PAYMENT_IN_PROGRESS", "SETTLEMENT_PENDING"})
 # /pay answers meaning "this intent takes no more payments" (someone else's settlement, or its end).
@@ -86,106 +98,28 @@ class Outcome:
         return json.dumps(self.body or {}, separators=(",", ":"), default=str).encode()
 
 
-def resource_key(method: str, path_and_query: str) -> str:
-    """The digest naming one resource (metadata values are capped at 500 characters)."""
-    return hashlib.sha256(f"{method.upper()} {path_and_query}".encode()).hexdigest()[:40]
-
-
 @dataclass(frozen=True)
-class _Request:
-    """One priced request: ``key`` names the exact resource (tokens), ``route`` its method and path
-    (intents), ``label`` is what a proof signs (``GET /path?query``)."""
+class _Sale:
+    """A payment this paywall settled (or saw start settling): the resource it bought, for whom, when."""
 
-    url: str
     key: str
-    route: str
-    path: str
-    label: str
-    price: Decimal
-    description: str
-
-    @classmethod
-    def of(cls, method: str, url: str, price: Decimal, description: str | None) -> _Request:
-        split = urlsplit(url)
-        target = split.path + (f"?{split.query}" if split.query else "")
-        return cls(
-            url=url,
-            key=resource_key(method, target),
-            route=resource_key(method, split.path),
-            path=split.path,
-            label=f"{method.upper()} {target}",
-            price=price,
-            description=description or f"{method.upper()} {split.path}",
-        )
-
-
-def _timestamp(text: Any) -> float | None:
-    try:
-        return datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
-    except (TypeError, ValueError):
-        return None
-
-
-class _SharedIntents:
-    """The pending intent each (route, price) shows in its 402s, created once and reused."""
-
-    def __init__(self, client: PayIntentClient, clock: Callable[[], float], margin: float, recheck: float) -> None:
-        self.client = client
-        self.clock = clock
-        self.margin = margin
-        self.recheck = recheck
-        self._lock = threading.Lock()
-        self._slot_locks: dict[tuple[str, Decimal], threading.Lock] = {}
-        self._intents: dict[tuple[str, Decimal], tuple[dict[str, Any], float]] = {}  # intent, last read
-
-    def current(self, request: _Request) -> dict[str, Any]:
-        slot = (request.route, request.price)
-        with self._lock:
-            slot_lock = self._slot_locks.setdefault(slot, threading.Lock())
-        with slot_lock:  # concurrent 402s for one route make one intent
-            cached = self._intents.get(slot)
-            now = self.clock()
-            if cached is not None and self._usable(cached[0], now):
-                intent, read_at = cached
-                if now - read_at < self.recheck:
-                    return intent
-                try:
-                    fresh = self.client.get_intent(str(intent["intent_id"]))
-                except PayIntentError as err:
-                    if not err.transient:
-                        raise
-                    return intent  # the API is busy: show the intent we have
-                if fresh.get("status") == "pending":
-                    self._intents[slot] = (fresh, now)
-                    return fresh
-            intent = self.client.create_intent(
-                request.price,
-                description=request.description[:500],
-                metadata={RESOURCE_KEY: request.route, PATH_KEY: request.path[:500]},
-            )
-            self._intents[slot] = (intent, now)
-            return intent
-
-    def _usable(self, intent: Mapping[str, Any], now: float) -> bool:
-        expires = _timestamp(intent.get("expires_at"))
-        return intent.get("status") == "pending" and expires is not None and expires - now > self.margin
-
-    def drop(self, request: _Request, intent_id: str) -> None:
-        """Stop showing ``intent_id`` (paid, being settled or closed); the next 402 gets a new one."""
-        slot = (request.route, request.price)
-        with self._lock:
-            cached = self._intents.get(slot)
-            if cached is not None and str(cached[0]["intent_id"]) == intent_id:
-                del self._intents[slot]
+    payer: str
+    at: float
+    receipt: Mapping[str, Any]
+    pending: bool = False
 
 
 class Paywall:
     """Decides, per request, between a 402 challenge and serving a paid resource.
 
     ``secret`` keys the access tokens (default: ``PAYINTENT_PAYWALL_SECRET``, else derived from the
-    client's API key, so every process of a deployment shares it); ``access_seconds`` is how long a
-    payment's token serves its resource; ``recovery_seconds`` how long after paying a payer may get
-    a new token with a signed proof; ``clock`` is injectable for tests.
+    client's API key, so every process of a deployment shares it); ``origin`` is the public
+    ``scheme://host`` of the resource server (shown in 402s, required in proofs); ``name`` the
+    paywall's name in its tokens (default: ``origin``; give each service selling with one merchant key
+    its own); ``access_seconds`` is how long a payment's token serves its resource;
+    ``recovery_seconds`` how long after paying a payer may get a new token with a signed proof;
+    ``requests_per_minute`` (all clients) and ``requests_per_minute_per_client`` bound the requests
+    that make API calls (0: no bound); ``clock`` is injectable for tests.
     """
 
     def __init__(
@@ -193,33 +127,86 @@ class Paywall:
         client: PayIntentClient,
         *,
         secret: str | bytes | None = None,
+        name: str | None = None,
+        origin: str | None = None,
         access_seconds: int = DEFAULT_ACCESS_SECONDS,
         recovery_seconds: int = DEFAULT_RECOVERY_SECONDS,
+        requests_per_minute: int = DEFAULT_REQUESTS_PER_MINUTE,
+        requests_per_minute_per_client: int = DEFAULT_REQUESTS_PER_MINUTE_PER_CLIENT,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if access_seconds < 1 or recovery_seconds < 0:
             raise ValueError("access_seconds must be positive and recovery_seconds not negative")
+        self.origin = canonical_origin(origin) if origin else ""
+        if origin and not self.origin:
+            raise ValueError(f"origin must be scheme://host[:port], not {origin!r}")
+        self.name = str(name) if name is not None else self.origin
         self.client = client
         self.access_seconds = int(access_seconds)
         self.recovery_seconds = int(recovery_seconds)
         self.clock = clock
         self.keys = AccessKeys(access.resolve_secret(secret, getattr(client, "api_key", None)))
-        self.intents = _SharedIntents(client, clock, INTENT_MARGIN_SECONDS, RECHECK_SECONDS)
-        self._settled_on: OrderedDict[tuple[str, str], str] = OrderedDict()  # (payer, nonce) -> intent id
-        self._settled_lock = threading.Lock()
+        self.intents = SharedIntents(client, clock, INTENT_MARGIN_SECONDS, RECHECK_SECONDS)
+        self.budget = Budget(requests_per_minute_per_client, requests_per_minute, clock)
+        self._sales: Bounded[str, _Sale] = Bounded(REMEMBERED_SALES)  # intent id -> what it bought
+        self._moved: Bounded[tuple[str, str], str] = Bounded(REMEMBERED_SALES)  # (payer, nonce) -> intent id
 
     # --- the decision ------------------------------------------------------------------------------
 
     def check(
         self,
         method: str,
-        url: str,
+        path: str,
+        query: str,
         headers: Mapping[str, str],
         amount_usdc: Decimal | str | int,
         description: str | None = None,
+        *,
+        route: str | None = None,
+        route_target: str | None = None,
+        url: str | None = None,
+        client: str = "",
     ) -> Outcome:
-        """The outcome for a request to ``url`` priced ``amount_usdc`` (``headers`` case-insensitive)."""
-        request = _Request.of(method, url, Decimal(str(amount_usdc)), description)
+        """The outcome for ``method path?query`` priced ``amount_usdc`` (``headers`` case-insensitive).
+
+        ``path`` is the decoded path the application sees (WSGI ``SCRIPT_NAME + PATH_INFO``) and
+        ``query`` the query string as sent; no URL, no host. ``route`` names the shared intent (the
+        route template; default: the path), ``route_target`` replaces the path in the resource key,
+        ``url`` is shown in 402s, ``client`` names the requester for the API budget."""
+        if not isinstance(path, str) or not isinstance(query, str):
+            raise TypeError("check() takes the path and the query string separately (strings), never a URL")
+        request = PaidRequest.make(
+            method, path, query, Decimal(str(amount_usdc)), audience=self.name, route=route,
+            route_target=route_target, url=url, description=description, client=client,
+        )  # fmt: skip
+        try:
+            return self._decide(request, headers)
+        except PayIntentError as err:  # the API refused or failed: the paywall cannot decide now
+            log.warning("paywall: the API answered %s; answering 503", err)
+            return _unavailable("The payment service is unavailable: retry later", UNAVAILABLE_RETRY_SECONDS)
+
+    def check_environ(
+        self,
+        environ: Mapping[str, Any],
+        amount_usdc: Decimal | str | int,
+        description: str | None = None,
+        *,
+        route: str | None = None,
+        route_target: str | None = None,
+    ) -> Outcome:
+        """:meth:`check` for a WSGI request: path, query, headers and client taken from ``environ``."""
+        path = str(environ.get("SCRIPT_NAME") or "") + str(environ.get("PATH_INFO") or "")
+        query = str(environ.get("QUERY_STRING") or "")
+        shown_query = canonical_query(query)
+        target = canonical_path(path) + (f"?{shown_query}" if shown_query else "")
+        headers = {k[5:].replace("_", "-"): str(v) for k, v in environ.items() if k.startswith("HTTP_")}
+        return self.check(
+            str(environ.get("REQUEST_METHOD") or "GET"), path, query, headers, amount_usdc, description,
+            route=route, route_target=route_target, url=display_url(dict(environ), target, self.origin),
+            client=client_key(environ.get("REMOTE_ADDR")),
+        )  # fmt: skip
+
+    def _decide(self, request: PaidRequest, headers: Mapping[str, str]) -> Outcome:
         lowered = {k.lower(): v for k, v in headers.items()}
         raw = lowered.get(x402.V2_PAYMENT.lower()) or lowered.get(x402.PAYMENT.lower())
         token = lowered.get(x402.PAYMENT_ACCESS.lower())
@@ -238,38 +225,85 @@ class Paywall:
             return self._challenge(request, f"Invalid payment header: {exc}")
         return self._pay(request, payment)
 
+    def _admit(self, request: PaidRequest) -> Outcome | None:
+        """None when ``request`` may make API calls, else the answer refusing it for now."""
+        refused = self.budget.take(request.client)
+        if refused is None:
+            return None
+        status, wait = refused
+        retry = max(1, int(wait + 0.999))
+        if status == 429:
+            return _unavailable("Too many payment requests from this client: retry later", retry, 429)
+        return _unavailable("The paywall is busy: retry later", retry)
+
     # --- paying ------------------------------------------------------------------------------------
 
-    def _pay(self, request: _Request, payment: dict[str, Any]) -> Outcome:
-        authorization = x402.authorization_of(payment)  # EVM: may be settled on another intent
-        payer = authorization[0] if authorization else _solana_payer(payment)
-        target: dict[str, Any] | None = None
-        intent_id = x402.intent_id_of(payment)
-        if intent_id:
-            named = self._intent_for(intent_id, request)
-            if named is None:
-                return self._challenge(request, "The payment names an intent for another resource or price")
-            if named.get("status") == "pending":
-                target = named
-            elif named.get("status") == "paid" and access.same_payer(named.get("buyer_address"), payer):
-                return self._challenge(request, _NOT_PROOF)  # a settled payment again (a replay, or a lost answer)
-            elif authorization is None:
-                return self._challenge(request, _taken(intent_id))
-        if target is None:
-            target = self.intents.current(request)
+    def _pay(self, request: PaidRequest, payment: dict[str, Any]) -> Outcome:
+        named = x402.intent_id_of(payment)
+        issued = self.intents.known(named, request) if named else None
+        shared = self.intents.current(request)
+        requirements = issued.requirements if issued else tuple(shared["payment_requirements"])
+        try:  # offline: a forged header costs nothing
+            checked = check_payment(payment, requirements, self.clock(), named)
+        except Refused as exc:
+            return self._challenge(request, f"Invalid payment: {exc}")
+        payer = checked.payer
+        moved = self._moved.get((payer.lower(), checked.nonce)) if checked.nonce is not None else None
+        if moved is not None:  # an authorization this paywall settled (or is settling) before
+            settling = self._sales.get(moved)
+            if settling is None or not settling.pending:
+                return self._challenge(request, _NOT_PROOF)
+            return self._settle(request, payment, moved, payer, checked.nonce)
+        if checked.memo_intent is not None:  # Solana: the transaction can pay only the intent its memo names
+            return self._pay_solana(request, payment, checked.memo_intent, payer)
+        # An authorization names no intent: one for an intent sold already (or not issued here) pays the shared one.
+        sold = self._sales.get(named) if issued and named else None
+        target_id = str(named) if issued and sold is None else str(shared["intent_id"])
+        return self._settle(request, payment, target_id, payer, checked.nonce)
+
+    def _pay_solana(self, request: PaidRequest, payment: dict[str, Any], target_id: str, payer: str) -> Outcome:
+        sold = self._sales.get(target_id)
+        if sold is not None:
+            return self._challenge(request, _NOT_PROOF if access.same_payer(sold.payer, payer) else _taken(target_id))
+        if self.intents.known(target_id, request) is not None:
+            return self._settle(request, payment, target_id, payer, None)
+        denied = self._admit(request)  # issued by another process, perhaps: ask the API
+        if denied is not None:
+            return denied
+        looked = self._intent_for(target_id, request)
+        if looked is None:
+            return self._challenge(request, "The payment names an intent for another resource or price")
+        if looked.get("status") != "pending":
+            mine = looked.get("status") == "paid" and access.same_payer(looked.get("buyer_address"), payer)
+            return self._challenge(request, _NOT_PROOF if mine else _taken(target_id))
+        return self._settle(request, payment, target_id, payer, None, admitted=True)
+
+    def _settle(
+        self,
+        request: PaidRequest,
+        payment: dict[str, Any],
+        target_id: str,
+        payer: str,
+        nonce: str | None,
+        *,
+        admitted: bool = False,
+    ) -> Outcome:
+        """Settle ``payment`` on ``target_id``; an EVM authorization (``nonce``) moves on to a fresh
+        shared intent when that one was taken by someone else."""
+        if not admitted:
+            denied = self._admit(request)
+            if denied is not None:
+                return denied
         signature = {k: v for k, v in payment.items() if k != "intent_id"}
         for attempt in range(REROUTES + 1):
-            target_id = str(target["intent_id"])
-            if authorization is not None:
-                self._remember(authorization, target_id)
             try:
                 result = self.client.settle(target_id, signature)
             except PayIntentError as err:
                 if err.code in _TAKEN:
                     self.intents.drop(request, target_id)
-                    if authorization is not None and attempt < REROUTES:
+                    if nonce is not None and attempt < REROUTES:
                         log.info("paywall: intent %s was taken (%s); settling on a fresh one", target_id, err.code)
-                        target = self.intents.current(request)
+                        target_id = str(self.intents.current(request)["intent_id"])
                         continue
                     if err.code == "PAYMENT_IN_PROGRESS":
                         return _settling("Another payment for this intent is settling: retry with the same payment")
@@ -277,34 +311,52 @@ class Paywall:
                     if access.same_payer(taken.get("buyer_address"), payer):  # this very payment, settled before
                         return self._challenge(request, _NOT_PROOF)
                     return self._challenge(request, _taken(target_id))
-                return self._refused(request, target_id, payer, err)
+                return self._refused(request, target_id, payer, nonce, err)
             self.intents.drop(request, target_id)
+            self._record(request, target_id, payer, nonce, result)
             return self._granted(request, result)
         raise AssertionError("unreachable")  # pragma: no cover - the loop always returns
 
-    def _refused(self, request: _Request, intent_id: str, payer: str | None, err: PayIntentError) -> Outcome:
-        if err.code == "SETTLEMENT_PENDING" and payer:
+    def _refused(
+        self, request: PaidRequest, intent_id: str, payer: str, nonce: str | None, err: PayIntentError
+    ) -> Outcome:
+        if err.code == "SETTLEMENT_PENDING":
             # This request's own payment holds the intent: its sender may collect it once paid.
-            claim = self.keys.issue(Grant(CLAIM, request.key, intent_id, payer, int(self.clock()) + CLAIM_SECONDS))
+            self._record(request, intent_id, payer, nonce, {"intent_id": intent_id}, pending=True)
+            claim = self.keys.issue(self._grant(CLAIM, request, intent_id, payer, int(self.clock()) + CLAIM_SECONDS))
             return _settling("The payment is settling: retry with this X-Payment-Access header", claim)
-        if err.code in _SETTLING or err.transient:
+        if err.code in _SETTLING or err.transient or err.status == 429:
             log.warning("paywall: settlement of %s not finished: %s", intent_id, err.code)
             return _settling("The payment is settling: retry with the same payment header")
         if err.code == "NONCE_ALREADY_USED":
             return self._challenge(request, _NOT_PROOF)
         return self._challenge(request, f"{err.code}: {err.message}")
 
-    def _remember(self, authorization: tuple[str, str], intent_id: str) -> None:
-        with self._settled_lock:
-            self._settled_on[(authorization[0].lower(), authorization[1].lower())] = intent_id
-            while len(self._settled_on) > REMEMBERED_SETTLEMENTS:
-                self._settled_on.popitem(last=False)
+    def _record(
+        self,
+        request: PaidRequest,
+        intent_id: str,
+        payer: str,
+        nonce: str | None,
+        result: Mapping[str, Any],
+        *,
+        pending: bool = False,
+    ) -> None:
+        """Remember a payment that settled (or is settling) here: never overwritten, except a pending
+        record by its completion; only after the API accepted it, so a forged header records nothing."""
+        if nonce is not None:
+            self._moved.put_new((payer.lower(), nonce.lower()), intent_id)
+        sale = _Sale(request.key, payer, self.clock(), dict(result), pending)
+        held = self._sales.put_new(intent_id, sale)
+        if held is not sale and held.pending and not pending and access.same_payer(held.payer, payer):
+            self._sales.put(intent_id, _Sale(held.key, payer, sale.at, dict(result)))
 
     # --- proof -------------------------------------------------------------------------------------
 
-    def _by_token(self, request: _Request, token: str) -> Outcome:
+    def _by_token(self, request: PaidRequest, token: str) -> Outcome:
         try:
-            grant = self.keys.read(token, request.key, self.clock())
+            price = price_text(request.price)
+            grant = self.keys.read(token, request.key, self.clock(), audience=self.name, price=price)
         except AccessError as err:
             return self._challenge(request, f"{err}: pay again, or prove an earlier payment with X-Payment-Proof")
         if grant.kind == ACCESS:
@@ -313,30 +365,50 @@ class Paywall:
             return self._collect(request, grant.intent_id, grant.payer, token)
         return self._challenge(request, "the access token is not valid")
 
-    def _by_proof(self, request: _Request, raw: str) -> Outcome:
+    def _by_proof(self, request: PaidRequest, raw: str) -> Outcome:
         try:
             proof = access.read_proof(x402.decode_header(raw))
             self.keys.check_challenge(proof["challenge"], request.key, self.clock())
         except (x402.HeaderError, AccessError) as err:
             return self._challenge(request, f"Invalid X-Payment-Proof: {err}")
-        message = access.proof_message(request.label, proof["intent_id"], proof["payer"], proof["challenge"])
+        if self.origin and proof["origin"] != self.origin:
+            return self._challenge(request, f"Invalid X-Payment-Proof: it is for another origin than {self.origin}")
+        message = access.proof_message(
+            request.label, proof["intent_id"], proof["payer"], proof["challenge"], proof["origin"]
+        )
         if not access.signed_by(proof["payer"], message, proof["signature"]):
             return self._challenge(request, "Invalid X-Payment-Proof: it is not signed by the payer's key")
         candidates = [proof["intent_id"]]
         if "nonce" in proof:  # the authorization may have been settled on a fresh intent (another buyer came first)
-            with self._settled_lock:
-                moved = self._settled_on.get((proof["payer"].lower(), proof["nonce"].lower()))
+            moved = self._moved.get((proof["payer"].lower(), proof["nonce"].lower()))
             if moved and moved not in candidates:
                 candidates.insert(0, moved)
-        outcomes = [self._collect(request, intent_id, proof["payer"]) for intent_id in candidates]
+        # Only intents this paywall sold or issued: a proof of anything else costs no API call.
+        known = [i for i in candidates if self._sales.get(i) is not None or self.intents.known(i, request)]
+        if not known:
+            return self._challenge(request, "No payment for this resource under that intent")
+        outcomes = [self._collect(request, intent_id, proof["payer"]) for intent_id in known]
         served = next((o for o in outcomes if o.paid), None)
-        return served or next((o for o in outcomes if o.status == 503), outcomes[0])
+        return served or next((o for o in outcomes if o.status != 402), outcomes[0])
 
-    def _collect(self, request: _Request, intent_id: str, payer: str, claim: str | None = None) -> Outcome:
+    def _collect(self, request: PaidRequest, intent_id: str, payer: str, claim: str | None = None) -> Outcome:
         """Serve ``payer``'s payment of ``intent_id`` (proven by a claim token or a signed proof).
 
         A claim names this exact resource and is collected within ``access_seconds`` of the payment;
-        a proof is checked against the route's intent only, so it is held to ``recovery_seconds``."""
+        a proof serves only the resource the payment bought, within ``recovery_seconds``."""
+        window = self.access_seconds if claim else self.recovery_seconds
+        sale = self._sales.get(intent_id)
+        if sale is not None and sale.key != request.key and not claim:
+            return self._challenge(request, "That payment bought another resource: pay for this one")
+        if sale is not None and not sale.pending:
+            if not access.same_payer(sale.payer, payer):
+                return self._challenge(request, "That intent was not paid by this payer")
+            if self.clock() > sale.at + window:
+                return self._challenge(request, "That payment is too old to recover access: pay again")
+            return self._granted(request, sale.receipt)
+        denied = self._admit(request)
+        if denied is not None:
+            return denied
         intent = self._intent_for(intent_id, request)
         if intent is None:
             return self._challenge(request, "No payment for this resource under that intent")
@@ -345,24 +417,27 @@ class Paywall:
             return _settling("The payment is settling: retry", claim)
         if status != "paid" or not access.same_payer(intent.get("buyer_address"), payer):
             return self._challenge(request, "That intent was not paid by this payer")
-        paid_at = _timestamp(intent.get("paid_at"))
-        window = self.access_seconds if claim else self.recovery_seconds
+        paid_at = parse_timestamp(intent.get("paid_at"))
         if paid_at is None or self.clock() > paid_at + window:
             return self._challenge(request, "That payment is too old to recover access: pay again")
-        return self._granted(
-            request,
-            {
-                "tx_hash": intent.get("tx_hash"),
-                "network": intent.get("chain"),
-                "buyer_address": intent.get("buyer_address"),
-                "intent_id": intent.get("intent_id"),
-            },
-        )
+        receipt = {
+            "tx_hash": intent.get("tx_hash"),
+            "network": intent.get("chain"),
+            "buyer_address": intent.get("buyer_address"),
+            "intent_id": intent.get("intent_id"),
+        }
+        # Settled by another process (or forgotten): the first resource proven for it here is the one it bought.
+        held = self._sales.put_new(intent_id, _Sale(request.key, payer, paid_at, receipt))
+        if held.pending:
+            self._sales.put(intent_id, _Sale(held.key, payer, paid_at, receipt))
+        if held.key != request.key:
+            return self._challenge(request, "That payment bought another resource: pay for this one")
+        return self._granted(request, receipt)
 
     # --- answers -----------------------------------------------------------------------------------
 
-    def _intent_for(self, intent_id: str, request: _Request) -> dict[str, Any] | None:
-        """The named intent if it was made for this route at this price (else None)."""
+    def _intent_for(self, intent_id: str, request: PaidRequest) -> dict[str, Any] | None:
+        """The named intent if it was made for this route at this price (else None). One API call."""
         try:
             intent = self.client.get_intent(intent_id)
         except PayIntentError as err:
@@ -370,11 +445,11 @@ class Paywall:
                 return None
             raise
         metadata = intent.get("metadata") or {}
-        if metadata.get(RESOURCE_KEY) != request.route or Decimal(str(intent.get("amount_usdc"))) != request.price:
+        if metadata.get(RESOURCE_KEY) != request.route_key or Decimal(str(intent.get("amount_usdc"))) != request.price:
             return None
         return intent
 
-    def _challenge(self, request: _Request, error: str) -> Outcome:
+    def _challenge(self, request: PaidRequest, error: str) -> Outcome:
         """402 with the route's shared intent's requirements in our, x402 v1 and x402 v2 shapes."""
         intent = self.intents.current(request)
         requirements = list(intent["payment_requirements"])
@@ -396,10 +471,13 @@ class Paywall:
         }
         return Outcome(False, 402, headers, body)
 
-    def _granted(self, request: _Request, result: Mapping[str, Any]) -> Outcome:
+    def _grant(self, kind: str, request: PaidRequest, intent_id: str, payer: str, expires: int) -> Grant:
+        return Grant(kind, request.key, intent_id, payer, expires, self.name, price_text(request.price))
+
+    def _granted(self, request: PaidRequest, result: Mapping[str, Any]) -> Outcome:
         receipt = x402.encode_header(x402.payment_response(result))
         expires = int(self.clock()) + self.access_seconds
-        grant = Grant(ACCESS, request.key, str(result.get("intent_id")), str(result.get("buyer_address")), expires)
+        grant = self._grant(ACCESS, request, str(result.get("intent_id")), str(result.get("buyer_address")), expires)
         headers = {
             x402.PAYMENT_RESPONSE: receipt,
             x402.V2_PAYMENT_RESPONSE: receipt,
@@ -412,13 +490,15 @@ class Paywall:
     # --- Flask -------------------------------------------------------------------------------------
 
     def require(self, amount_usdc: Decimal | str | int, *, description: str | None = None) -> Callable[..., Any]:
-        """Flask view decorator: serve the view only to requests that paid ``amount_usdc``."""
+        """Flask view decorator: serve the view only to requests that paid ``amount_usdc``. The shared
+        intent is the rule's (``/items/<int:n>``), a token is for the exact path and query."""
         from flask import Response, make_response, request
 
         def decorator(view: Callable[..., Any]) -> Callable[..., Any]:
             @wraps(view)
             def guarded(*args: Any, **kwargs: Any) -> Any:
-                outcome = self.check(request.method, request.url, request.headers, amount_usdc, description)
+                rule = request.url_rule.rule if request.url_rule is not None else None
+                outcome = self.check_environ(request.environ, amount_usdc, description, route=rule)
                 if not outcome.paid:
                     return Response(outcome.body_bytes(), outcome.status, outcome.headers, mimetype="application/json")
                 response = make_response(view(*args, **kwargs))
@@ -443,25 +523,17 @@ def _taken(intent_id: str) -> str:
     )
 
 
-def _solana_payer(payment: Mapping[str, Any]) -> str | None:
-    """The buyer of a Solana payment (the transaction's second signer), or None."""
-    payload = payment.get("payload")
-    if not isinstance(payload, Mapping) or "transaction" not in payload:
-        return None
-    from payintent import solana_tx
-
-    try:
-        keys = list(solana_tx.decode(payload["transaction"]).message.account_keys)
-    except solana_tx.SolanaTransactionError:
-        return None
-    return str(keys[1]) if len(keys) > 1 else None
-
-
 def _settling(message: str, claim: str | None = None) -> Outcome:
     headers = {"Retry-After": str(SETTLING_RETRY_SECONDS), "Cache-Control": "no-store"}
     if claim:
         headers[x402.PAYMENT_ACCESS] = claim
     return Outcome(False, 503, headers, {"error": "SETTLING", "message": message})
+
+
+def _unavailable(message: str, retry_after: int, status: int = 503) -> Outcome:
+    code = "RATE_LIMITED" if status == 429 else "PAYWALL_UNAVAILABLE"
+    headers = {"Retry-After": str(retry_after), "Cache-Control": "no-store"}
+    return Outcome(False, status, headers, {"error": code, "message": message})
 
 
 def require_payment(
@@ -475,7 +547,7 @@ def require_payment(
 ) -> Callable[..., Any]:
     """Flask view decorator: ``@require_payment("0.05")``. The merchant's client is ``client``, or one
     made from ``api_url``/``api_key`` (default: the ``PAYINTENT_URL`` and ``PAYINTENT_API_KEY``
-    environment variables); ``options`` go to :class:`Paywall` (``secret``, ``access_seconds``, ...)."""
+    environment variables); ``options`` go to :class:`Paywall` (``secret``, ``origin``, ...)."""
     import os
 
     if client is None:
@@ -487,35 +559,4 @@ def require_payment(
     return Paywall(client, **options).require(amount_usdc, description=description)
 
 
-class PaywallMiddleware:
-    """WSGI middleware charging for ``routes`` (``{"GET /report": "0.05"}``); other paths pass through."""
-
-    def __init__(self, app: Callable[..., Any], paywall: Paywall, routes: Mapping[str, Decimal | str | int]) -> None:
-        self.app = app
-        self.paywall = paywall
-        self.routes = {
-            route.split(" ", 1)[0].upper() + " " + route.split(" ", 1)[1]: price for route, price in routes.items()
-        }
-
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        from wsgiref.util import request_uri
-
-        method = str(environ.get("REQUEST_METHOD", "GET")).upper()
-        price = self.routes.get(f"{method} {environ.get('PATH_INFO', '')}")
-        if price is None:
-            return self.app(environ, start_response)  # type: ignore[no-any-return]
-        headers = {k[5:].replace("_", "-"): str(v) for k, v in environ.items() if k.startswith("HTTP_")}
-        outcome = self.paywall.check(method, request_uri(environ), headers, price)
-        if not outcome.paid:
-            body = outcome.body_bytes()
-            reason = "402 Payment Required" if outcome.status == 402 else f"{outcome.status} Service Unavailable"
-            start_response(
-                reason,
-                [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *outcome.headers.items()],
-            )
-            return [body]
-
-        def start_paid(status: str, response_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-            return start_response(status, [*response_headers, *outcome.headers.items()], exc_info)
-
-        return self.app(environ, start_paid)  # type: ignore[no-any-return]
+from payintent.paywall_wsgi import PaywallMiddleware  # noqa: E402  (re-exported: it uses Paywall)

@@ -143,7 +143,7 @@ def test_the_access_token_serves_again_and_the_settled_payment_does_not(shop_url
     replay = requests.get(f"{shop_url}/report", headers={"X-Payment": header}, timeout=30)
     assert replay.status_code == 402 and "not proof" in replay.json()["error"]
     elsewhere = requests.get(f"{shop_url}/premium", headers={"X-Payment": header}, timeout=30)
-    assert elsewhere.status_code == 402 and "another resource" in elsewhere.json()["error"]
+    assert elsewhere.status_code == 402 and "value must be 1000000" in elsewhere.json()["error"]  # /premium's price
     assert requests.get(f"{shop_url}/premium", headers={"X-Payment-Access": token}, timeout=30).status_code == 402
     assert payout(devnet, shop) == before and agent.spent_usdc == Decimal(PRICE)
 
