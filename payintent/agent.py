@@ -10,18 +10,25 @@ On a 402 it reads the requirements (our ``X-Payment-Required`` header, else x402
 before signing anything when the price is above ``max_per_call`` or would take the session past
 ``max_per_session``, picks a requirement on a network where the account holds enough USDC (read
 through ``rpc_urls``; without them, the first EVM requirement), signs an EIP-3009 authorization
-(fresh nonce, ``validBefore`` = now + 900 s, as the spec's agent flow asks) and sends
-the request again with the payment in the header the server asked in. It signs only for the USDC
-contracts in ``allowed_assets`` (default :data:`KNOWN_USDC`, Circle's USDC on the networks the
-service supports; pass the devnet's TestUSDC explicitly): any other asset raises
-:class:`AssetNotAllowedError` before anything is signed.
+(fresh nonce, ``validBefore`` = now + the requirement's ``maxTimeoutSeconds``, at least 60 s and at
+most 900 s) and sends the request again with the payment in the header the server asked in. It
+signs only for the USDC contracts in ``allowed_assets`` (default :data:`KNOWN_USDC`, Circle's USDC
+on the networks the service supports; pass the devnet's TestUSDC explicitly): any other asset
+raises :class:`AssetNotAllowedError` before anything is signed. An amount that is not a positive
+whole number of atomic units (``^[1-9][0-9]{0,30}$``) is refused the same way.
+
+The session cap bounds what a hostile server can take: an authorization once sent stays counted in
+``spent_usdc`` whatever the server answers (it may keep it and settle it later), until it can no
+longer be settled: its ``validBefore`` has passed and the chain shows it unused (with an RPC URL
+for its network), or, without one, a margin after ``validBefore`` on the agent's clock
+(:meth:`PayingAgent.release_expired`, also run when the cap would refuse a payment).
 
 After paying it never pays twice for one answer:
 
 - the access token a payintent paywall returns (``X-Payment-Access``) is kept and presented again
   for the same URL until it expires, so those reads cost nothing;
 - a 503 with ``Retry-After`` (settlement still running) is retried with the claim token it carries
-  (or the same payment, from other servers);
+  (or the same payment, from other servers), as is a 429 with ``Retry-After`` (waits capped at 30 s);
 - when the connection breaks after the payment was sent (or a retry finds it settled already), the
   agent proves it holds the payer's key: it signs the paywall's fresh challenge
   (``X-Payment-Access-Challenge`` of a new 402) into ``X-Payment-Proof`` and gets the resource and a
@@ -31,9 +38,15 @@ After paying it never pays twice for one answer:
 
 from __future__ import annotations
 
+import email.utils
+import logging
+import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC
 from decimal import Decimal
 from typing import Any
 
@@ -49,6 +62,20 @@ __all__ = ["KNOWN_USDC", "AssetNotAllowedError", "PayingAgent", "PaymentRequired
 ATOMIC = Decimal(10) ** 6
 SETTLING_RETRIES = 6
 RECOVERY_ATTEMPTS = 6
+MAX_RETRY_AFTER_SECONDS = 30  # a server asking for longer (or for nan, inf, a date years ahead) gets this
+_AMOUNT = re.compile(r"^[1-9][0-9]{0,30}\Z")
+_ADDRESS = re.compile(r"^0x[0-9a-fA-F]{40}\Z")
+AUTHORIZATION_STATE_ABI: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "name": "authorizationState",
+        "stateMutability": "view",
+        "inputs": [{"name": "authorizer", "type": "address"}, {"name": "nonce", "type": "bytes32"}],
+        "outputs": [{"name": "", "type": "bool"}],
+    }
+]
+
+log = logging.getLogger(__name__)
 # Circle's USDC contracts on the EVM networks the service supports (backend/chains/testnets.json).
 KNOWN_USDC: dict[str, tuple[str, ...]] = {
     "eip155:84532": ("0x036CbD53842c5426634e7929541eC2318f3dCF7e",),  # Base Sepolia
@@ -73,6 +100,27 @@ class AssetNotAllowedError(PaymentRequiredError):
     """The 402 asks for a token contract not in ``allowed_assets``; nothing was signed."""
 
 
+@dataclass(frozen=True)
+class _Sent:
+    """An authorization the agent sent: counted against the session cap until it can no longer settle."""
+
+    amount: int
+    network: str
+    asset: str
+    payer: str
+    nonce: str
+    valid_before: int
+
+
+def _amount_of(requirement: Mapping[str, Any]) -> int | None:
+    """A requirement's ``maxAmountRequired`` if it is a positive whole number of atomic units (<= 31 digits)."""
+    value = requirement.get("maxAmountRequired")
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        return None
+    text = str(value)
+    return int(text) if _AMOUNT.match(text) else None
+
+
 def _allowed(assets: Mapping[str, str | Iterable[str]]) -> dict[str, frozenset[str]]:
     return {
         network: frozenset(a.lower() for a in ([listed] if isinstance(listed, str) else listed))
@@ -82,6 +130,9 @@ def _allowed(assets: Mapping[str, str | Iterable[str]]) -> dict[str, frozenset[s
 
 class PayingAgent:
     """A ``requests``-like client (``get``, ``post``, ``request``) that pays 402s with an EVM account."""
+
+    min_validity_seconds = 60  # validBefore is at least this far ahead (the API wants 30 s left to settle)
+    expiry_margin_seconds = 60  # a sent authorization counts this long past validBefore (clocks, reorgs)
 
     def __init__(
         self,
@@ -112,6 +163,7 @@ class PayingAgent:
         self._clock = clock
         self._lock = threading.Lock()
         self._spent_atomic = 0  # settled or possibly settled (a payment sent counts until proven unpaid)
+        self._open: list[_Sent] = []  # sent, not known settled: counted until they expire unused
         self.payments: list[dict[str, Any]] = []
 
     @property
@@ -143,9 +195,17 @@ class PayingAgent:
         requirement = self._choose(requirements, response)
         amount = int(requirement["maxAmountRequired"])
         self._reserve(amount, response)
-        header_name, header_value, payload, intent_id = self._payment_header(
-            version, requirement, intent_id, v2_required
-        )
+        try:
+            header_name, header_value, payload, intent_id = self._payment_header(
+                version, requirement, intent_id, v2_required
+            )
+        except Exception as exc:  # nothing was sent: the reservation goes back
+            self._release(amount)
+            raise PaymentRequiredError(f"cannot pay this 402's requirement: {exc}", response) from None
+        sent = _Sent(amount, requirement["network"], str(requirement["asset"]), self.account.address,
+                     str(payload["nonce"]), int(payload["validBefore"]))  # fmt: skip
+        with self._lock:  # from here on, whatever the server says, it may hold the authorization
+            self._open.append(sent)
         pay_headers = {**headers, header_name: header_value}
         try:
             paid, taken = self._send_payment(method, url, headers, pay_headers, kwargs)
@@ -154,14 +214,18 @@ class PayingAgent:
         if taken and (paid is None or paid.status_code == 402):  # paid, but the answer was lost
             proof = self._prover(requirement, payload, intent_id)
             paid = self._recover(method, url, headers, pay_headers, proof, kwargs)
-        if paid.status_code == 402:
-            if not taken:
-                self._release(amount)  # refused: the authorization was not settled
+        if paid.status_code == 402:  # still counted: a refusal is the server's word, not the chain's
             raise PaymentRequiredError(f"the server refused the payment: {_error_of(paid)}", paid)
         receipt_header = paid.headers.get(x402.PAYMENT_RESPONSE) or paid.headers.get(x402.V2_PAYMENT_RESPONSE)
-        receipt = x402.decode_header(receipt_header) if receipt_header else None
+        try:
+            receipt = x402.decode_header(receipt_header) if receipt_header else None
+        except x402.HeaderError:
+            receipt = None
         paid.payment = receipt  # type: ignore[attr-defined]
         if receipt is not None:
+            with self._lock:  # settled: spent for good
+                if sent in self._open:
+                    self._open.remove(sent)
             self.payments.append({**receipt, "url": url, "amount_atomic": amount})
         self._keep(slot, paid)
         return paid
@@ -175,12 +239,12 @@ class PayingAgent:
         Returns the last answer and whether the payment may have been taken (a 503 was seen)."""
         paid = self.session.request(method, url, headers=pay_headers, **kwargs)
         taken = False
-        for _ in range(SETTLING_RETRIES):  # still settling: never a new payment
-            if paid.status_code != 503 or "Retry-After" not in paid.headers:
+        for _ in range(SETTLING_RETRIES):  # still settling, or busy: never a new payment
+            if paid.status_code not in (429, 503) or "Retry-After" not in paid.headers:
                 break
             taken = True
             claim = paid.headers.get(x402.PAYMENT_ACCESS)
-            self._sleep(float(paid.headers.get("Retry-After") or 1))
+            self._sleep(_retry_after(paid.headers.get("Retry-After"), self._clock()))
             retry = {**headers, x402.PAYMENT_ACCESS: claim} if claim else pay_headers
             paid = self.session.request(method, url, headers=retry, **kwargs)
         return paid, taken
@@ -209,9 +273,9 @@ class PayingAgent:
                     break
                 proof = prove(method, challenge.url or url, nonce)
                 last = self.session.request(method, url, headers={**headers, x402.PAYMENT_PROOF: proof}, **kwargs)
-                if last.status_code != 503:
+                if last.status_code not in (429, 503):
                     break
-                self._sleep(float(last.headers.get("Retry-After") or 1))
+                self._sleep(_retry_after(last.headers.get("Retry-After"), self._clock()))
             except requests.RequestException as exc:
                 error = exc
                 self._sleep(1)
@@ -266,6 +330,13 @@ class PayingAgent:
         ]
         if not evm:
             raise PaymentRequiredError("the 402 offers no EVM exact requirement this agent can pay", response)
+        evm = [r for r in evm if _amount_of(r) is not None and _ADDRESS.match(str(r.get("payTo", "")))]
+        if not evm:
+            raise PaymentRequiredError(
+                "the 402's EVM requirements have no valid maxAmountRequired (a positive whole number of atomic "
+                "units) and payTo (an address): nothing was signed",
+                response,
+            )
         allowed = [r for r in evm if str(r.get("asset", "")).lower() in self.allowed_assets.get(r["network"], ())]
         if not allowed:
             offered = ", ".join(f"{r.get('asset')} on {r['network']}" for r in evm)
@@ -274,7 +345,7 @@ class PayingAgent:
             )
         evm = allowed
         cheapest = min(int(r["maxAmountRequired"]) for r in evm)
-        self._check_caps(cheapest, response)
+        self._within_caps(cheapest, response, reserve=False)
         if not self.rpc_urls:
             return evm[0]
         options = {"balance_of": self._balance_of} if self._balance_of else {}
@@ -292,25 +363,86 @@ class PayingAgent:
             )
 
     def _reserve(self, amount: int, response: requests.Response) -> None:
-        with self._lock:  # concurrent calls cannot together pass the session cap
-            self._check_caps(amount, response)
-            self._spent_atomic += amount
+        self._within_caps(amount, response, reserve=True)
+
+    def _within_caps(self, amount: int, response: requests.Response, *, reserve: bool) -> None:
+        """Check the caps (and reserve ``amount``); when the session cap refuses, first stop counting
+        the authorizations that can no longer settle."""
+        for attempt in range(2):
+            try:
+                with self._lock:  # concurrent calls cannot together pass the session cap
+                    self._check_caps(amount, response)
+                    if reserve:
+                        self._spent_atomic += amount
+                return
+            except SpendLimitError:
+                if attempt or not self.release_expired():
+                    raise
+
+    def release_expired(self) -> Decimal:
+        """Stop counting sent authorizations that can no longer be settled; returns how much (USDC).
+
+        One is released once its ``validBefore`` has passed on the agent's clock and, with an RPC URL
+        for its network, the chain's newest block is ``expiry_margin_seconds`` past ``validBefore`` with
+        the authorization unused; without one, once the agent's clock is that margin past it. One the
+        chain shows used stays counted for good."""
+        now = self._clock()
+        with self._lock:
+            due = [sent for sent in self._open if sent.valid_before <= now]
+        released = 0
+        for sent in due:
+            verdict = self._unusable(sent, now)
+            with self._lock:
+                if verdict is None or sent not in self._open:
+                    continue
+                self._open.remove(sent)
+                if verdict:
+                    self._spent_atomic -= sent.amount
+                    released += sent.amount
+        return Decimal(released) / ATOMIC
+
+    def _unusable(self, sent: _Sent, now: float) -> bool | None:
+        """True: it can never settle; False: it did (spent); None: not known yet."""
+        rpc_url = self.rpc_urls.get(sent.network)
+        deadline = sent.valid_before + self.expiry_margin_seconds
+        if not rpc_url:
+            return True if now > deadline else None
+        try:
+            from web3 import Web3
+
+            w3 = Web3(Web3.HTTPProvider(rpc_url, request_kwargs={"timeout": 10}, exception_retry_configuration=None))
+            block = w3.eth.get_block("latest")
+            token = w3.eth.contract(address=Web3.to_checksum_address(sent.asset), abi=AUTHORIZATION_STATE_ABI)
+            used = token.functions.authorizationState(
+                Web3.to_checksum_address(sent.payer), bytes.fromhex(sent.nonce.removeprefix("0x"))
+            ).call(block_identifier=block["number"])
+        except Exception as exc:  # an unreachable chain decides nothing: it stays counted
+            log.warning("cannot read authorization %s on %s: %s", sent.nonce, sent.network, exc)
+            return None
+        if used:
+            return False
+        return True if int(block["timestamp"]) > deadline else None
 
     def _release(self, amount: int) -> None:
         with self._lock:
             self._spent_atomic -= amount
+
+    def _validity(self, requirement: Mapping[str, Any]) -> int:
+        """How long the authorization is valid: the requirement's maxTimeoutSeconds, within the floor and 900 s."""
+        timeout = requirement.get("maxTimeoutSeconds")
+        text = str(timeout) if isinstance(timeout, int | str) and not isinstance(timeout, bool) else ""
+        seconds = int(text) if text.isdigit() and len(text) < 8 else DEFAULT_VALIDITY_SECONDS
+        return max(self.min_validity_seconds, min(seconds, DEFAULT_VALIDITY_SECONDS))
 
     def _payment_header(
         self, version: int, requirement: dict[str, Any], intent_id: str | None, v2_required: dict[str, Any] | None
     ) -> tuple[str, str, dict[str, Any], str | None]:
         """(header name, value, the signed payload, the intent it names)."""
         payload = sign_authorization(
-            self.account, requirement, now=int(self._clock()), valid_for=DEFAULT_VALIDITY_SECONDS
+            self.account, requirement, now=int(self._clock()), valid_for=self._validity(requirement)
         )
         if version == 2 and v2_required is not None:
-            accepted = next(
-                a for a in v2_required["accepts"] if x402.caip2_network(str(a["network"])) == requirement["network"]
-            )
+            accepted = next(a for a in v2_required["accepts"] if _same_requirement(a, requirement))
             body = {
                 "x402Version": 2,
                 "payload": _nested(payload),
@@ -326,6 +458,37 @@ class PayingAgent:
             body["network"] = x402.v1_network(requirement["network"])
             body["payload"] = _nested(payload)
         return x402.PAYMENT, x402.encode_header(body), payload, intent_id
+
+
+def _same_requirement(entry: Mapping[str, Any], requirement: Mapping[str, Any]) -> bool:
+    """Whether a v2 ``accepts`` entry is the requirement the agent signed (network, asset, payTo, amount)."""
+    try:
+        mapped = x402.from_v2_accepts(entry)
+    except (KeyError, TypeError, AttributeError):
+        return False
+    return (
+        mapped.get("network") == requirement.get("network")
+        and str(mapped.get("asset", "")).lower() == str(requirement.get("asset", "")).lower()
+        and str(mapped.get("payTo", "")).lower() == str(requirement.get("payTo", "")).lower()
+        and mapped.get("maxAmountRequired") == str(requirement.get("maxAmountRequired"))
+    )
+
+
+def _retry_after(value: str | None, now: float) -> float:
+    """Seconds to wait from a ``Retry-After`` (seconds or an HTTP date), within 0..MAX_RETRY_AFTER_SECONDS;
+    1 for anything unreadable (nan, inf, garbage)."""
+    text = (value or "").strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+            seconds = (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp() - now
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return 1.0
+    if not math.isfinite(seconds):
+        return 1.0
+    return min(max(seconds, 0.0), float(MAX_RETRY_AFTER_SECONDS))
 
 
 def _nested(payload: Mapping[str, str]) -> dict[str, Any]:

@@ -3,6 +3,7 @@ over HTTP, the devnet and a relayer: money moves once, only for the resource, wi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any
@@ -179,13 +180,17 @@ def test_spend_caps_refuse_before_anything_is_signed(shop_url, merchant_client, 
     assert sum(after.values()) - sum(before.values()) == 2 * ATOMIC
 
 
-def test_a_refused_payment_is_reported_and_not_counted(shop_url, devnet, shop):
+def test_a_refused_payment_stays_counted_until_it_can_no_longer_settle(shop_url, devnet, shop):
     broke = Account.create()  # no USDC anywhere, and no RPC URLs to find that out before signing
-    agent = agent_for(broke, devnet, max_per_call="1")
+    now = [time.time()]
+    agent = agent_for(broke, devnet, max_per_call="1", clock=lambda: now[0])
     with pytest.raises(PaymentRequiredError, match="refused the payment") as refused:
         agent.get(f"{shop_url}/report")
     assert refused.value.response is not None and refused.value.response.status_code == 402
-    assert agent.spent_usdc == 0
+    # A refusal is the server's word: a server may keep the signed authorization and settle it later.
+    assert agent.spent_usdc == Decimal(PRICE) and agent.release_expired() == 0
+    now[0] += 120 + agent.expiry_margin_seconds + 1  # past validBefore (maxTimeoutSeconds 120) and the margin
+    assert agent.release_expired() == Decimal(PRICE) and agent.spent_usdc == 0
 
 
 def test_bad_payment_headers_get_a_clear_402(shop_url):
