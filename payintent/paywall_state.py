@@ -119,9 +119,9 @@ class SharedIntents:
                 try:
                     fresh = self.client.get_intent(str(intent["intent_id"]))
                 except PayIntentError as err:
-                    if not err.transient:
+                    if not (err.transient or err.status == 429):
                         raise
-                    return intent  # the API is busy: show the intent we have
+                    return intent  # the API is busy or the key's quota used up: show the intent we have
                 if fresh.get("status") == "pending":
                     self._intents.put(slot, (fresh, now))
                     return fresh
