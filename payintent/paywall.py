@@ -150,6 +150,7 @@ class Paywall:
         self.budget = Budget(requests_per_minute_per_client, requests_per_minute, clock)
         self._sales: Bounded[str, _Sale] = Bounded(REMEMBERED_SALES)  # intent id -> what it bought
         self._moved: Bounded[tuple[str, str], str] = Bounded(REMEMBERED_SALES)  # (payer, nonce) -> intent id
+        self._paid: Bounded[str, dict[str, Any]] = Bounded(REMEMBERED_SALES)  # intents read as paid (final)
 
     # --- the decision ------------------------------------------------------------------------------
 
@@ -406,7 +407,10 @@ class Paywall:
             if self.clock() > sale.at + window:
                 return self._challenge(request, "That payment is too old to recover access: pay again")
             return self._granted(request, sale.receipt)
-        denied = self._admit(request)
+        shown = self.intents.shown(request)
+        if sale is None and not claim and shown is not None and str(shown.get("intent_id")) == intent_id:
+            return self._challenge(request, "No payment for this resource under that intent")  # it is unpaid here
+        denied = self._admit(request) if self._paid.get(intent_id) is None else None
         if denied is not None:
             return denied
         intent = self._intent_for(intent_id, request)
@@ -437,13 +441,18 @@ class Paywall:
     # --- answers -----------------------------------------------------------------------------------
 
     def _intent_for(self, intent_id: str, request: PaidRequest) -> dict[str, Any] | None:
-        """The named intent if it was made for this route at this price (else None). One API call."""
-        try:
-            intent = self.client.get_intent(intent_id)
-        except PayIntentError as err:
-            if err.status in (400, 404):
-                return None
-            raise
+        """The named intent if it was made for this route at this price (else None). One API call, none
+        for an intent read as paid before (that is final)."""
+        intent = self._paid.get(intent_id)
+        if intent is None:
+            try:
+                intent = self.client.get_intent(intent_id)
+            except PayIntentError as err:
+                if err.status in (400, 404):
+                    return None
+                raise
+            if intent.get("status") == "paid":
+                self._paid.put(intent_id, intent)
         metadata = intent.get("metadata") or {}
         if metadata.get(RESOURCE_KEY) != request.route_key or Decimal(str(intent.get("amount_usdc"))) != request.price:
             return None

@@ -96,8 +96,9 @@ def test_a_route_with_a_path_parameter_shares_one_intent(merchant_client):  # no
     assert held(paywall) <= 2  # nothing kept per path
 
 
-def junk_requests(base: str, session: requests.Session) -> Iterator[requests.Response]:
-    """What an attacker sends for free: random intent ids, garbage authorizations, self-signed proofs."""
+def junk_requests(base: str, session: requests.Session, shared: str) -> Iterator[requests.Response]:
+    """What an attacker sends for free: random intent ids, garbage authorizations, self-signed proofs (of
+    random intents, and of the route's unpaid intent that every 402 shows)."""
     stranger = Account.create()
     for i in range(40):
         named = {"x402Version": 1, "scheme": "exact", "network": SEPOLIA, "intent_id": f"pi_{uuid.uuid4().hex}"}
@@ -108,7 +109,7 @@ def junk_requests(base: str, session: requests.Session) -> Iterator[requests.Res
                                "signature": "0x" + "11" * 65}}  # fmt: skip
         yield session.get(f"{base}/report", headers={"X-Payment": x402.encode_header(garbage)}, timeout=30)
         challenge = session.get(f"{base}/report", timeout=30).headers["X-Payment-Access-Challenge"]
-        proof = sign_evm_proof(stranger, "GET /report", f"pi_{uuid.uuid4().hex}", challenge)
+        proof = sign_evm_proof(stranger, "GET /report", shared if i % 2 else f"pi_{uuid.uuid4().hex}", challenge)
         proof["nonce"] = "0x" + f"{i:064x}"
         yield session.get(f"{base}/report", headers={"X-Payment-Proof": x402.encode_header(proof)}, timeout=30)
 
@@ -122,7 +123,7 @@ def test_forged_payments_and_proofs_cost_no_api_call(api_url, shop, devnet):
         for base in serve(shop_app(paywall)):
             shared = challenge_of(f"{base}/report")["intent_id"]
             start = len(client.calls)
-            statuses = {r.status_code for r in junk_requests(base, session)}
+            statuses = {r.status_code for r in junk_requests(base, session, shared)}
             spent = [c for c in client.calls[start:] if c != f"GET /x402/intents/{shared}"]  # (the 15 s re-read)
             assert statuses == {402} and spent == [], (statuses, spent)
             paid = send(f"{base}/report", evm_payment(buyer, challenge_of(f"{base}/report")))
