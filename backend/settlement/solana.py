@@ -94,7 +94,18 @@ def prepare_transaction(
         raise APIError(400, "PAYER_IS_RECIPIENT", "The payer is the merchant's own wallet")
     if payer == fee_payer:
         raise APIError(400, "VALIDATION_ERROR", "payer: the relay cannot pay", fields={"payer": ["is the relay"]})
-    relaybudget.check(intent.merchant_id, network, settings)  # before any RPC: a refused merchant costs nothing
+    # Before any RPC (a refused merchant costs nothing), and with the least this transaction costs the relay:
+    # advisory (no lock; /pay decides), it never refuses what /pay would admit.
+    least = 2 * stx.LAMPORTS_PER_SIGNATURE + stx.priority_fee(stx.COMPUTE_UNIT_LIMIT, stx.COMPUTE_UNIT_PRICE)
+    relaybudget.admit(
+        intent.merchant_id,
+        network,
+        settings,
+        cost=least,
+        open_settlements=services.count_open(intent.merchant_id, network.network),
+        open_cost=relaybudget.max_settlement_cost(network, settings),
+        endpoint=relaybudget.PREPARE,
+    )
     chain = solana_chain(network)
     amount = int(requirement["maxAmountRequired"])
     try:

@@ -76,8 +76,10 @@ class Pay(MethodView):
         INVALID_PAYLOAD / RECIPIENT_MISMATCH / AMOUNT_MISMATCH / ASSET_MISMATCH (v2 accepted.asset) /
         AUTHORIZATION_NOT_YET_VALID / AUTHORIZATION_EXPIRED / INVALID_SIGNATURE (400),
         SETTLEMENT_FAILED (402, with `reason`), RELAY_BUDGET_EXHAUSTED (429, with `Retry-After`: the
-        merchant's budget for network fees paid by the relay on this network is used up for the
-        rolling window; nothing was claimed or sent), CHAIN_UNAVAILABLE (503),
+        merchant's budget for network fees paid by the relay on this network has no room for this payment,
+        counting what its payments still settling may cost; nothing was claimed or sent),
+        TOO_MANY_OPEN_SETTLEMENTS (429, with `Retry-After`: the merchant has MAX_OPEN_SETTLEMENTS payments
+        settling on this network), CHAIN_UNAVAILABLE (503),
         SETTLEMENT_PENDING (504: still settling; read the intent).
         Solana adds FEE_PAYER_MISMATCH / FEE_PAYER_MISUSED / DISALLOWED_INSTRUCTION / INVALID_TRANSACTION /
         ASSET_MISMATCH / COMPUTE_BUDGET_TOO_HIGH / BLOCKHASH_EXPIRED (400) and PAYEE_ACCOUNT_MISSING (409:
@@ -105,6 +107,7 @@ class SolanaTransaction(MethodView):
         (Associated Token CreateIdempotent) with the payer paying its rent: `creates_payee_account`
         is true and `payer_pays_lamports` is the rent. A payer with less SOL than that gets
         PAYER_NEEDS_SOL (402). The relay never pays rent. Also: SETTLEMENT_FAILED (402, the USDC
-        balance is too low), RELAY_BUDGET_EXHAUSTED (429, see /pay), CHAIN_UNAVAILABLE (503).
+        balance is too low), RELAY_BUDGET_EXHAUSTED and TOO_MANY_OPEN_SETTLEMENTS (429, see /pay),
+        CHAIN_UNAVAILABLE (503).
         """
         return ok(solana_transaction(load_payable_intent(current_merchant_id(), intent_id), args))

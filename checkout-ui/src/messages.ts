@@ -79,6 +79,11 @@ function describeApi(error: ApiError, networkName: string): Problem {
         title: `This shop cannot take more payments on ${networkName} right now`,
         detail: `${NOTHING_PAID} Choose another network, or try again later.`,
       };
+    case "TOO_MANY_OPEN_SETTLEMENTS":
+      return {
+        title: `This shop has many payments on ${networkName} still settling`,
+        detail: `${NOTHING_PAID} Try again in ${error.retryAfter ?? 30} seconds, or choose another network.`,
+      };
     case "PAYER_NEEDS_SOL":
       return { title: "Not enough SOL in your wallet", detail: `${sentence(error.message)} ${NOTHING_PAID}` };
     case "RATE_LIMITED":
