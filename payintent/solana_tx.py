@@ -13,9 +13,10 @@ version-0 message without address lookup tables whose fee payer is the service's
 5. Memo (no accounts) carrying the intent id
 
 Signers are exactly [relay (fee payer), buyer]; the relay appears in no instruction's accounts,
-so its signature pays the fee and authorises nothing else. The relay therefore never pays an
-account's rent: the buyer does, once, when a payment opens the merchant's account (the buyer is
-then a writable signer; otherwise read-only). The fee the relay pays is
+so its signature pays the fee and authorises nothing else. The account list is exactly the
+accounts these instructions use, each once, and only the two USDC accounts are writable
+non-signers. The relay therefore never pays an account's rent: the buyer does, when a payment
+opens the merchant's account (the buyer is then a writable signer; otherwise read-only). The fee the relay pays is
 ``transaction_fee(message)``, at most MAX_TRANSACTION_FEE lamports.
 """
 
@@ -309,6 +310,21 @@ def check_payment(
                 "the only account instruction allowed is CreateIdempotent of the merchant's USDC account, "
                 "funded by the buyer",
             )
+
+    # Exactly the payment's accounts, each once, writable only where the payment writes. Defence in depth: a
+    # duplicate fails on chain (AccountLoadedTwice) and an unreferenced account costs the relay nothing today,
+    # but the relay signs nothing it has not read in full.
+    wanted = {relay, payer, source, destination, asset, TOKEN_PROGRAM, MEMO_PROGRAM, COMPUTE_BUDGET_PROGRAM}
+    if create_ix:
+        wanted |= {Pubkey.from_string(requirement["payTo"]), SYSTEM_PROGRAM, ASSOCIATED_TOKEN_PROGRAM}
+    if len(set(keys)) != len(keys):
+        raise SolanaTransactionError("INVALID_TRANSACTION", "an account is listed twice")
+    if set(keys) != wanted:
+        raise SolanaTransactionError("INVALID_TRANSACTION", "the transaction lists accounts the payment does not use")
+    if set(keys[2 : len(keys) - header.num_readonly_unsigned_accounts]) != {source, destination}:
+        raise SolanaTransactionError(
+            "INVALID_TRANSACTION", "only the buyer's and the merchant's USDC accounts may be writable (besides signers)"
+        )
 
     buyer_signature = tx.signatures[1]
     if buyer_signature == Signature.default() or not buyer_signature.verify(payer, to_bytes_versioned(message)):
