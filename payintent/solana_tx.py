@@ -53,6 +53,8 @@ LAMPORTS_PER_SIGNATURE = 5_000
 MAX_PRIORITY_FEE = (MAX_COMPUTE_UNIT_PRICE * MAX_COMPUTE_UNIT_LIMIT + 999_999) // 1_000_000  # lamports: 500
 MAX_TRANSACTION_FEE = 2 * LAMPORTS_PER_SIGNATURE + MAX_PRIORITY_FEE
 TOKEN_ACCOUNT_SIZE = 165  # bytes of an SPL token account: its rent is what opening one costs
+# Lamports that rent is on the Solana clusters: (165 + 128 bytes) x 3,480 lamports a byte-year x 2 years.
+TOKEN_ACCOUNT_RENT = 2_039_280
 MAX_TRANSACTION_BYTES = 1232
 _TRANSFER_CHECKED = 12
 _CREATE_IDEMPOTENT = bytes([1])
