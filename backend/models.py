@@ -6,7 +6,7 @@ from backend.idempotency.models import IdempotencyRecord
 from backend.intents.models import Intent
 from backend.merchants.models import ApiKey, Merchant, Wallet
 from backend.relaybudget.models import RelaySpend
-from backend.settlement.models import Settlement
+from backend.settlement.models import PayeeAccount, Settlement
 from backend.webhooks.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "IdempotencyRecord",
     "Intent",
     "Merchant",
+    "PayeeAccount",
     "PendingReveal",
     "RelaySpend",
     "Settlement",

@@ -158,11 +158,13 @@ def service_env(workdir: Path, drop: tuple[str, ...] = (), **values: str) -> dic
     """The environment of a service process the benchmark starts: this one's without SERVICE_VARS and
     `drop`, with quiet logs, unbuffered output, a var dir under `workdir`, and `values`.
 
-    Rate limits and relay budgets are off: one merchant pays thousands of times, beyond a day's budget."""
+    Rate limits, relay budgets and the cap on a merchant's open settlements are off: one merchant pays
+    thousands of times, beyond a day's budget, many at once."""
     env = {k: v for k, v in os.environ.items() if k not in SERVICE_VARS and k not in drop}
     env.update(LOG_LEVEL="WARNING", PAYINTENT_VAR_DIR=str(workdir / "var"), PYTHONUNBUFFERED="1",
                SECRET_KEY=secrets.token_hex(32), API_RATE_LIMIT_PER_KEY="0", API_RATE_LIMIT_PER_IP="0",
-               RELAY_BUDGET_EVM="unlimited", RELAY_BUDGET_SOLANA="unlimited", **values)  # fmt: skip
+               RELAY_BUDGET_EVM="unlimited", RELAY_BUDGET_SOLANA="unlimited", MAX_OPEN_SETTLEMENTS="0",
+               **values)  # fmt: skip
     return env
 
 

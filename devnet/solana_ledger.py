@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -43,6 +44,7 @@ from solders.transaction_metadata import (
 )
 
 from devnet.base58 import b58encode
+from devnet.solana_network import ledger_genesis_hash
 from devnet.solana_token import parse_mint, parse_token_account, ui_token_amount
 
 MAX_PROCESSING_AGE = 150  # a blockhash is valid for this many blocks after its own (Agave's constant)
@@ -121,6 +123,7 @@ class Ledger:
     def __init__(self, *, slot_seconds: float = SLOT_SECONDS) -> None:
         self.slot_seconds = slot_seconds
         self.faucet = Keypair()
+        self.genesis_hash = ledger_genesis_hash(os.urandom(32))  # this ledger's: a new one is a new chain
         self._lock = threading.RLock()
         self._svm = LiteSVM().with_blockhash_check(False)
         self._started = int(time.time())

@@ -14,7 +14,7 @@ from pathlib import Path
 import requests
 
 from devnet import anvil
-from devnet.solana_network import DEVNET_GENESIS_HASH
+from devnet.solana_network import is_local_genesis
 
 MODULE = "devnet.solana_rpc"
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,8 @@ def spawn(
 
 
 def wait_ready(url: str, pid: int, mint: str, log_file: Path, timeout: float = 30.0) -> None:
-    """Until the RPC answers with Solana devnet's genesis hash and the mint exists (setup runs before it listens)."""
+    """Until the RPC answers with a local ledger's genesis hash (Solana devnet's CAIP-2 id) and the mint exists
+    (setup runs before it listens)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not anvil.is_alive(pid):
@@ -55,7 +56,7 @@ def wait_ready(url: str, pid: int, mint: str, log_file: Path, timeout: float = 3
                 raise anvil.AnvilError("PORT_IN_USE", f"{url}: the port is already in use")
             raise anvil.AnvilError("SOLANA_RPC_FAILED", f"the Solana RPC exited at start-up; see {log_file}: {tail}")
         try:
-            if anvil.rpc(url, "getGenesisHash", timeout=0.5) == DEVNET_GENESIS_HASH:
+            if is_local_genesis(anvil.rpc(url, "getGenesisHash", timeout=0.5)):
                 if anvil.rpc(url, "getAccountInfo", [mint, {"encoding": "base64"}], timeout=2)["value"] is not None:
                     return
                 raise anvil.AnvilError("SOLANA_RPC_FAILED", f"the Solana RPC on {url} has no USDC mint {mint}")

@@ -10,8 +10,9 @@ isBlockhashValid, getAccountInfo, getMultipleAccounts, getBalance, getTokenAccou
 getTokenAccountsByOwner, getMinimumBalanceForRentExemption, getFeeForMessage,
 getRecentPrioritizationFees, simulateTransaction, sendTransaction, getSignatureStatuses,
 getTransaction, requestAirdrop, getSlot, getBlockHeight, getEpochInfo, getHealth, getVersion,
-getGenesisHash (Solana devnet's, so the CAIP-2 id ``solana:EtWTRABZaYq6iMfeYKouRu166VU2xqa1``
-matches), also ``GET /health``. Batches and CORS (for browser wallets) are supported.
+getGenesisHash (Solana devnet's first 32 characters, so the CAIP-2 id
+``solana:EtWTRABZaYq6iMfeYKouRu166VU2xqa1`` matches, and a tail new at each start: a ledger started
+again is a new chain), also ``GET /health``. Batches and CORS (for browser wallets) are supported.
 
 Non-standard, for tests only: ``devnet_expireBlockhashes`` makes every blockhash handed out so
 far stale and returns a fresh ``{blockhash, lastValidBlockHeight, slot}``.
@@ -61,7 +62,6 @@ from devnet.solana_ledger import (
     TransactionRejected,
     describe_error,
 )
-from devnet.solana_network import DEVNET_GENESIS_HASH
 from devnet.solana_token import TOKEN_PROGRAMS, parse_token_account, ui_token_amount
 
 API_VERSION = "2.2.0"  # the Agave RPC whose shapes this follows
@@ -185,7 +185,7 @@ def get_version(ledger: Ledger, params: Params) -> Any:
 
 @method("getGenesisHash")
 def get_genesis_hash(ledger: Ledger, params: Params) -> Any:
-    return DEVNET_GENESIS_HASH
+    return ledger.genesis_hash
 
 
 @method("getSlot")

@@ -213,7 +213,7 @@ def _solana_status(entry: dict[str, Any] | None) -> dict[str, Any] | None:
     mint_exists = reachable = False
     if alive:
         try:
-            if anvil.rpc(entry["rpc_url"], "getGenesisHash", timeout=1) == solana_network.DEVNET_GENESIS_HASH:
+            if solana_network.is_local_genesis(anvil.rpc(entry["rpc_url"], "getGenesisHash", timeout=1)):
                 slot = anvil.rpc(entry["rpc_url"], "getSlot", timeout=1)
                 mint = anvil.rpc(entry["rpc_url"], "getAccountInfo", [entry["usdc_mint"], {"encoding": "base64"}])
                 mint_exists = mint["value"] is not None

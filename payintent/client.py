@@ -284,14 +284,22 @@ class PayIntentClient:
         account: Any,
         rpc_urls: Mapping[str, str] | None = None,
         max_attempts: int = 3,
+        max_rent_lamports: int | None = None,
     ) -> dict[str, Any]:
-        """Pay an intent with ``account`` (an eth-account ``LocalAccount`` or a private key).
+        """Pay an intent with ``account`` (an eth-account ``LocalAccount`` or a private key, or a solders
+        ``Keypair`` for Solana).
 
         Returns the settlement: ``{tx_hash, settled_at, amount_usdc, network, intent_id,
         buyer_address}``. If the intent turns out to be paid already (``ALREADY_PAID``, or a read
         after a failed call), that payment's data is returned: compare ``buyer_address`` if it
         matters who paid. ``rpc_urls`` (default: the client's) names the networks the account may
         pay on. ``max_attempts`` bounds the ``/pay`` calls (each with a fresh nonce).
+
+        Solana: a payment to a merchant whose USDC account does not exist opens it, and the payer
+        pays its rent (about 0.00204 SOL) besides the USDC. The settlement a Solana payment returns
+        says ``payer_pays_lamports`` (0, or that rent); ``max_rent_lamports`` caps it: a payment
+        that would cost the payer more is not signed (``PayIntentError`` ``RENT_ABOVE_LIMIT``;
+        ``0``: never pay a merchant's rent). None: no cap.
         """
         from eth_account import Account
 
@@ -327,15 +335,17 @@ class PayIntentClient:
                 if outcome.get("status") == "paid":
                     return paid_result(outcome)
                 log.info("intent %s still pending after %s; paying again (attempt %d)", intent_id, last_error, attempt)
+            rent: int | None = None
             if solana_signer is not None:
-                payload = self._sign_solana(intent_id, requirement, solana_signer)
+                payload, rent = self._sign_solana(intent_id, requirement, solana_signer, max_rent_lamports)
             else:
                 payload = sign_authorization(
                     signer, requirement, now=int(self._clock()), valid_for=DEFAULT_VALIDITY_SECONDS
                 )
             signature = {"scheme": "exact", "network": requirement["network"], "x402Version": 1, "payload": payload}
             try:
-                return self.settle(intent_id, signature)
+                settled = self.settle(intent_id, signature)
+                return settled if rent is None else {**settled, "payer_pays_lamports": rent}
             except PayIntentError as err:
                 if err.code == "ALREADY_PAID":
                     return paid_result(self.get_intent(intent_id))
@@ -355,11 +365,16 @@ class PayIntentClient:
         body = {"intent_id": intent_id, "payment_signature": dict(payment_signature)}
         return self._request("POST", "/x402/pay", body=body, timeout=self.pay_timeout)
 
-    def _sign_solana(self, intent_id: str, requirement: Mapping[str, Any], keypair: Any) -> dict[str, Any]:
-        """Fetch the transaction the service built for this payer, check it, and sign it as the buyer.
+    def _sign_solana(
+        self, intent_id: str, requirement: Mapping[str, Any], keypair: Any, max_rent_lamports: int | None = None
+    ) -> tuple[dict[str, Any], int]:
+        """Fetch the transaction the service built for this payer, check it, and sign it as the buyer;
+        returns the payload and the lamports the payer pays besides the USDC and nothing of the fee.
 
-        A first payment to the merchant's USDC account also opens the account, the buyer paying its
-        rent (about 0.00204 SOL; the answer's ``payer_pays_lamports``): the rules allow exactly that."""
+        A payment to a merchant whose USDC account does not exist also opens the account, the buyer
+        paying its rent: the rules allow exactly that, and the transaction shows it. The rent is at
+        least ``TOKEN_ACCOUNT_RENT`` whatever the answer's ``payer_pays_lamports`` says; above
+        ``max_rent_lamports`` the transaction is not signed (``RENT_ABOVE_LIMIT``)."""
         from payintent import solana_tx
 
         built = self._request(
@@ -371,8 +386,19 @@ class PayIntentClient:
         fee_payer = str((requirement.get("extra") or {}).get("feePayer") or built["fee_payer"])
         # Sign only what the rules allow (exact amount, the merchant's account, the relay as fee payer only).
         signed = solana_tx.sign_as(tx, keypair)
-        solana_tx.check_payment(signed, dict(requirement), intent_id, fee_payer)
-        return {"transaction": solana_tx.encode(signed)}
+        payment = solana_tx.check_payment(signed, dict(requirement), intent_id, fee_payer)
+        rent = 0
+        if payment.creates_payee_account:  # what the transaction does, not what the answer says
+            rent = max(int(built.get("payer_pays_lamports") or 0), solana_tx.TOKEN_ACCOUNT_RENT)
+        if max_rent_lamports is not None and rent > max_rent_lamports:
+            raise PayIntentError(
+                None,
+                "RENT_ABOVE_LIMIT",
+                f"this payment opens the merchant's USDC account: the payer would pay its rent of {rent} lamports, "
+                f"above max_rent_lamports={max_rent_lamports}; nothing was signed",
+                {"payer_pays_lamports": rent},
+            )
+        return {"transaction": solana_tx.encode(signed)}, rent
 
     def _await_outcome(self, intent_id: str) -> dict[str, Any] | None:
         """Read the intent now, then poll while it is pending (bounded). ``None``: never readable.

@@ -13,9 +13,10 @@ version-0 message without address lookup tables whose fee payer is the service's
 5. Memo (no accounts) carrying the intent id
 
 Signers are exactly [relay (fee payer), buyer]; the relay appears in no instruction's accounts,
-so its signature pays the fee and authorises nothing else. The relay therefore never pays an
-account's rent: the buyer does, once, when a payment opens the merchant's account (the buyer is
-then a writable signer; otherwise read-only). The fee the relay pays is
+so its signature pays the fee and authorises nothing else. The account list is exactly the
+accounts these instructions use, each once, and only the two USDC accounts are writable
+non-signers. The relay therefore never pays an account's rent: the buyer does, when a payment
+opens the merchant's account (the buyer is then a writable signer; otherwise read-only). The fee the relay pays is
 ``transaction_fee(message)``, at most MAX_TRANSACTION_FEE lamports.
 """
 
@@ -52,6 +53,8 @@ LAMPORTS_PER_SIGNATURE = 5_000
 MAX_PRIORITY_FEE = (MAX_COMPUTE_UNIT_PRICE * MAX_COMPUTE_UNIT_LIMIT + 999_999) // 1_000_000  # lamports: 500
 MAX_TRANSACTION_FEE = 2 * LAMPORTS_PER_SIGNATURE + MAX_PRIORITY_FEE
 TOKEN_ACCOUNT_SIZE = 165  # bytes of an SPL token account: its rent is what opening one costs
+# Lamports that rent is on the Solana clusters: (165 + 128 bytes) x 3,480 lamports a byte-year x 2 years.
+TOKEN_ACCOUNT_RENT = 2_039_280
 MAX_TRANSACTION_BYTES = 1232
 _TRANSFER_CHECKED = 12
 _CREATE_IDEMPOTENT = bytes([1])
@@ -309,6 +312,21 @@ def check_payment(
                 "the only account instruction allowed is CreateIdempotent of the merchant's USDC account, "
                 "funded by the buyer",
             )
+
+    # Exactly the payment's accounts, each once, writable only where the payment writes. Defence in depth: a
+    # duplicate fails on chain (AccountLoadedTwice) and an unreferenced account costs the relay nothing today,
+    # but the relay signs nothing it has not read in full.
+    wanted = {relay, payer, source, destination, asset, TOKEN_PROGRAM, MEMO_PROGRAM, COMPUTE_BUDGET_PROGRAM}
+    if create_ix:
+        wanted |= {Pubkey.from_string(requirement["payTo"]), SYSTEM_PROGRAM, ASSOCIATED_TOKEN_PROGRAM}
+    if len(set(keys)) != len(keys):
+        raise SolanaTransactionError("INVALID_TRANSACTION", "an account is listed twice")
+    if set(keys) != wanted:
+        raise SolanaTransactionError("INVALID_TRANSACTION", "the transaction lists accounts the payment does not use")
+    if set(keys[2 : len(keys) - header.num_readonly_unsigned_accounts]) != {source, destination}:
+        raise SolanaTransactionError(
+            "INVALID_TRANSACTION", "only the buyer's and the merchant's USDC accounts may be writable (besides signers)"
+        )
 
     buyer_signature = tx.signatures[1]
     if buyer_signature == Signature.default() or not buyer_signature.verify(payer, to_bytes_versioned(message)):

@@ -1,7 +1,8 @@
 """Solana settlement in the relayer: co-sign the checked buyer transaction as fee payer, send, confirm.
 
 The relay pays the transaction fee and nothing else (no account rent: a payment that must open the
-merchant's USDC account opens it in the buyer's transaction, funded by the buyer).
+merchant's USDC account opens it in the buyer's transaction, funded by the buyer, and not again on a
+chain where payments already landed in it: ``backend.settlement.solana``).
 
 The relay's ed25519 signature over the same message is always the same, so the transaction id
 is known before sending: it is recorded first (``mark_submitted``), then the transaction is sent.
@@ -21,7 +22,7 @@ from backend.chains.registry import Network
 from backend.chains.solana import SolanaChain, SolanaRpcError
 from backend.settlement import models as st
 from backend.settlement import services
-from backend.settlement.solana import finish_from_chain
+from backend.settlement.solana import finish_from_chain, payee_account_closed
 from payintent import solana_tx as stx
 
 log = logging.getLogger(__name__)
@@ -71,14 +72,15 @@ def settle(
         log.error("settlement %s: refusing to co-sign (%s)", settlement.id, exc)
         services.fail_settlement(settlement.id, exc.code, f"the relay refused the transaction: {exc}")
         return "refused-by-relay"
-    if not payment.creates_payee_account and (
-        chain.token_balance(str(associated_account(settlement.pay_to, network.usdc_address))) is None
-    ):
-        # Closed since /pay checked it: sent now, the transaction would fail and still cost the relay its fee.
+    missing = chain.token_balance(str(associated_account(settlement.pay_to, network.usdc_address))) is None
+    # Closed since /pay checked it. Sent now, a transaction that does not open it would fail and still cost the
+    # relay its fee; one that opens it would make this buyer pay the rent the merchant already took back once
+    # (payments landed in it on this chain): neither is sent.
+    closed = missing and payee_account_closed(chain, network.network, settlement.pay_to)
+    if missing and (closed or not payment.creates_payee_account):
         if settlement.status == st.PENDING and not settlement.tx_hash:  # never signed by the relay: cannot land
-            services.fail_settlement(
-                settlement.id, "PAYEE_ACCOUNT_MISSING", "the merchant's USDC account was closed before settlement"
-            )
+            code = "PAYEE_ACCOUNT_CLOSED" if closed else "PAYEE_ACCOUNT_MISSING"
+            services.fail_settlement(settlement.id, code, "the merchant's USDC account was closed before settlement")
         return "payee-account-missing"  # else an earlier send may still land: the reconciler decides
     tx = stx.sign_as(tx, relay)
     signature = str(tx.signatures[0])

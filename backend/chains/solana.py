@@ -7,6 +7,7 @@ or Solana devnet by URL. Errors become :class:`SolanaRpcError` (whose text never
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ class SolanaChain:
         self._session = requests.Session()
         self._session.trust_env = False
         self._rent: dict[int, int] = {}
+        self._genesis: tuple[float, str] | None = None
 
     def call(self, method: str, params: list[Any] | None = None) -> Any:
         body = {"jsonrpc": "2.0", "id": next(_ids), "method": method, "params": params or []}
@@ -60,6 +62,19 @@ class SolanaChain:
             error = answer["error"] if isinstance(answer["error"], dict) else {"message": str(answer["error"])}
             raise SolanaRpcError(f"{method}: {error.get('message')}", error.get("code"), error.get("data"))
         return answer.get("result")
+
+    GENESIS_CACHE_SECONDS = 60.0
+
+    def genesis_hash(self) -> str:
+        """The chain's genesis hash: which chain this is. Read at most once a minute: it never changes on a
+        cluster, but a local ledger started again (``solana-test-validator --reset``, the devnet under a kept
+        ``var/``) is a new chain with a new one."""
+        if self._genesis is None or time.monotonic() - self._genesis[0] > self.GENESIS_CACHE_SECONDS:
+            genesis = self.call("getGenesisHash")
+            if not isinstance(genesis, str) or not genesis:
+                raise SolanaRpcError("getGenesisHash: malformed answer")
+            self._genesis = (time.monotonic(), genesis)
+        return self._genesis[1]
 
     def latest_blockhash(self) -> Blockhash:
         value = self.call("getLatestBlockhash", [{"commitment": "confirmed"}])["value"]

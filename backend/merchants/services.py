@@ -169,6 +169,9 @@ def set_wallet(merchant_id: str, network_id: str, address: str, registry: ChainR
         normalized = normalize_address(network.kind, address)
     except AddressError as exc:
         raise MerchantError("INVALID_ADDRESS", f"address {exc}") from None
+    reserved = service_addresses(registry, network.kind).get(normalized)
+    if reserved:
+        raise MerchantError("ADDRESS_NOT_ALLOWED", f"address {normalized} is {reserved}, not a wallet that can be paid")
     wallet = db.session.scalar(select(Wallet).where(Wallet.merchant_id == merchant_id, Wallet.network == network_id))
     if wallet is None:
         wallet = Wallet(merchant_id=merchant_id, network=network_id, address=normalized)
@@ -177,6 +180,38 @@ def set_wallet(merchant_id: str, network_id: str, address: str, registry: ChainR
         wallet.address = normalized
     db.session.commit()
     return wallet
+
+
+# Programs a Solana payment calls: no one holds their keys, so USDC sent to their accounts would be lost.
+_SOLANA_PROGRAMS = {
+    "TokenkegQfeZyiNwAJbNbGKPFXCWuBvf9Ss623VQ5DA": "the SPL Token program",
+    "ATokenGPvbdGVxr1b2hvZbsiqW5xWH25efTNsLJA8knL": "the Associated Token Account program",
+    "ComputeBudget111111111111111111111111111111": "the Compute Budget program",
+    "MemoSq4gqABAXKb96qnH8TysNcWxMyWCqXgDLGmfcHr": "the Memo program",
+}
+
+
+def service_addresses(registry: ChainRegistry, kind: str) -> dict[str, str]:
+    """Addresses of networks of ``kind`` that are the service's or the asset's, never a merchant's wallet, with
+    what each is: the USDC contract (EVM) or mint (Solana), the relay accounts (EVM ``relay_addresses``, the
+    Solana ``fee_payer``), and on Solana the programs a payment calls. Across every configured network of that
+    kind: a relay key or token address is often the same on several chains.
+
+    A payout to the relay would let a merchant pay itself from its own buyers' payments into the relay's
+    account (and, on Solana, make the relay appear in the payment), and a payout to the token contract or mint
+    sends USDC where nobody can take it out.
+    """
+    reserved: dict[str, str] = dict(_SOLANA_PROGRAMS) if kind == "solana" else {}
+    for network in registry:
+        if network.kind != kind:
+            continue
+        reserved[network.usdc_address] = f"the USDC {'contract' if kind == 'evm' else 'mint'} on {network.name}"
+        for relay in (*network.relay_addresses, *([network.fee_payer] if network.fee_payer else [])):
+            try:
+                reserved[normalize_address(kind, relay)] = f"a relay account of this service on {network.name}"
+            except AddressError:
+                continue
+    return reserved
 
 
 def remove_wallet(merchant_id: str, network_id: str) -> None:

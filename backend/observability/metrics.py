@@ -3,8 +3,8 @@
 Two kinds:
 
 - **Request latency** (:data:`REQUEST_DURATION`), observed by each api process as it answers, and
-  relay-budget refusals (:data:`RELAY_BUDGET_REFUSALS`), counted where they happen. Under
-  ``payintent serve`` gunicorn's workers write them to files in ``PROMETHEUS_MULTIPROC_DIR``
+  relay-budget refusals (:data:`RELAY_BUDGET_REFUSALS`, :data:`OPEN_SETTLEMENT_REFUSALS`), counted
+  where they happen. Under ``payintent serve`` gunicorn's workers write them to files in ``PROMETHEUS_MULTIPROC_DIR``
   (prometheus_client's multiprocess mode, set up by ``backend.observability.gunicorn_conf``) and a
   scrape, whichever worker answers it, sums them all. Without that variable (tests, a single
   process) they live in the process.
@@ -41,13 +41,23 @@ REQUEST_DURATION = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
 
-# Counted where the refusal happens (the api's /pay and Solana transaction calls). By network only:
-# a merchant label would add series for every merchant that ever signs up (and put merchant ids in
-# the monitoring system); who is refused is in the api's warning log lines and the relay_spending table.
+# Counted where the refusal happens: ``endpoint`` "pay" (a signed payment at /pay) or "prepare" (the public,
+# unauthenticated Solana transaction call, which anyone may make refuse: not a signal of an attack). By
+# network, not merchant: a merchant label would add series for every merchant that ever signs up (and put
+# merchant ids in the monitoring system); who is refused is in the api's warning log lines and the
+# relay_spending table.
 RELAY_BUDGET_REFUSALS = Counter(
     "payintent_relay_budget_refusals",
-    "Payments refused with RELAY_BUDGET_EXHAUSTED (a merchant's relay budget on the network was used up), by network",
-    ["network"],
+    "Payments refused with RELAY_BUDGET_EXHAUSTED (a merchant's relay budget on the network was used up, counting "
+    "what its open settlements may still cost), by network and endpoint (pay: a signed payment; prepare: the "
+    "public Solana transaction call)",
+    ["network", "endpoint"],
+)
+OPEN_SETTLEMENT_REFUSALS = Counter(
+    "payintent_open_settlement_refusals",
+    "Payments refused with TOO_MANY_OPEN_SETTLEMENTS (a merchant had MAX_OPEN_SETTLEMENTS payments on the network "
+    "still settling), by network and endpoint",
+    ["network", "endpoint"],
 )
 
 

@@ -26,6 +26,8 @@ class RelaySpend(db.Model):
     __table_args__ = (
         UniqueConstraint("network", "reference", "kind"),
         Index("ix_relay_spending_merchant_window", "merchant_id", "network", "created_at"),
+        # The largest recent charge of a network: the EVM estimate of a settlement's most (max_settlement_cost).
+        Index("ix_relay_spending_network_created", "network", "created_at"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

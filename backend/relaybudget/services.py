@@ -3,24 +3,31 @@
 The relay pays to settle a merchant's payments: EVM gas (wei) and Solana transaction fees
 (lamports). A merchant who can make it pay (by paying itself in a loop, say) would otherwise drain
 the relay accounts that every merchant's payments need. So what the relay spends for each merchant
-is recorded here, once per transaction, when the settlement finishes (``charge``); and ``check``
-refuses a new payment of a merchant whose spending on that network over the last
-``relay_budget_window_seconds`` reached the network's budget: ``429 RELAY_BUDGET_EXHAUSTED`` with
-``Retry-After``, before anything is claimed or sent.
+is recorded here, once per transaction, when the settlement finishes (``charge``), and a payment is
+admitted (``admit``) only if what is already committed on that network leaves room for it:
 
-``check`` reads one indexed sum, cheap enough for every /pay. The bound is soft by the payments
-already in flight when the budget runs out (each is recorded when it finishes): with N concurrent
-payments the overshoot is at most N transactions.
+    spent in the last RELAY_BUDGET_WINDOW_SECONDS
+      + open settlements (claimed, not finished) x the most one settlement can cost
+      + this payment's most                                          <= the network's budget
 
-Plain functions any relayer calls: ``check`` before it commits to a payment, ``charge`` once it
-knows what a transaction cost (``evm_gas_cost`` of a receipt; a Solana fee is
-``payintent.solana_tx.transaction_fee`` of the message).
+else ``429 RELAY_BUDGET_EXHAUSTED`` with ``Retry-After``, before anything is claimed or sent. The
+settlement claim runs ``admit`` inside its transaction under a lock per (merchant, network)
+(``backend.settlement.services.claim``), so concurrent payments are admitted one after the other
+and the relay spends at most the budget, as long as no settlement costs more than
+``max_settlement_cost`` says (Solana: exact; EVM: an estimate, see there). A merchant also has at
+most ``MAX_OPEN_SETTLEMENTS`` open settlements per network (``429 TOO_MANY_OPEN_SETTLEMENTS``),
+budget or not: one merchant's backlog cannot hold the relay accounts every merchant needs.
+
+Plain functions any relayer calls: ``charge`` once it knows what a transaction cost
+(``evm_gas_cost`` of a receipt; a Solana fee is ``payintent.solana_tx.transaction_fee`` of the
+message).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 from decimal import ROUND_FLOOR
@@ -34,8 +41,9 @@ from backend.chains.registry import Network
 from backend.config import Settings
 from backend.errors import APIError
 from backend.extensions import db
-from backend.observability.metrics import RELAY_BUDGET_REFUSALS
+from backend.observability.metrics import OPEN_SETTLEMENT_REFUSALS, RELAY_BUDGET_REFUSALS
 from backend.relaybudget.models import GAS, KINDS, RelaySpend
+from payintent import solana_tx as stx
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +81,105 @@ def spent(merchant_id: str, network_id: str, since: datetime) -> int:
     return int(total or 0)
 
 
-def check(merchant_id: str, network: Network, settings: Settings) -> None:
-    """Refuse (429 RELAY_BUDGET_EXHAUSTED, Retry-After) while the merchant's budget on ``network`` is used up."""
+# Where a refusal happened, for the refusal metrics: /pay (a signed payment) or the public Solana
+# transaction call (anyone may make it refuse, so only "pay" is a signal of an attack).
+PAY = "pay"
+PREPARE = "prepare"
+
+# Gas one transferWithAuthorization may use: 60,000-90,000 for USDC's FiatToken and our TestUSDC (a
+# first payment to an address, a fresh nonce); the bound leaves room for the rest.
+EVM_SETTLEMENT_GAS = 120_000
+COST_CACHE_SECONDS = 30.0
+# Retry-After when only settlements in flight block a payment (they finish within seconds to minutes).
+IN_FLIGHT_RETRY_SECONDS = 30
+_cost_cache: dict[str, tuple[float, int]] = {}
+
+
+def max_settlement_cost(network: Network, settings: Settings) -> int:
+    """The most one settlement on ``network`` costs the relay, in its smallest native unit.
+
+    Solana: exact, two signatures and the largest priority fee the rules let a buyer sign
+    (``payintent.solana_tx.MAX_TRANSACTION_FEE``, 10,500 lamports). EVM: an estimate that needs no
+    RPC call per payment: ``EVM_SETTLEMENT_GAS`` at twice the node's gas price (the relayer's fee
+    cap is twice the base fee plus the tip), or the highest gas charge recorded on the network in
+    the window if that is more (an OP-stack L1 fee, a fee spike, a token using more gas); read at
+    most every ``COST_CACHE_SECONDS`` per network and process. Raises 503 CHAIN_UNAVAILABLE if the
+    gas price cannot be read and none was read before.
+    """
+    if network.kind != "evm":
+        return stx.MAX_TRANSACTION_FEE
+    cached = _cost_cache.get(network.network)
+    if cached is not None and time.monotonic() - cached[0] < COST_CACHE_SECONDS:
+        return cached[1]
+    from backend.chains.evm import evm_chain
+
+    try:
+        price = int(evm_chain(network).w3.eth.gas_price)
+    except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
+        log.warning("gas price of %s unreadable (%s)", network.network, type(exc).__name__)
+        if cached is not None:
+            return cached[1]
+        raise APIError(503, "CHAIN_UNAVAILABLE", f"{network.name} cannot be reached right now; try again") from None
+    recorded = db.session.scalar(
+        select(func.max(RelaySpend.amount_atomic)).where(
+            RelaySpend.network == network.network, RelaySpend.created_at > clock.now() - window(settings)
+        )
+    )
+    cost = max(EVM_SETTLEMENT_GAS * 2 * price, int(recorded or 0))
+    _cost_cache[network.network] = (time.monotonic(), cost)
+    return cost
+
+
+def admit(
+    merchant_id: str,
+    network: Network,
+    settings: Settings,
+    *,
+    cost: int,
+    open_settlements: int,
+    open_cost: int,
+    endpoint: str = PAY,
+) -> None:
+    """Refuse a payment (429, Retry-After) unless the merchant may commit the relay to one more settlement.
+
+    ``cost``: the most this payment costs the relay; ``open_settlements``: the merchant's settlements on
+    the network that are claimed and not finished, each reserving ``open_cost``. Refuses
+    TOO_MANY_OPEN_SETTLEMENTS at ``settings.max_open_settlements`` open ones, and
+    RELAY_BUDGET_EXHAUSTED when spent + reserved + ``cost`` would pass the budget. Race-free only when
+    the caller holds the (merchant, network) claim lock (``settlement.services.claim`` does).
+    """
+    cap = settings.max_open_settlements
+    if cap and open_settlements >= cap:
+        OPEN_SETTLEMENT_REFUSALS.labels(network.network, endpoint).inc()
+        log.warning("merchant %s: %d settlements open on %s (the cap)", merchant_id, open_settlements, network.network)
+        raise APIError(
+            429,
+            "TOO_MANY_OPEN_SETTLEMENTS",
+            f"This merchant has {open_settlements} payments on {network.name} still settling, the most allowed; "
+            f"try again once they finish",
+            headers={"Retry-After": str(IN_FLIGHT_RETRY_SECONDS)},
+            network=network.network,
+            retry_after=IN_FLIGHT_RETRY_SECONDS,
+        )
     budget = budget_atomic(network, settings)
     if budget is None:
         return
     now = clock.now()
     since = now - window(settings)
     used = spent(merchant_id, network.network, since)
-    if used < budget:
+    reserved = open_settlements * open_cost
+    if used + reserved + cost <= budget:
         return
-    RELAY_BUDGET_REFUSALS.labels(network.network).inc()
-    retry_after = _retry_after(merchant_id, network.network, since, used - budget + 1, now, window(settings))
-    log.warning("merchant %s: relay budget on %s used up (%d of %d)", merchant_id, network.network, used, budget)
+    RELAY_BUDGET_REFUSALS.labels(network.network, endpoint).inc()
+    if used + cost <= budget:  # only the settlements in flight stand in the way: they finish soon
+        retry_after = IN_FLIGHT_RETRY_SECONDS
+    else:
+        retry_after = _retry_after(merchant_id, network.network, since, used + cost - budget, now, window(settings))
+    log.warning(
+        "merchant %s: relay budget on %s used up (%d spent, %d reserved by %d open settlements, %d more asked, "
+        "budget %d; %s)",
+        merchant_id, network.network, used, reserved, open_settlements, cost, budget, endpoint,
+    )  # fmt: skip
     raise APIError(
         429,
         "RELAY_BUDGET_EXHAUSTED",
@@ -100,7 +194,7 @@ def check(merchant_id: str, network: Network, settings: Settings) -> None:
 def _retry_after(
     merchant_id: str, network_id: str, since: datetime, excess: int, now: datetime, span: timedelta
 ) -> int:
-    """Seconds until enough of the window's oldest spending has rolled out for the spent sum to fall below budget."""
+    """Seconds until enough of the window's oldest spending (``excess``) has rolled out to leave room."""
     rows = db.session.execute(
         select(RelaySpend.created_at, RelaySpend.amount_atomic)
         .where(RelaySpend.merchant_id == merchant_id, RelaySpend.network == network_id, RelaySpend.created_at > since)

@@ -4,14 +4,15 @@ Order: the intent's state first (so a retry of a settled payment gets ALREADY_PA
 spec's error table asks, whatever it carries), then the payment payload is read in any form
 x402 clients send (``settlement.x402``), matched to the intent's requirement and its signature
 verified (offline), then the authorization's nonce and the buyer's balance on chain, then the
-intent is claimed and the relayer is asked to submit. The answer waits for the relayer
+intent is claimed (if the merchant's relay budget and open settlements leave room: ``_budget``)
+and the relayer is asked to submit. The answer waits for the relayer
 up to ``wait_seconds``; after that the reconciler finishes the job in the background.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flask import current_app
@@ -35,6 +36,7 @@ from backend.settlement import services, solana
 from backend.settlement.services import PaymentSubmission
 from backend.settlement.verify import parse_evm_payload, verify_evm_authorization
 from backend.settlement.x402 import X402Payment, normalize_payment_signature
+from payintent import solana_tx as stx
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ def submit_payment(
     flat or nested payload, CAIP-2 or v1 network name), or already normalised.
 
     ``settings`` (the app's by default) bound what the relay may spend for the merchant
-    (``relaybudget.check``, right before the claim)."""
+    (``relaybudget.admit``, inside the claim)."""
     settings = settings or current_app.config["PAYINTENT_SETTINGS"]
     intent = load_payable_intent(merchant_id, intent_id)
     now = clock.now()
@@ -116,8 +118,7 @@ def submit_payment(
             start_block = None
         else:
             auth, start_block = _check_evm(submission, requirement, network, now)
-        relaybudget.check(intent.merchant_id, network, settings)  # nothing claimed or sent past a used-up budget
-        settlement_id = services.claim(intent, network, auth, start_block)
+        settlement_id = services.claim(intent, network, auth, start_block, _budget(intent, network, auth, settings))
     except APIError as err:
         # A 5xx is the service's own trouble (a chain RPC down), not the payment failing: no payment.failed.
         if err.code not in _NO_FAILURE_EVENT and err.http_status < 500:
@@ -130,6 +131,25 @@ def submit_payment(
     except RedisError as exc:
         log.warning("queue unavailable for settlement %s (the reconciler will send it): %s", settlement_id, exc)
     return settlement_result(settlement_id)
+
+
+def _budget(intent: Intent, network: Any, auth: Any, settings: Settings) -> Callable[[int], None]:
+    """What the claim asks before it commits the relay to this settlement: the merchant's relay budget on
+    the network must hold what it spent, what its open settlements may still cost, and this one's most
+    (Solana: its exact fee; EVM: ``relaybudget.max_settlement_cost``). Costs are worked out here, before
+    the claim takes its lock: the EVM estimate may read the chain."""
+    if relaybudget.budget_atomic(network, settings) is None:
+        open_cost = cost = 0  # unlimited: only the cap on open settlements applies
+    else:
+        open_cost = relaybudget.max_settlement_cost(network, settings)
+        cost = stx.transaction_fee(stx.decode(auth.signature_hex).message) if network.kind == "solana" else open_cost
+
+    def admit(open_settlements: int) -> None:
+        relaybudget.admit(
+            intent.merchant_id, network, settings, cost=cost, open_settlements=open_settlements, open_cost=open_cost
+        )
+
+    return admit
 
 
 def _check_evm(submission: PaymentSubmission, requirement: dict[str, Any], network: Any, now: Any) -> tuple[Any, int]:

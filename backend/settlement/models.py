@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, ForeignKey, Index, String, Text, UniqueConstraint
+from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from backend.extensions import UTCDateTime, db
@@ -55,3 +55,23 @@ class Settlement(db.Model):
     watched_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # When the watch found the chain had decided (executed and recorded, or it can never execute).
     watch_done_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class PayeeAccount(db.Model):
+    """A merchant's Solana USDC account (of ``owner``) that a payment of ours landed in, on the chain whose
+    genesis hash is ``genesis_hash``.
+
+    While it exists nothing reads this. Once it is gone again on the same chain (its owner closed it and took
+    its rent back), a payment does not open it at the next buyer's cost: ``409 PAYEE_ACCOUNT_CLOSED`` until the
+    merchant opens it again (``backend.settlement.solana``). A chain with another genesis hash (a local ledger
+    started again under a kept database) is a new chain: the first payment opens the account, as at first.
+    """
+
+    __tablename__ = "solana_payee_accounts"
+    __table_args__ = (UniqueConstraint("network", "owner", "genesis_hash"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    network: Mapped[str] = mapped_column(String(64))
+    owner: Mapped[str] = mapped_column(String(64))
+    genesis_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)

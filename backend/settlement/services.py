@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -137,12 +138,46 @@ def record_failed_attempt(intent: Intent, reason: str, code: str) -> bool:
     return True
 
 
-def claim(intent: Intent, network: Network, auth: EvmAuthorization, start_block: int | None) -> str:
+# pg_advisory_xact_lock's first key for claims: one (merchant, network) at a time (see ``claim``).
+_CLAIM_LOCK_CLASS = 0x5354
+
+
+def _lock_merchant_network(intent_id: str, merchant_id: str, network_id: str) -> None:
+    """Until this transaction ends, no other claim of the merchant on the network passes this point."""
+    if db.engine.dialect.name == "postgresql":
+        key = func.hashtext(f"{merchant_id}|{network_id}")
+        db.session.execute(select(func.pg_advisory_xact_lock(_CLAIM_LOCK_CLASS, key)))
+    else:
+        # SQLite: a write takes the database's write lock at once and holds it to the commit (claims queue there).
+        db.session.execute(update(Intent).where(Intent.id == intent_id).values(updated_at=Intent.updated_at))
+
+
+def count_open(merchant_id: str, network_id: str) -> int:
+    """The merchant's settlements on the network that are claimed and not finished."""
+    mine = (Settlement.merchant_id == merchant_id, Settlement.network == network_id, Settlement.status.in_(st.OPEN))
+    return int(db.session.scalar(select(func.count()).select_from(Settlement).where(*mine)) or 0)
+
+
+def claim(
+    intent: Intent,
+    network: Network,
+    auth: EvmAuthorization,
+    start_block: int | None,
+    admit: Callable[[int], None] | None = None,
+) -> str:
     """Atomically make a new settlement the holder of the intent; returns its id.
 
     Works the same on SQLite and PostgreSQL: the conditional UPDATE succeeds for one caller only.
+    ``admit(open_settlements)``, if given, decides in the same transaction whether the merchant may commit the
+    relay to one more settlement on the network (it raises to refuse; nothing is then claimed), given how many
+    are open: under a lock per (merchant, network) (PostgreSQL: an advisory lock; SQLite: the write lock), so
+    concurrent payments are counted one after the other and cannot all pass a limit together.
     """
     now = clock.now()
+    open_settlements = 0
+    if admit is not None:
+        _lock_merchant_network(intent.id, intent.merchant_id, network.network)
+        open_settlements = count_open(intent.merchant_id, network.network)
     settlement_id = prefixed_id("stl")
     db.session.add(
         Settlement(
@@ -186,6 +221,12 @@ def claim(intent: Intent, network: Network, auth: EvmAuthorization, start_block:
         db.session.refresh(intent)
         check_payable(intent, now)
         raise APIError(409, "PAYMENT_IN_PROGRESS", "A payment for this intent is being settled; read the intent")
+    if admit is not None:
+        try:
+            admit(open_settlements)  # after the claim: a payment already in progress is told so first
+        except BaseException:
+            db.session.rollback()
+            raise
     db.session.commit()
     return settlement_id
 

@@ -5,9 +5,15 @@ at ``/pay``, checks the buyer-signed one instruction by instruction (``payintent
 and simulates it without signature verification (the relay has not signed yet).
 
 The relay pays transaction fees only, never an account's rent: when the merchant's USDC account
-does not exist (a new wallet, an account its owner closed, a devnet restarted under a kept
-``var/``), the prepared transaction opens it itself (``CreateIdempotent``) with the **buyer**
-funding the rent. Nothing the service does on an unsigned request spends the relay's SOL.
+does not exist (a new wallet, a devnet restarted under a kept ``var/``), the prepared transaction
+opens it itself (``CreateIdempotent``) with the **buyer** funding the rent. Nothing the service
+does on an unsigned request spends the relay's SOL.
+
+A buyer pays that rent at most once per account and chain: once a payment of ours has landed in
+the account (``PayeeAccount``, keyed by the chain's genesis hash), an account found missing again
+on the same chain was closed by its owner, who took the rent back; the next buyer is not asked to
+pay it again (``409 PAYEE_ACCOUNT_CLOSED``) until the merchant opens the account itself. A chain
+with another genesis hash is a new chain, where the first payment opens it as at first.
 """
 
 from __future__ import annotations
@@ -18,18 +24,22 @@ from decimal import Decimal
 from typing import Any
 
 from solders.pubkey import Pubkey
+from sqlalchemy import select
+from sqlalchemy.dialects import postgresql, sqlite
 
 from backend import clock
 from backend.chains.registry import ChainRegistry, Network
 from backend.chains.solana import SolanaChain, SolanaRpcError
 from backend.config import Settings
 from backend.errors import APIError
+from backend.extensions import db
 from backend.intents.models import Intent
 from backend.merchants.addresses import AddressError, normalize_solana_address
 from backend.money import from_atomic
 from backend.relaybudget import services as relaybudget
 from backend.relaybudget.models import FEE
 from backend.settlement import services
+from backend.settlement.models import PayeeAccount
 from payintent import solana_tx as stx
 
 log = logging.getLogger(__name__)
@@ -81,7 +91,8 @@ def prepare_transaction(
 
     When the merchant's USDC account is missing, the transaction also opens it, funded by the buyer
     (``payer_pays_lamports`` says how much): a payer with too little SOL for that is refused here,
-    before signing (402 PAYER_NEEDS_SOL). Spends nothing of the relay's.
+    before signing (402 PAYER_NEEDS_SOL); so is every payer while the account is closed after payments
+    landed in it on this chain (409 PAYEE_ACCOUNT_CLOSED). Spends nothing of the relay's.
     """
     services.check_payable(intent, clock.now())
     requirement, network = solana_requirement(intent, registry, network_id)
@@ -94,7 +105,18 @@ def prepare_transaction(
         raise APIError(400, "PAYER_IS_RECIPIENT", "The payer is the merchant's own wallet")
     if payer == fee_payer:
         raise APIError(400, "VALIDATION_ERROR", "payer: the relay cannot pay", fields={"payer": ["is the relay"]})
-    relaybudget.check(intent.merchant_id, network, settings)  # before any RPC: a refused merchant costs nothing
+    # Before any RPC (a refused merchant costs nothing), and with the least this transaction costs the relay:
+    # advisory (no lock; /pay decides), it never refuses what /pay would admit.
+    least = 2 * stx.LAMPORTS_PER_SIGNATURE + stx.priority_fee(stx.COMPUTE_UNIT_LIMIT, stx.COMPUTE_UNIT_PRICE)
+    relaybudget.admit(
+        intent.merchant_id,
+        network,
+        settings,
+        cost=least,
+        open_settlements=services.count_open(intent.merchant_id, network.network),
+        open_cost=relaybudget.max_settlement_cost(network, settings),
+        endpoint=relaybudget.PREPARE,
+    )
     chain = solana_chain(network)
     amount = int(requirement["maxAmountRequired"])
     try:
@@ -112,7 +134,10 @@ def prepare_transaction(
             reason=f"insufficient balance: {from_atomic(balance or 0)} USDC available, {from_atomic(amount)} required",
         )
     try:
-        rent = 0 if payee_account_ready(chain, requirement) else chain.rent_exempt_minimum(stx.TOKEN_ACCOUNT_SIZE)
+        ready = payee_account_ready(chain, requirement)
+        if not ready and payee_account_closed(chain, network.network, requirement["payTo"]):
+            raise account_closed(network)
+        rent = 0 if ready else chain.rent_exempt_minimum(stx.TOKEN_ACCOUNT_SIZE)
         # What is left must be nothing, or enough for the payer's own account to stay rent-exempt.
         left = chain.lamports(payer) - rent if rent else 0
         if left < 0 or 0 < left < (chain.rent_exempt_minimum(0) if rent else 0):
@@ -166,6 +191,48 @@ def payee_account_ready(chain: SolanaChain, requirement: dict[str, Any]) -> bool
     return chain.token_balance(str(account)) is not None
 
 
+def payee_account_closed(chain: SolanaChain, network_id: str, owner: str) -> bool:
+    """Whether a payment of ours landed in ``owner``'s USDC account on this chain (same genesis hash): if the
+    account is missing now, its owner closed it. Raises SolanaRpcError if the genesis hash cannot be read."""
+    genesis = chain.genesis_hash()
+    found = db.session.scalar(
+        select(PayeeAccount.id)
+        .where(PayeeAccount.network == network_id, PayeeAccount.owner == owner, PayeeAccount.genesis_hash == genesis)
+        .limit(1)
+    )
+    return found is not None
+
+
+def account_closed(network: Network) -> APIError:
+    return APIError(
+        409,
+        "PAYEE_ACCOUNT_CLOSED",
+        f"The merchant closed its USDC account on {network.name} after it received payments there; the merchant "
+        f"must open it again before it can be paid on {network.name} (a buyer does not pay to open it twice). "
+        f"Pay on another network, or later",
+        network=network.network,
+    )
+
+
+def record_payee_account(chain: SolanaChain, settlement: Any) -> None:
+    """Remember that a payment landed in the merchant's USDC account on this chain (once; best effort: a
+    genesis hash that cannot be read now is recorded by a later payment)."""
+    try:
+        genesis = chain.genesis_hash()
+    except SolanaRpcError as exc:
+        log.warning("settlement %s: genesis hash unreadable, payee account not recorded (%s)", settlement.id, exc)
+        return
+    dialect = postgresql if db.engine.dialect.name == "postgresql" else sqlite
+    values = {"network": settlement.network, "owner": settlement.pay_to, "genesis_hash": genesis,
+              "created_at": clock.now()}  # fmt: skip
+    db.session.execute(
+        dialect.insert(PayeeAccount)
+        .values(**values)
+        .on_conflict_do_nothing(index_elements=["network", "owner", "genesis_hash"])
+    )
+    db.session.commit()
+
+
 @dataclass(frozen=True)
 class SolanaAuthorization:
     """A checked buyer-signed transaction, in the settlement row's terms."""
@@ -189,7 +256,8 @@ def check_signed_transaction(
 
     A transaction that does not open the merchant's USDC account needs it to exist: if it is gone
     (closed since the transaction was prepared), 409 PAYEE_ACCOUNT_MISSING asks for a new one
-    (which opens it).
+    (which opens it). An account closed after payments landed in it on this chain is opened by no
+    buyer: 409 PAYEE_ACCOUNT_CLOSED, whichever transaction comes.
     """
     fee_payer = _relay(network)
     try:
@@ -199,7 +267,10 @@ def check_signed_transaction(
         raise APIError(400, exc.code, str(exc)) from None
     chain = solana_chain(network)
     try:
-        if not payment.creates_payee_account and not payee_account_ready(chain, requirement):
+        ready = payee_account_ready(chain, requirement)
+        if not ready and payee_account_closed(chain, network.network, requirement["payTo"]):
+            raise account_closed(network)
+        if not payment.creates_payee_account and not ready:
             raise APIError(
                 409,
                 "PAYEE_ACCOUNT_MISSING",
@@ -249,6 +320,7 @@ def finish_from_chain(chain: SolanaChain, settlement: Any) -> bool:
                 services.fail_settlement(settlement.id, "SETTLEMENT_FAILED", f"transaction failed: {status['err']}")
             else:
                 services.complete_settlement(settlement.id, settlement.tx_hash)
+                record_payee_account(chain, settlement)
             return True
         if status is not None:
             return False  # seen but not yet confirmed

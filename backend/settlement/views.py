@@ -76,12 +76,16 @@ class Pay(MethodView):
         INVALID_PAYLOAD / RECIPIENT_MISMATCH / AMOUNT_MISMATCH / ASSET_MISMATCH (v2 accepted.asset) /
         AUTHORIZATION_NOT_YET_VALID / AUTHORIZATION_EXPIRED / INVALID_SIGNATURE (400),
         SETTLEMENT_FAILED (402, with `reason`), RELAY_BUDGET_EXHAUSTED (429, with `Retry-After`: the
-        merchant's budget for network fees paid by the relay on this network is used up for the
-        rolling window; nothing was claimed or sent), CHAIN_UNAVAILABLE (503),
+        merchant's budget for network fees paid by the relay on this network has no room for this payment,
+        counting what its payments still settling may cost; nothing was claimed or sent),
+        TOO_MANY_OPEN_SETTLEMENTS (429, with `Retry-After`: the merchant has MAX_OPEN_SETTLEMENTS payments
+        settling on this network), CHAIN_UNAVAILABLE (503),
         SETTLEMENT_PENDING (504: still settling; read the intent).
         Solana adds FEE_PAYER_MISMATCH / FEE_PAYER_MISUSED / DISALLOWED_INSTRUCTION / INVALID_TRANSACTION /
-        ASSET_MISMATCH / COMPUTE_BUDGET_TOO_HIGH / BLOCKHASH_EXPIRED (400) and PAYEE_ACCOUNT_MISSING (409:
-        the merchant's USDC account is gone; fetch a new transaction, which opens it).
+        ASSET_MISMATCH / COMPUTE_BUDGET_TOO_HIGH / BLOCKHASH_EXPIRED (400), PAYEE_ACCOUNT_MISSING (409:
+        the merchant's USDC account is gone; fetch a new transaction, which opens it) and PAYEE_ACCOUNT_CLOSED
+        (409: the merchant closed its USDC account after payments landed in it on this chain; no buyer pays to
+        open it again, the merchant must).
         """
         return ok(pay_intent(current_merchant_id(), args["intent_id"], args["payment_signature"]))
 
@@ -104,7 +108,9 @@ class SolanaTransaction(MethodView):
         If the merchant's USDC account does not exist yet, the transaction first opens it
         (Associated Token CreateIdempotent) with the payer paying its rent: `creates_payee_account`
         is true and `payer_pays_lamports` is the rent. A payer with less SOL than that gets
-        PAYER_NEEDS_SOL (402). The relay never pays rent. Also: SETTLEMENT_FAILED (402, the USDC
-        balance is too low), RELAY_BUDGET_EXHAUSTED (429, see /pay), CHAIN_UNAVAILABLE (503).
+        PAYER_NEEDS_SOL (402). The relay never pays rent, and no buyer pays it for an account the
+        merchant closed after payments landed in it on this chain: PAYEE_ACCOUNT_CLOSED (409). Also:
+        SETTLEMENT_FAILED (402, the USDC balance is too low), RELAY_BUDGET_EXHAUSTED and
+        TOO_MANY_OPEN_SETTLEMENTS (429, see /pay), CHAIN_UNAVAILABLE (503).
         """
         return ok(solana_transaction(load_payable_intent(current_merchant_id(), intent_id), args))

@@ -71,6 +71,11 @@ function describeApi(error: ApiError, networkName: string): Problem {
       return { title: "That signature can no longer be used", detail: `${NOTHING_PAID} Press Pay to sign a fresh one.` };
     case "PAYEE_ACCOUNT_MISSING":
       return { title: "The payment details changed", detail: `${NOTHING_PAID} Press Pay to sign a fresh one.` };
+    case "PAYEE_ACCOUNT_CLOSED":
+      return {
+        title: `This shop cannot be paid on ${networkName} right now`,
+        detail: `Its USDC account there is closed. ${NOTHING_PAID} Choose another network, or try again later.`,
+      };
     case "CHAIN_UNAVAILABLE":
     case "SETTLEMENT_UNAVAILABLE":
       return { title: `${networkName} is busy or unreachable`, detail: `${NOTHING_PAID} Try again in a moment.` };
@@ -78,6 +83,11 @@ function describeApi(error: ApiError, networkName: string): Problem {
       return {
         title: `This shop cannot take more payments on ${networkName} right now`,
         detail: `${NOTHING_PAID} Choose another network, or try again later.`,
+      };
+    case "TOO_MANY_OPEN_SETTLEMENTS":
+      return {
+        title: `This shop has many payments on ${networkName} still settling`,
+        detail: `${NOTHING_PAID} Try again in ${error.retryAfter ?? 30} seconds, or choose another network.`,
       };
     case "PAYER_NEEDS_SOL":
       return { title: "Not enough SOL in your wallet", detail: `${sentence(error.message)} ${NOTHING_PAID}` };

@@ -42,7 +42,8 @@ from spl.token.instructions import (
 from spl.token.models import TransferCheckedParams
 
 from devnet import anvil, solana_process
-from devnet.solana_network import DEVNET_GENESIS_HASH
+from devnet.solana_ledger import Ledger
+from devnet.solana_network import DEVNET_GENESIS_HASH, is_local_genesis
 from devnet.solana_setup import setup_document
 from tests.conftest import free_port
 
@@ -155,8 +156,21 @@ def _lamports(node: Node, address: Pubkey) -> int:
 # --- identity and set-up ----------------------------------------------------------------------------------
 
 
+def test_each_ledger_is_a_chain_of_its_own() -> None:
+    """A ledger started again (the devnet under a kept var/) answers another genesis hash, as a fresh validator
+    ledger does, so the service sees a new chain; the first 32 characters stay Solana devnet's (its CAIP-2 id)."""
+    hashes = {Ledger().genesis_hash for _ in range(3)}
+    assert len(hashes) == 3
+    for genesis in hashes:
+        assert is_local_genesis(genesis) and genesis[:32] == DEVNET_GENESIS_HASH[:32]
+        assert len(bytes(Pubkey.from_string(genesis))) == 32 and str(Pubkey.from_string(genesis)) == genesis
+    assert not is_local_genesis(DEVNET_GENESIS_HASH[:32] + "1") and not is_local_genesis(None)
+
+
 def test_it_answers_as_solana_devnet_and_makes_a_slot_every_400_ms(node: Node) -> None:
-    assert node.call("getGenesisHash")["result"] == DEVNET_GENESIS_HASH
+    genesis = node.call("getGenesisHash")["result"]
+    assert genesis[:32] == DEVNET_GENESIS_HASH[:32] and is_local_genesis(genesis)  # Solana devnet's CAIP-2 id
+    assert node.call("getGenesisHash")["result"] == genesis  # one ledger, one chain
     assert node.call("getHealth")["result"] == "ok"
     assert requests.get(f"{node.url}/health", timeout=5).text == "ok"
     version = run(node, lambda c: c.get_version())

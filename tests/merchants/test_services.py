@@ -105,3 +105,34 @@ def test_solana_wallet_is_kept_as_given(app, chains):
         merchant.id, "solana:EtWTRABZaYq6iMfeYKouRu166VU2xqa1", "9WzDXwBbmkg8ZTbNMqUxvQRAyrZzDsGYdLVL9zYtAWWM", chains
     )
     assert wallet.address == "9WzDXwBbmkg8ZTbNMqUxvQRAyrZzDsGYdLVL9zYtAWWM"
+
+
+def test_the_services_own_addresses_are_not_payout_wallets(app):
+    """Second review, Low: a wallet could be the relay (the Solana fee payer, an EVM relay account) or the USDC
+    contract / mint. Refused on every network of the kind (a relay key or token is often the same on several
+    chains); nothing is written."""
+    from backend.chains.registry import ChainRegistry, Network
+
+    relay_evm, relay_sol = "0x90F79bf6EB2c4f870365E785982E1f101E93b906", "5ZWj7a1f8tWkjBESHKgrLmXshuXxqeY9SYcfbshpAqPG"
+    base = Network("eip155:84532", "Base Sepolia", "evm", None, "0x036CbD53842c5426634e7929541eC2318f3dCF7e")
+    sepolia = Network("eip155:11155111", "Ethereum Sepolia", "evm", None, "0x1c7D4B196Cb0C7B01d743Fbc6116a902379C7238",
+                      relay_addresses=(relay_evm,))  # fmt: skip
+    solana = Network("solana:EtWTRABZaYq6iMfeYKouRu166VU2xqa1", "Solana Devnet", "solana", None,
+                     "4zMMC9srt5Ri5X14GAgXhaHii3GnPAEERYPJgZJDncDU", fee_payer=relay_sol)  # fmt: skip
+    registry = ChainRegistry([base, sepolia, solana])
+    merchant, _ = services.create_merchant("a@example.com", "long enough password")
+    refused = [
+        (base.network, base.usdc_address.lower()),  # the token contract, in any case
+        (base.network, relay_evm),  # Ethereum Sepolia's relay account, registered on Base Sepolia
+        (sepolia.network, base.usdc_address),  # another network's USDC contract
+        (solana.network, relay_sol),  # the fee payer
+        (solana.network, solana.usdc_address),  # the mint
+        (solana.network, "TokenkegQfeZyiNwAJbNbGKPFXCWuBvf9Ss623VQ5DA"),  # a program the payment calls
+    ]
+    for network, address in refused:
+        with pytest.raises(MerchantError) as caught:
+            services.set_wallet(merchant.id, network, address, registry)
+        assert caught.value.code == "ADDRESS_NOT_ALLOWED", (network, address)
+    assert db.session.scalar(select(Wallet.id)) is None
+    services.set_wallet(merchant.id, base.network, "0x70997970C51812dc3A010C7d01b50e0d17dc79C8", registry)
+    services.set_wallet(merchant.id, solana.network, "9WzDXwBbmkg8ZTbNMqUxvQRAyrZzDsGYdLVL9zYtAWWM", registry)

@@ -323,8 +323,18 @@ def test_pay_with_a_solana_keypair(api_url, pay_app, devnet):
     merchant_account = str(solana_tx.associated_token_address(wallet, mint_key))
     with PayIntentClient(api_url, shop.api_key) as client:
         intent = client.create_intent(Decimal("1.25"), order_id="sol-agent")
-        result = client.pay(intent, buyer)
+        # A first payment opens the merchant's USDC account at the payer's cost: a caller can see it and cap it.
+        with pytest.raises(PayIntentError) as capped:
+            client.pay(intent, buyer, max_rent_lamports=solana_tx.TOKEN_ACCOUNT_RENT - 1)
+        assert capped.value.code == "RENT_ABOVE_LIMIT" and capped.value.status is None
+        assert capped.value.body == {"payer_pays_lamports": solana_tx.TOKEN_ACCOUNT_RENT}
+        assert client.get_intent(intent["intent_id"])["status"] == "pending"
+        assert chain.token_balance(merchant_account) is None  # nothing signed, nothing sent
+        result = client.pay(intent, buyer, max_rent_lamports=solana_tx.TOKEN_ACCOUNT_RENT)
         assert client.get_intent(intent["intent_id"])["status"] == "paid"
+        assert result["payer_pays_lamports"] == solana_tx.TOKEN_ACCOUNT_RENT == chain.rent_exempt_minimum(165)
+        second = client.pay(client.create_intent(Decimal("1"), order_id="sol-agent-2"), buyer, max_rent_lamports=0)
+        assert second["payer_pays_lamports"] == 0  # the account exists now: nothing but the USDC
     assert result["network"] == network and result["buyer_address"] == str(buyer.pubkey())
-    assert chain.token_balance(merchant_account) == 1_250_000
+    assert chain.token_balance(merchant_account) == 2_250_000
     assert chain.signature_status(result["tx_hash"])["err"] is None

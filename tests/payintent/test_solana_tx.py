@@ -8,9 +8,9 @@ import uuid
 import pytest
 from solders.compute_budget import set_compute_unit_limit, set_compute_unit_price
 from solders.hash import Hash
-from solders.instruction import AccountMeta, Instruction
+from solders.instruction import AccountMeta, CompiledInstruction, Instruction
 from solders.keypair import Keypair
-from solders.message import MessageV0
+from solders.message import MessageHeader, MessageV0
 from solders.pubkey import Pubkey
 from solders.signature import Signature
 from solders.system_program import TransferParams, transfer
@@ -295,3 +295,63 @@ def test_the_buyer_cannot_raise_the_priority_fee_the_relay_pays(overrides):
     with pytest.raises(stx.SolanaTransactionError) as err:
         check(stx.sign_as(unsigned(**overrides), BUYER))
     assert err.value.code == "COMPUTE_BUDGET_TOO_HIGH"
+
+
+# --- exactly the payment's accounts ----------------------------------------------------------------------
+
+
+def with_key(tx: VersionedTransaction, key: Pubkey, writable: bool) -> VersionedTransaction:
+    """``tx`` re-signed by the buyer with ``key`` added to its account list (unreferenced), at the end of the
+    writable or the read-only non-signers; the instructions keep naming the same accounts."""
+    message = tx.message
+    header = message.header
+    keys = list(message.account_keys)
+    at = len(keys) - header.num_readonly_unsigned_accounts if writable else len(keys)
+    keys.insert(at, key)
+
+    def moved(index: int) -> int:
+        return index + 1 if index >= at else index
+
+    instructions = [
+        CompiledInstruction(moved(ix.program_id_index), bytes(ix.data), bytes(moved(i) for i in bytes(ix.accounts)))
+        for ix in message.instructions
+    ]
+    counts = (header.num_required_signatures, header.num_readonly_signed_accounts,
+              header.num_readonly_unsigned_accounts + (0 if writable else 1))  # fmt: skip
+    rebuilt = MessageV0(MessageHeader(*counts), keys, message.recent_blockhash, instructions, [])
+    return stx.sign_as(VersionedTransaction.populate(rebuilt, [Signature.default()] * 2), BUYER)
+
+
+def with_writable_readonly_key(tx: VersionedTransaction) -> VersionedTransaction:
+    """``tx`` re-signed with its first read-only non-signer (the mint or a program) made writable."""
+    message = tx.message
+    header = message.header
+    counts = (header.num_required_signatures, header.num_readonly_signed_accounts,
+              header.num_readonly_unsigned_accounts - 1)  # fmt: skip
+    rebuilt = MessageV0(MessageHeader(*counts), list(message.account_keys), message.recent_blockhash,
+                        list(message.instructions), [])  # fmt: skip
+    return stx.sign_as(VersionedTransaction.populate(rebuilt, [Signature.default()] * 2), BUYER)
+
+
+@pytest.mark.parametrize("create", [False, True], ids=["payment", "payment-opening-the-account"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        lambda tx: with_key(tx, RELAY.pubkey(), writable=True),
+        lambda tx: with_key(tx, BUYER.pubkey(), writable=False),
+        lambda tx: with_key(tx, MINT, writable=False),
+        lambda tx: with_key(tx, Keypair().pubkey(), writable=True),
+        lambda tx: with_key(tx, Keypair().pubkey(), writable=False),
+        with_writable_readonly_key,
+    ],
+    ids=["relay-twice", "buyer-twice", "mint-twice", "extra-writable", "extra-readonly", "read-only-made-writable"],
+)
+def test_the_transaction_lists_exactly_the_payments_accounts(variant, create):
+    """Second review, Low (defence in depth): duplicate account keys and unreferenced extra accounts were
+    accepted. Harmless on chain today (AccountLoadedTwice; the relay pays only the fee), but the relay signs
+    only the exact account set of the payment, each once, writable only where the payment writes."""
+    tx = stx.sign_as(unsigned(create_payee_account=create), BUYER)
+    check(tx)  # the original is fine
+    with pytest.raises(stx.SolanaTransactionError) as err:
+        check(variant(tx))
+    assert err.value.code == "INVALID_TRANSACTION"

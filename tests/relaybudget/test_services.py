@@ -69,23 +69,59 @@ def test_a_transaction_is_charged_once(app, merchant, clock):
     assert budget.spent(merchant.id, BASE.network, clock() - budget.window(settings())) == 1000
 
 
+def admit(merchant_id: str, network: Network, limits: Settings, cost: int = 100, open_settlements: int = 0,
+          open_cost: int = 100, endpoint: str = budget.PAY) -> None:  # fmt: skip
+    budget.admit(merchant_id, network, limits, cost=cost, open_settlements=open_settlements, open_cost=open_cost,
+                 endpoint=endpoint)  # fmt: skip
+
+
 def test_a_used_up_budget_refuses_until_the_window_rolls_on(app, merchant, other_merchant, clock):
     limited = settings(relay_budget_evm=Decimal("0.000000000000001"))  # 1,000 wei
-    budget.check(merchant.id, BASE, limited)
+    admit(merchant.id, BASE, limited)
     budget.charge(merchant.id, BASE.network, GAS, 600, "0x1")
     clock.advance(hours=2)
-    budget.charge(merchant.id, BASE.network, GAS, 600, "0x2")
+    budget.charge(merchant.id, BASE.network, GAS, 300, "0x2")
+    admit(merchant.id, BASE, limited)  # 900 spent + at most 100 more: fits exactly
     with pytest.raises(APIError) as refused:
-        budget.check(merchant.id, BASE, limited)
+        admit(merchant.id, BASE, limited, cost=101)
     err = refused.value
     assert (err.http_status, err.code, err.extra["network"]) == (429, "RELAY_BUDGET_EXHAUSTED", BASE.network)
-    # 1,200 spent: once the first 600 rolls out of the 24 h window (in 22 h), 600 < 1,000 again.
+    # 900 spent: once the first 600 rolls out of the 24 h window (in 22 h), 300 + 101 fit in 1,000 again.
     assert err.headers["Retry-After"] == str(22 * 3600) == str(err.extra["retry_after"])
-    budget.check(other_merchant.id, BASE, limited)  # per merchant
-    budget.check(merchant.id, SOLANA, limited)  # per network
-    budget.check(merchant.id, BASE, replace(limited, relay_budgets=((BASE.network, None),)))  # unlimited
+    admit(other_merchant.id, BASE, limited, cost=101)  # per merchant
+    admit(merchant.id, SOLANA, limited, cost=101)  # per network
+    admit(merchant.id, BASE, replace(limited, relay_budgets=((BASE.network, None),)), cost=101)  # unlimited
     clock.advance(hours=22, seconds=1)
-    budget.check(merchant.id, BASE, limited)
+    admit(merchant.id, BASE, limited, cost=101)
+
+
+def test_open_settlements_reserve_their_most_until_they_are_charged(app, merchant, clock):
+    """The bound counts what is committed, not only what was charged: every open settlement reserves the most a
+    settlement costs, so however many payments were accepted before any finished, the relay spends at most the
+    budget (the review's attack: eight accepted at a used-up budget while the relayer was stopped)."""
+    limited = settings(relay_budget_evm=Decimal("0.000000000000001"))  # 1,000 wei
+    admit(merchant.id, BASE, limited, cost=300, open_settlements=2, open_cost=350)  # 700 reserved + 300
+    with pytest.raises(APIError) as refused:
+        admit(merchant.id, BASE, limited, cost=300, open_settlements=2, open_cost=351)
+    # Nothing is spent yet: only the settlements in flight stand in the way, and they finish soon.
+    assert refused.value.headers["Retry-After"] == str(budget.IN_FLIGHT_RETRY_SECONDS)
+    budget.charge(merchant.id, BASE.network, GAS, 400, "0x1")
+    with pytest.raises(APIError):
+        admit(merchant.id, BASE, limited, cost=300, open_settlements=1, open_cost=301)  # 400 + 301 + 300
+    admit(merchant.id, BASE, limited, cost=300, open_settlements=1, open_cost=300)
+    with pytest.raises(APIError):  # a budget smaller than one settlement admits none
+        admit(merchant.id, BASE, limited, cost=1_001)
+
+
+def test_open_settlements_are_capped_per_merchant_and_network_budget_or_not(app, merchant):
+    capped = settings(max_open_settlements=3, relay_budget_evm=None)
+    admit(merchant.id, BASE, capped, open_settlements=2)
+    with pytest.raises(APIError) as refused:
+        admit(merchant.id, BASE, capped, open_settlements=3)
+    err = refused.value
+    assert (err.http_status, err.code, err.extra["network"]) == (429, "TOO_MANY_OPEN_SETTLEMENTS", BASE.network)
+    assert err.headers["Retry-After"] == str(budget.IN_FLIGHT_RETRY_SECONDS)
+    admit(merchant.id, BASE, replace(capped, max_open_settlements=0), open_settlements=10_000)  # 0: no cap
 
 
 def test_spending_and_refusals_are_metrics(app, merchant, clock):
@@ -97,13 +133,25 @@ def test_spending_and_refusals_are_metrics(app, merchant, clock):
         assert response.status_code == 200
         return parse(response.get_data(as_text=True))
 
-    refusals_before = value(scrape(), "payintent_relay_budget_refusals_total", network=BASE.network) or 0
+    before = scrape()
+    refusals = {endpoint: value(before, "payintent_relay_budget_refusals_total", network=BASE.network,
+                                endpoint=endpoint) or 0 for endpoint in ("pay", "prepare")}  # fmt: skip
+    capped = value(before, "payintent_open_settlement_refusals_total", network=BASE.network, endpoint="pay") or 0
     budget.charge(merchant.id, BASE.network, GAS, 7 * 10**13, "0x1")
     budget.charge(merchant.id, BASE.network, GAS, 10**13, "0x2")
     budget.charge(merchant.id, SOLANA.network, FEE, 10_040, "sig1")
     with pytest.raises(APIError):
-        budget.check(merchant.id, BASE, settings(relay_budget_evm=Decimal("0.00001")))
+        admit(merchant.id, BASE, settings(relay_budget_evm=Decimal("0.00001")))
+    with pytest.raises(APIError):  # the public Solana transaction call: counted apart (anyone can make it refuse)
+        admit(merchant.id, BASE, settings(relay_budget_evm=Decimal("0.00001")), endpoint=budget.PREPARE)
+    with pytest.raises(APIError):
+        admit(merchant.id, BASE, settings(max_open_settlements=1), open_settlements=1)
     samples = scrape()
     assert value(samples, "payintent_relay_spent_total", network=BASE.network, kind="gas") == 8 * 10**13
     assert value(samples, "payintent_relay_spent_total", network=SOLANA.network, kind="fee") == 10_040
-    assert value(samples, "payintent_relay_budget_refusals_total", network=BASE.network) == refusals_before + 1
+    for endpoint in ("pay", "prepare"):
+        assert value(samples, "payintent_relay_budget_refusals_total", network=BASE.network,
+                     endpoint=endpoint) == refusals[endpoint] + 1  # fmt: skip
+    assert value(samples, "payintent_open_settlement_refusals_total", network=BASE.network, endpoint="pay") == (
+        capped + 1
+    )

@@ -75,6 +75,8 @@ def charged(monkeypatch) -> list[tuple[Any, ...]]:
     """The fees recorded on merchants' relay budgets (the ledger itself is tested on a database elsewhere)."""
     calls: list[tuple[Any, ...]] = []
     monkeypatch.setattr(settlement_solana.relaybudget, "charge", lambda *args: calls.append(args) or True)
+    # The payee account a landed payment is recorded in (the table is tested on a database elsewhere).
+    monkeypatch.setattr(settlement_solana, "record_payee_account", lambda chain, row: calls.append(("payee", row.id)))
     return calls
 
 
@@ -83,7 +85,8 @@ def test_height_is_read_before_status_so_a_late_landing_is_seen(decided, charged
     assert settlement_solana.finish_from_chain(chain, Row()) is True
     assert chain.calls[:2] == ["height:finalized", "status"]
     assert decided == [("paid", "stl_1", "5sig")]
-    assert charged == [("mer_1", "solana:test", "fee", 10_040, "5sig", "stl_1")]  # two signatures + 40 priority
+    assert charged == [("mer_1", "solana:test", "fee", 10_040, "5sig", "stl_1"),  # two signatures + 40 priority
+                       ("payee", "stl_1")]  # fmt: skip
 
 
 def test_not_released_while_the_node_still_accepts_the_blockhash(decided, charged):
