@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime
 from typing import Any
 
@@ -10,6 +11,7 @@ from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import JSON, DateTime, MetaData, event
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.types import TypeDecorator
 
@@ -32,7 +34,42 @@ class PayintentApi(Api):
     from backend.schemas import ErrorEnvelopeSchema as ERROR_SCHEMA
 
 
-db = SQLAlchemy(model_class=Base)
+log = logging.getLogger(__name__)
+
+
+class PayintentSQLAlchemy(SQLAlchemy):
+    """Flask-SQLAlchemy whose end-of-context clean-up cannot fail the request.
+
+    When a request (or a worker's job) ends, its session's transaction is rolled back. If the database
+    dropped the connection in the meantime (a crash or restart, ``pg_terminate_backend``, an idle timeout),
+    that rollback raises, after the answer was made: Flask's teardown lets the exception out of the WSGI app
+    and gunicorn answers its own bare 500 instead. The rollback has nothing to lose there: whatever the
+    request committed is kept, whatever it did not commit dies with the connection on the server. So the
+    answer stands; the session is invalidated (its connection is thrown away, never returned to the pool)
+    and forgotten, and the next request starts from a fresh session and connection."""
+
+    def _teardown_session(self, exc: BaseException | None) -> None:
+        registry = self.session.registry
+        if not registry.has():
+            return
+        session = registry()
+        try:
+            session.close()
+        except Exception as error:
+            if isinstance(error, DBAPIError) and error.connection_invalidated:
+                log.warning("database connection lost before the end of the transaction (nothing uncommitted "
+                            "is kept; the answer stands): %s", error.orig or error)  # fmt: skip
+            else:
+                log.exception("ending the session failed; its connections are discarded")
+            try:
+                session.invalidate()
+            except Exception:
+                log.exception("discarding the session's connections failed")
+        finally:
+            registry.clear()
+
+
+db = PayintentSQLAlchemy(model_class=Base)
 api = PayintentApi()
 
 

@@ -5,7 +5,8 @@ Every drill pays real intents on the devnet (drills/payments.py: buyers that ret
 with a freshly signed authorization) while one part of the stack fails, then audits the chain and
 the database: payments attempted and settled, double charges and unrecorded charges (both must be
 0), and events lost (every event must reach both webhook receivers; 0 lost). A drill whose audit
-finds a problem, or whose payments do not all settle, fails the run (exit 1).
+finds a problem, whose payments do not all settle, or whose buyers got a 500 (or an error answer without
+the JSON envelope) fails the run (exit 1).
 
     .venv/bin/python drills/run.py                    # all six, about 6 minutes
     .venv/bin/python drills/run.py --only relayer api --seed 7
@@ -244,7 +245,24 @@ def run_one(stack: Stack, name: str, drill: Drill, rng: random.Random) -> tuple[
     figures.problems += [f"{exit} (restarted)" for exit in stack.unexpected_exits[exits_before:]]
     if figures.lost:
         figures.problems.append(f"{figures.lost} webhook deliveries of this drill's events never arrived")
+    figures.problems += bad_answers(figures.answers)
     return figures, outcome, time.monotonic() - started
+
+
+def bad_answers(answers: Counter[str]) -> list[str]:
+    """A fault may make the API refuse (503 SERVICE_UNAVAILABLE, CHAIN_UNAVAILABLE...), never fail: any 500,
+    and any error answer without the JSON envelope's code (a server's own error page), is a problem."""
+    problems = []
+    for answer, count in sorted(answers.items()):
+        status, _, code = answer.partition(" ")
+        if not status.isdigit():  # "connection ...": the API was down, which is the drill's doing
+            continue
+        if status == "500":
+            problems.append(f"the API answered {answer} {count} time(s): an unhandled error (its traceback is in "
+                            "api.log, kept); a fault must get a JSON error with a fitting status")  # fmt: skip
+        elif int(status) >= 400 and not code:
+            problems.append(f"the API answered {status} {count} time(s) without the JSON error envelope")
+    return problems
 
 
 Row = tuple[str, Figures, Outcome, float]
