@@ -38,7 +38,7 @@ PATIENCE = 5.0  # seconds an ordinary request may take while the attack runs
 def nginx_binary() -> str:
     found = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/sbin/nginx") if os.access(p, os.X_OK)), "")
     if not found:
-        pytest.fail("nginx is not installed: run `make nginx` (Debian: apt-get install nginx-light)")
+        pytest.fail("nginx is not installed: run `make nginx` (Debian: apt-get install nginx)")
     return found
 
 
