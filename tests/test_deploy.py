@@ -304,7 +304,7 @@ def test_nginx_conf_buffers_and_bounds_slow_clients():
     assert conf["limit_conn_zone"] == ["$binary_remote_addr zone=per_client:10m"]
     assert conf["limit_conn"] == ["per_client 32"] and conf["limit_conn_status"] == ["429"]
     # gunicorn refuses header lines over 8190 bytes: nginx's buffers are no larger.
-    count, size = conf["large_client_header_buffers"][0].split()
+    _, size = conf["large_client_header_buffers"][0].split()
     assert _nginx_size(size) <= 8190 + 2
 
 
