@@ -9,7 +9,7 @@ NODE_STAMP := node_modules/.installed
 CHECKOUT := checkout-ui/dist/index.html
 SWAGGER_UI := backend/static/apidocs/swagger-ui/swagger-ui-bundle.js
 
-.PHONY: install browser run test test-db drills lint fmt bench contracts clean
+.PHONY: install browser nginx run test test-db drills lint fmt bench contracts clean
 
 install: $(STAMP) $(NODE_STAMP) $(CHECKOUT) $(SWAGGER_UI)
 
@@ -45,6 +45,16 @@ browser:
 		echo "The e2e tests need Chromium: install it (Debian: sudo apt-get install chromium) or set CHROMIUM=/path/to/chrome"; exit 1; \
 	fi
 
+# tests/observability/test_slow_clients.py runs deploy/nginx.conf under a real nginx: found on PATH or in /usr/sbin,
+# else installed from Debian's packages (package nginx: the core modules the file uses). Never started as a service.
+nginx:
+	@if command -v nginx >/dev/null || [ -x /usr/sbin/nginx ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y -q nginx >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q nginx >/dev/null; }; \
+	else \
+		echo "The slow-client tests need nginx: install it (Debian: sudo apt-get install nginx)"; exit 1; \
+	fi
+
 # Rebuild devnet/artifacts/TestUSDC.json from devnet/contracts/ (the artifact is committed).
 contracts: $(NODE_STAMP)
 	node devnet/build_contract.mjs
@@ -52,11 +62,11 @@ contracts: $(NODE_STAMP)
 run: install
 	$(BIN)/payintent dev
 
-test: install browser
+test: install browser nginx
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Only the tests that touch a database or Redis (.ci/run points them at the machine's servers).
-test-db: install
+test-db: install nginx
 	$(BIN)/python -m pytest -m "db or redis" $(PYTEST_ARGS)
 
 # Reliability drills: faults against the full local stack (docs/drills.md); fails on a double charge,

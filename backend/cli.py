@@ -99,6 +99,25 @@ def _warn_about_development_settings(app: Flask, *, sessions: bool = False) -> N
         log.warning("SECRET_KEY is the development default: set SECRET_KEY before exposing the dashboard")
 
 
+SLOW_CLIENTS_WARNING = "must run behind a buffering reverse proxy"
+
+
+def _warn_without_a_proxy(app: Flask, host: str) -> None:
+    """``serve`` reachable from other machines with no proxy declared (TRUSTED_PROXY_HOPS=0): gunicorn's sync workers
+    each hold one connection until its request is whole, so a few dozen clients sending a byte every few seconds
+    (slowloris) hold them all. Warned, not refused: a proxy may be in front whose headers the api ignores."""
+    settings: Settings = app.config["PAYINTENT_SETTINGS"]
+    if settings.trusted_proxy_hops == 0 and not _loopback(host):
+        log.warning(
+            "serving on %s, reachable from other machines, with no proxy in front (TRUSTED_PROXY_HOPS=0): the api %s "
+            "(nginx with deploy/nginx.conf, as docker-compose.yml runs it; docs/deploy.md#the-proxy). Its workers are "
+            "synchronous: a few dozen clients sending or reading a request a byte at a time hold every one of them "
+            "and the api stops answering. Behind the proxy, set TRUSTED_PROXY_HOPS=1",
+            host,
+            SLOW_CLIENTS_WARNING,
+        )
+
+
 def _merchant_call(fn, *args: Any) -> Any:  # type: ignore[no-untyped-def]
     from backend.merchants.services import MerchantError
 
@@ -258,7 +277,9 @@ def serve(host: str, port: int, workers: int | None) -> NoReturn:
     # _app(): fail fast, with a clear message, on a bad configuration or schema. Warned here, once, rather than
     # by each gunicorn worker's create_app().
     _refuse_development_secret_key(host)
-    _warn_about_development_settings(_app(), sessions=True)
+    app = _app()
+    _warn_about_development_settings(app, sessions=True)
+    _warn_without_a_proxy(app, host)
     count = workers or int(os.environ.get("WEB_CONCURRENCY") or 2 * (os.cpu_count() or 1))
     argv = [
         sys.executable, "-m", "gunicorn",

