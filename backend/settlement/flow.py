@@ -118,7 +118,14 @@ def submit_payment(
             start_block = None
         else:
             auth, start_block = _check_evm(submission, requirement, network, now)
-        settlement_id = services.claim(intent, network, auth, start_block, _budget(intent, network, auth, settings))
+        settlement_id = services.claim(
+            intent,
+            network,
+            auth,
+            start_block,
+            _budget(intent, network, auth, settings),
+            max_open_per_payer=settings.max_open_settlements_per_payer,
+        )
     except APIError as err:
         # A 5xx is the service's own trouble (a chain RPC down), not the payment failing: no payment.failed.
         if err.code not in _NO_FAILURE_EVENT and err.http_status < 500:
@@ -153,12 +160,14 @@ def _budget(intent: Intent, network: Any, auth: Any, settings: Settings) -> Call
 
 
 def _check_evm(submission: PaymentSubmission, requirement: dict[str, Any], network: Any, now: Any) -> tuple[Any, int]:
-    """EVM: the EIP-3009 authorization offline, then its nonce and the buyer's balance on chain."""
+    """EVM: the EIP-3009 authorization offline, then on chain its nonce, that the payer has no code, and
+    the buyer's balance."""
     auth = parse_evm_payload(submission.payload)
     verify_evm_authorization(auth, requirement, int(now.timestamp()))
     chain = evm_chain(network)
     try:
         used = chain.authorization_state(auth.payer, auth.nonce)
+        has_code = chain.has_code(auth.payer)
         balance = chain.balance_of(auth.payer)
         start_block = chain.block_number()
     except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
@@ -166,6 +175,15 @@ def _check_evm(submission: PaymentSubmission, requirement: dict[str, Any], netwo
         raise APIError(503, "CHAIN_UNAVAILABLE", f"{network.name} cannot be reached right now; try again") from None
     if used:
         raise APIError(409, "NONCE_ALREADY_USED", "This authorization's nonce was already used or cancelled")
+    if has_code:
+        # The token would ask the payer's code whether the signature is valid, and code may answer one
+        # way when the relay estimates and another when the transaction is mined (docs/security.md).
+        raise APIError(
+            400,
+            "PAYER_HAS_CODE",
+            "The paying address has contract code (a smart wallet or an EIP-7702 delegation); "
+            "this service settles payments from plain addresses only: pay from another wallet",
+        )
     if balance < auth.value:
         raise APIError(
             402,
