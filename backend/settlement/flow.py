@@ -18,7 +18,7 @@ from typing import Any
 from flask import current_app
 from redis import Redis
 from redis.exceptions import RedisError
-from rq import Queue, Retry
+from rq import Queue
 
 from backend import clock
 from backend.chains.evm import evm_chain
@@ -60,7 +60,9 @@ def enqueue_settlement(redis: Redis, settlement_id: str, queue_name: str, networ
         SETTLE_JOB,
         settlement_id,
         job_id=f"settle-{settlement_id}",
-        retry=Retry(max=3, interval=[1, 3, 10]),  # transient RPC errors; the reconciler covers the rest
+        # No RQ retry: RQ parks a retry with an interval for its scheduler, which no relayer runs, so it never
+        # ran. A job that fails (an RPC hiccup) leaves its settlement open; the reconciler sends it again
+        # once it is STALE_AFTER old (settlement.reconcile), which is the one retry path.
         job_timeout=300,
         result_ttl=600,
         failure_ttl=7 * 24 * 3600,
