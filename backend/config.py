@@ -121,6 +121,9 @@ class Settings:
     # Settlements one merchant may have open (claimed, not finished) on one network; more are refused
     # 429 TOO_MANY_OPEN_SETTLEMENTS (0: no cap).
     max_open_settlements: int = 20
+    # Settlements one payer address may have open at once, over every merchant and network; more are
+    # refused 429 PAYER_TOO_MANY_OPEN_PAYMENTS (0: no cap): one payer cannot hold many intents at once.
+    max_open_settlements_per_payer: int = 5
     # Whether anyone may create a merchant account on the dashboard ("open") or only the operator, with
     # `payintent merchant create` ("closed"): what a public deployment should set (docs/deploy.md).
     dashboard_signup: str = "open"
@@ -161,6 +164,7 @@ class Settings:
             relay_budget_solana=_env_coins("RELAY_BUDGET_SOLANA", _env("RELAY_BUDGET_SOLANA", "0.05")),
             relay_budgets=_env_budgets("RELAY_BUDGETS", _env("RELAY_BUDGETS", "")),
             max_open_settlements=max(0, int(_env("MAX_OPEN_SETTLEMENTS", "20"))),
+            max_open_settlements_per_payer=max(0, int(_env("MAX_OPEN_SETTLEMENTS_PER_PAYER", "5"))),
             dashboard_signup=_env_choice("DASHBOARD_SIGNUP", _env("DASHBOARD_SIGNUP", "open"), ("open", "closed")),
             dashboard_signups_per_hour=int(_env("DASHBOARD_SIGNUPS_PER_HOUR", "10")),
         )

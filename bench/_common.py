@@ -164,6 +164,7 @@ def service_env(workdir: Path, drop: tuple[str, ...] = (), **values: str) -> dic
     env.update(LOG_LEVEL="WARNING", PAYINTENT_VAR_DIR=str(workdir / "var"), PYTHONUNBUFFERED="1",
                SECRET_KEY=secrets.token_hex(32), API_RATE_LIMIT_PER_KEY="0", API_RATE_LIMIT_PER_IP="0",
                RELAY_BUDGET_EVM="unlimited", RELAY_BUDGET_SOLANA="unlimited", MAX_OPEN_SETTLEMENTS="0",
+               MAX_OPEN_SETTLEMENTS_PER_PAYER="0",
                **values)  # fmt: skip
     return env
 

@@ -16,17 +16,33 @@ from typing import Any
 
 from eth_account.signers.local import LocalAccount
 from redis import Redis
-from web3.exceptions import ContractLogicError
+from web3.exceptions import ContractLogicError, Web3RPCError
 
 from backend.chains.evm import EvmChain
+from backend.relaybudget.services import EVM_SETTLEMENT_GAS
 from backend.settlement.models import Settlement
 
 LEASE_SECONDS = 120  # longer than the RPC calls and the database write a send makes
 NONCE_KEY = "payintent:relayer:last:{}:{}"  # the last transaction sent from an account: "nonce:hash"
 LEASE_KEY = "payintent:relayer:lease:{}:{}"
 PRIORITY_FEE_WEI = 1_000_000_000  # 1 gwei tip when the node does not suggest one
-GAS_HEADROOM = 1.25
+# The gas limit of every relay transaction, whatever the estimate says: transferWithAuthorization uses
+# 60,000-90,000 (USDC's FiatToken, our TestUSDC), so a payer's code cannot make the relay burn more than
+# this (docs/security.md, "Payers with contract code"). The relay budget reserves the same amount.
+GAS_LIMIT = EVM_SETTLEMENT_GAS
 MAX_SEND_ATTEMPTS = 4
+# What a node answers when the transaction cannot succeed whenever it is sent again (lowercase parts of
+# the message): the settlement then fails for good instead of being retried.
+FINAL_REFUSALS = (
+    "execution reverted",
+    "revert",
+    "invalid signature",
+    "authorization is used",
+    "authorization is expired",
+    "not yet valid",
+    "gas required exceeds",
+    "out of gas",
+)
 
 
 class RelayUnavailable(RuntimeError):
@@ -35,6 +51,23 @@ class RelayUnavailable(RuntimeError):
 
 class Reverted(RuntimeError):
     """The call would revert (or did): the authorization was not executed."""
+
+
+class Refused(Reverted):
+    """The node refused to take the transaction for a reason that sending it again does not change."""
+
+
+def final_refusal(exc: BaseException) -> str | None:
+    """The node's reason if ``exc`` is its answer that the call cannot succeed (a revert, a bad or used
+    authorization, more gas than the cap); None for anything else (a timeout, a dropped connection, a
+    nonce race, a relay short of funds), which may pass if tried again."""
+    if isinstance(exc, ContractLogicError):
+        return str(exc.message or exc)
+    if isinstance(exc, Web3RPCError | ValueError):
+        message = str(getattr(exc, "message", None) or exc)
+        if any(part in message.lower() for part in FINAL_REFUSALS):
+            return message
+    return None
 
 
 @contextlib.contextmanager
@@ -86,7 +119,7 @@ FEE_CACHE_SECONDS = 3.0
 _fee_cache: dict[str, tuple[float, dict[str, int]]] = {}
 
 
-def _fees(chain: EvmChain) -> dict[str, int]:
+def fees(chain: EvmChain) -> dict[str, int]:
     """EIP-1559: tip as the node suggests, cap at twice the base fee plus the tip (cached 3 s per
     chain: the cap leaves room for the base fee to rise for several blocks)."""
     network = chain.network.network
@@ -119,11 +152,17 @@ def transfer_call(chain: EvmChain, settlement: Settlement) -> Any:
     )
 
 
-def estimate(chain: EvmChain, call: Any, sender: str) -> int:
+def estimate(chain: EvmChain, call: Any, sender: str, fee_fields: dict[str, int]) -> int:
+    """The gas the transfer needs, estimated as it will be sent: the same fee fields (a payer's code may
+    read the gas price: at 0, what ``eth_estimateGas`` uses without them, it may answer otherwise) and
+    at most ``GAS_LIMIT`` (more is a refusal, not a bigger transaction). Raises ``Reverted``."""
     try:
-        return int(call.estimate_gas({"from": sender}))
-    except ContractLogicError as exc:
-        raise Reverted(str(exc.message or exc)) from None
+        return int(call.estimate_gas({"from": sender, "gas": GAS_LIMIT, **fee_fields}))
+    except Exception as exc:
+        reason = final_refusal(exc)
+        if reason is None:
+            raise
+        raise Reverted(reason) from None
 
 
 def send(
@@ -131,10 +170,13 @@ def send(
     chain: EvmChain,
     accounts: list[LocalAccount],
     call: Any,
-    gas: int,
+    fee_fields: dict[str, int],
     before_broadcast: Any,
 ) -> str:
-    """Sign and broadcast from a leased account; ``before_broadcast(tx_hash, address)`` runs first."""
+    """Sign and broadcast from a leased account; ``before_broadcast(tx_hash, address)`` runs first.
+
+    The transaction has ``GAS_LIMIT`` gas and the fees it was estimated with. Raises ``Refused`` when
+    the node refuses it for good (``final_refusal``): nothing to retry."""
     network = chain.network.network
     for attempt in range(MAX_SEND_ATTEMPTS):
         with lease(redis, network, accounts) as account:
@@ -143,9 +185,9 @@ def send(
                 {
                     "from": account.address,
                     "nonce": nonce,
-                    "gas": int(gas * GAS_HEADROOM),
+                    "gas": GAS_LIMIT,
                     "chainId": chain.network.chain_id,
-                    **_fees(chain),
+                    **fee_fields,
                 }
             )
             signed = account.sign_transaction(tx)
@@ -156,6 +198,9 @@ def send(
             except Exception as exc:
                 message = str(exc).lower()
                 if "already known" not in message:  # else: the very same transaction is in the pool
+                    reason = final_refusal(exc)
+                    if reason is not None:
+                        raise Refused(reason) from None
                     retryable = "nonce too low" in message or "replacement transaction underpriced" in message
                     if not retryable or attempt + 1 >= MAX_SEND_ATTEMPTS:
                         raise

@@ -47,6 +47,12 @@ RECEIPT_TIMEOUT_SECONDS = 120
 # relayer that dies frees its settlements within seconds.
 JOB_LOCK_SECONDS = 15
 JOB_LOCK_KEY = "payintent:relayer:settling:{}"
+# failure_code of a settlement whose payer has code when the relayer is about to send (docs/security.md).
+PAYER_HAS_CODE = "PAYER_HAS_CODE"
+PAYER_CODE_REASON = (
+    "the payer's address has contract code (a smart wallet or an EIP-7702 delegation): the relay does not "
+    "settle such authorizations; pay from a plain address"
+)
 # Set by relayer.worker at start-up: the only place relay keys live.
 RELAY_ACCOUNTS: dict[str, list[LocalAccount]] = {}
 SOLANA_RELAYS: dict[str, Keypair] = {}
@@ -138,19 +144,28 @@ def _settle(settlement_id: str, redis: Redis) -> str:
     if intent is not None and intent.status == PAID and intent.settlement_id != settlement_id:
         services.fail_settlement(settlement_id, "ALREADY_PAID", "the intent was paid by another authorization")
         return "intent-already-paid"
+    # /pay refused a payer with code, but code can appear since (an EIP-7702 delegation): look again, now,
+    # right before the estimate and the send (the code's answer at estimate time proves nothing).
+    if chain.has_code(settlement.payer):
+        return _reverted(chain, settlement, PAYER_CODE_REASON, PAYER_HAS_CODE)
     call = evm.transfer_call(chain, settlement)
+    fees = evm.fees(chain)  # the estimate and the send use the same fee fields
     try:
-        gas = evm.estimate(chain, call, accounts[0].address)
+        evm.estimate(chain, call, accounts[0].address, fees)
     except evm.Reverted as exc:
         return _reverted(chain, settlement, f"the transfer would revert: {exc}")
-    tx_hash = evm.send(
-        redis,
-        chain,
-        accounts,
-        call,
-        gas,
-        before_broadcast=lambda h, address: _submitted(settlement_id, h, address),
-    )
+    try:
+        tx_hash = evm.send(
+            redis,
+            chain,
+            accounts,
+            call,
+            fees,
+            before_broadcast=lambda h, address: _submitted(settlement_id, h, address),
+        )
+    except evm.Refused as exc:
+        # The node refused it for good: final, not retried (the chain still decides first, in _reverted).
+        return _reverted(chain, services.get_settlement(settlement_id) or settlement, f"the node refused it: {exc}")
     crash_point("after-broadcast")
     receipt = evm.wait_receipt(chain, tx_hash, RECEIPT_TIMEOUT_SECONDS)
     crash_point("before-finish")
@@ -185,7 +200,7 @@ def _finish(chain: EvmChain, settlement: st.Settlement, tx_hash: str, receipt: d
     return _reverted(chain, settlement, f"transaction {tx_hash} reverted")
 
 
-def _reverted(chain: EvmChain, settlement: st.Settlement, reason: str) -> str:
+def _reverted(chain: EvmChain, settlement: st.Settlement, reason: str, code: str = "SETTLEMENT_FAILED") -> str:
     """A revert: the chain decides (someone may have executed or cancelled it); else release the intent.
 
     Not while our own transaction's revert is in a block that is not final: a reorg may still replace
@@ -213,5 +228,5 @@ def _reverted(chain: EvmChain, settlement: st.Settlement, reason: str) -> str:
             return "waiting-for-confirmations"  # the reconciler sends it back to us; decided once final
     else:
         return "waiting-for-confirmations"  # the block moved under us while we waited: decide next time
-    services.fail_settlement(settlement.id, "SETTLEMENT_FAILED", reason)
-    return "reverted"
+    services.fail_settlement(settlement.id, code, reason)
+    return "reverted" if code == "SETTLEMENT_FAILED" else code.lower()

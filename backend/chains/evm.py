@@ -127,6 +127,12 @@ class EvmChain:
         call = self.token.functions.authorizationState(to_checksum_address(authorizer), nonce)
         return bool(call.call(block_identifier=block))
 
+    def has_code(self, address: str, block: int | str = "latest") -> bool:
+        """Whether ``address`` holds code: a contract (an ERC-1271 smart wallet) or an EOA with an EIP-7702
+        delegation designator (``0xef0100`` + the delegate's address). EIP-3009 then asks that code whether
+        the signature is valid, and code can answer differently at each call (docs/security.md)."""
+        return len(bytes(self.w3.eth.get_code(to_checksum_address(address), block))) > 0
+
     def token_name(self) -> str:
         return str(self.token.functions.name().call())
 

@@ -87,7 +87,8 @@ PAY = "pay"
 PREPARE = "prepare"
 
 # Gas one transferWithAuthorization may use: 60,000-90,000 for USDC's FiatToken and our TestUSDC (a
-# first payment to an address, a fresh nonce); the bound leaves room for the rest.
+# first payment to an address, a fresh nonce); the bound leaves room for the rest. It is also the gas
+# limit of every relay transaction (relayer.evm.GAS_LIMIT), so no settlement's execution gas exceeds it.
 EVM_SETTLEMENT_GAS = 120_000
 COST_CACHE_SECONDS = 30.0
 # Retry-After when only settlements in flight block a payment (they finish within seconds to minutes).

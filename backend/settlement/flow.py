@@ -18,7 +18,7 @@ from typing import Any
 from flask import current_app
 from redis import Redis
 from redis.exceptions import RedisError
-from rq import Queue, Retry
+from rq import Queue
 
 from backend import clock
 from backend.chains.evm import evm_chain
@@ -60,7 +60,9 @@ def enqueue_settlement(redis: Redis, settlement_id: str, queue_name: str, networ
         SETTLE_JOB,
         settlement_id,
         job_id=f"settle-{settlement_id}",
-        retry=Retry(max=3, interval=[1, 3, 10]),  # transient RPC errors; the reconciler covers the rest
+        # No RQ retry: RQ parks a retry with an interval for its scheduler, which no relayer runs, so it never
+        # ran. A job that fails (an RPC hiccup) leaves its settlement open; the reconciler sends it again
+        # once it is STALE_AFTER old (settlement.reconcile), which is the one retry path.
         job_timeout=300,
         result_ttl=600,
         failure_ttl=7 * 24 * 3600,
@@ -118,7 +120,14 @@ def submit_payment(
             start_block = None
         else:
             auth, start_block = _check_evm(submission, requirement, network, now)
-        settlement_id = services.claim(intent, network, auth, start_block, _budget(intent, network, auth, settings))
+        settlement_id = services.claim(
+            intent,
+            network,
+            auth,
+            start_block,
+            _budget(intent, network, auth, settings),
+            max_open_per_payer=settings.max_open_settlements_per_payer,
+        )
     except APIError as err:
         # A 5xx is the service's own trouble (a chain RPC down), not the payment failing: no payment.failed.
         if err.code not in _NO_FAILURE_EVENT and err.http_status < 500:
@@ -153,12 +162,14 @@ def _budget(intent: Intent, network: Any, auth: Any, settings: Settings) -> Call
 
 
 def _check_evm(submission: PaymentSubmission, requirement: dict[str, Any], network: Any, now: Any) -> tuple[Any, int]:
-    """EVM: the EIP-3009 authorization offline, then its nonce and the buyer's balance on chain."""
+    """EVM: the EIP-3009 authorization offline, then on chain its nonce, that the payer has no code, and
+    the buyer's balance."""
     auth = parse_evm_payload(submission.payload)
     verify_evm_authorization(auth, requirement, int(now.timestamp()))
     chain = evm_chain(network)
     try:
         used = chain.authorization_state(auth.payer, auth.nonce)
+        has_code = chain.has_code(auth.payer)
         balance = chain.balance_of(auth.payer)
         start_block = chain.block_number()
     except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
@@ -166,6 +177,15 @@ def _check_evm(submission: PaymentSubmission, requirement: dict[str, Any], netwo
         raise APIError(503, "CHAIN_UNAVAILABLE", f"{network.name} cannot be reached right now; try again") from None
     if used:
         raise APIError(409, "NONCE_ALREADY_USED", "This authorization's nonce was already used or cancelled")
+    if has_code:
+        # The token would ask the payer's code whether the signature is valid, and code may answer one
+        # way when the relay estimates and another when the transaction is mined (docs/security.md).
+        raise APIError(
+            400,
+            "PAYER_HAS_CODE",
+            "The paying address has contract code (a smart wallet or an EIP-7702 delegation); "
+            "this service settles payments from plain addresses only: pay from another wallet",
+        )
     if balance < auth.value:
         raise APIError(
             402,

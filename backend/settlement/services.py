@@ -152,6 +152,39 @@ def _lock_merchant_network(intent_id: str, merchant_id: str, network_id: str) ->
         db.session.execute(update(Intent).where(Intent.id == intent_id).values(updated_at=Intent.updated_at))
 
 
+# pg_advisory_xact_lock's first key for the cap per payer: one claim of a payer at a time (see ``claim``).
+_PAYER_LOCK_CLASS = 0x5350
+# Retry-After of PAYER_TOO_MANY_OPEN_PAYMENTS: open settlements finish within seconds to minutes.
+PAYER_RETRY_SECONDS = 30
+
+
+def _lock_payer(intent_id: str, payer: str) -> None:
+    """Until this transaction ends, no other claim by the payer passes this point (taken after the
+    (merchant, network) lock, never before it: no two claims wait on each other in opposite order)."""
+    if db.engine.dialect.name == "postgresql":
+        db.session.execute(select(func.pg_advisory_xact_lock(_PAYER_LOCK_CLASS, func.hashtext(payer))))
+    else:
+        db.session.execute(update(Intent).where(Intent.id == intent_id).values(updated_at=Intent.updated_at))
+
+
+def count_open_of_payer(payer: str) -> int:
+    """The payer's settlements that are claimed and not finished, over every merchant and network."""
+    mine = (Settlement.payer == payer, Settlement.status.in_(st.OPEN))
+    return int(db.session.scalar(select(func.count()).select_from(Settlement).where(*mine)) or 0)
+
+
+def _refuse_busy_payer(payer: str, open_of_payer: int) -> APIError:
+    log.warning("payer %s: %d payments open (the cap)", payer, open_of_payer)
+    return APIError(
+        429,
+        "PAYER_TOO_MANY_OPEN_PAYMENTS",
+        f"This paying address already has {open_of_payer} payments settling, the most allowed at once; "
+        "try again once they finish",
+        headers={"Retry-After": str(PAYER_RETRY_SECONDS)},
+        retry_after=PAYER_RETRY_SECONDS,
+    )
+
+
 def count_open(merchant_id: str, network_id: str) -> int:
     """The merchant's settlements on the network that are claimed and not finished."""
     mine = (Settlement.merchant_id == merchant_id, Settlement.network == network_id, Settlement.status.in_(st.OPEN))
@@ -164,6 +197,8 @@ def claim(
     auth: EvmAuthorization,
     start_block: int | None,
     admit: Callable[[int], None] | None = None,
+    *,
+    max_open_per_payer: int = 0,
 ) -> str:
     """Atomically make a new settlement the holder of the intent; returns its id.
 
@@ -172,12 +207,18 @@ def claim(
     relay to one more settlement on the network (it raises to refuse; nothing is then claimed), given how many
     are open: under a lock per (merchant, network) (PostgreSQL: an advisory lock; SQLite: the write lock), so
     concurrent payments are counted one after the other and cannot all pass a limit together.
+
+    ``max_open_per_payer`` (0: none): the payer may have at most that many settlements open at once, over
+    every merchant and network (429 PAYER_TOO_MANY_OPEN_PAYMENTS), counted under a lock per payer.
     """
     now = clock.now()
-    open_settlements = 0
+    open_settlements = open_of_payer = 0
     if admit is not None:
         _lock_merchant_network(intent.id, intent.merchant_id, network.network)
         open_settlements = count_open(intent.merchant_id, network.network)
+    if max_open_per_payer:
+        _lock_payer(intent.id, auth.payer)
+        open_of_payer = count_open_of_payer(auth.payer)
     settlement_id = prefixed_id("stl")
     db.session.add(
         Settlement(
@@ -221,6 +262,9 @@ def claim(
         db.session.refresh(intent)
         check_payable(intent, now)
         raise APIError(409, "PAYMENT_IN_PROGRESS", "A payment for this intent is being settled; read the intent")
+    if max_open_per_payer and open_of_payer >= max_open_per_payer:
+        db.session.rollback()  # after the claim: a payment already in progress is told so first
+        raise _refuse_busy_payer(auth.payer, open_of_payer)
     if admit is not None:
         try:
             admit(open_settlements)  # after the claim: a payment already in progress is told so first
@@ -396,9 +440,10 @@ def touch(settlement_id: str) -> None:
     db.session.commit()
 
 
-# Failures after which the authorization can still execute (its signature is out): a revert, or an
-# intent paid by another settlement before this one was sent. Such a settlement is watched (``watched_at``).
-STILL_EXECUTABLE = ("SETTLEMENT_FAILED", "ALREADY_PAID")
+# Failures after which the authorization can still execute (its signature is out): a revert, an intent
+# paid by another settlement before this one was sent, or a payer whose code the relay does not trust (it
+# may submit the authorization itself). Such a settlement is watched (``watched_at``).
+STILL_EXECUTABLE = ("SETTLEMENT_FAILED", "ALREADY_PAID", "PAYER_HAS_CODE")
 
 
 def watched_settlements(limit: int) -> list[Settlement]:

@@ -75,6 +75,9 @@ class Pay(MethodView):
         NONCE_ALREADY_USED (409), UNSUPPORTED_NETWORK / UNSUPPORTED_SCHEME / UNSUPPORTED_X402_VERSION /
         INVALID_PAYLOAD / RECIPIENT_MISMATCH / AMOUNT_MISMATCH / ASSET_MISMATCH (v2 accepted.asset) /
         AUTHORIZATION_NOT_YET_VALID / AUTHORIZATION_EXPIRED / INVALID_SIGNATURE (400),
+        PAYER_HAS_CODE (400: the paying address has contract code, a smart wallet or an EIP-7702
+        delegation; only plain addresses are settled), PAYER_TOO_MANY_OPEN_PAYMENTS (429, with
+        `Retry-After`: the paying address has MAX_OPEN_SETTLEMENTS_PER_PAYER payments settling),
         SETTLEMENT_FAILED (402, with `reason`), RELAY_BUDGET_EXHAUSTED (429, with `Retry-After`: the
         merchant's budget for network fees paid by the relay on this network has no room for this payment,
         counting what its payments still settling may cost; nothing was claimed or sent),

@@ -1,0 +1,60 @@
+"""What the relayer tries again, and what it does not (hostile review, L2 and HIGH item 3).
+
+``enqueue_settlement`` asked RQ to retry a failed settle job after 1, 3 and 10 s. RQ parks such a retry
+in its ScheduledJobRegistry for a scheduler to move back, and the relayer runs its workers without one
+(``backend.queueing.work``: ``with_scheduler=False``): the retries never ran. They are gone; the
+reconciler, which sends again every settlement left open past ``STALE_AFTER``, is the one retry path
+(its re-sending is tested in test_recovery.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+
+from redis import Redis
+from rq import Queue
+
+from backend import queueing
+from backend.queueing import relayer_queue
+from backend.settlement.flow import enqueue_settlement
+
+
+def test_a_settle_job_promises_no_retry_that_no_scheduler_would_run(redis_url):
+    redis = Redis.from_url(redis_url)
+    name, settlement_id = f"relayer-retry-{uuid.uuid4().hex[:8]}", f"stl_{uuid.uuid4().hex[:12]}"
+    enqueue_settlement(redis, settlement_id, name, "eip155:84532")
+    queue = Queue(relayer_queue(name, "eip155:84532"), connection=redis)
+    job = queue.fetch_job(f"settle-{settlement_id}")
+    assert job is not None
+    assert not job.retries_left and not job.retry_intervals  # nothing RQ would park for a scheduler
+    # ... and indeed no worker of ours runs RQ's scheduler, which is why such a retry never ran.
+    assert "with_scheduler=False" in inspect.getsource(queueing._work)
+    queue.empty()
+
+
+def test_what_ends_a_settlement_and_what_is_tried_again():
+    """A node's answer that the transfer cannot succeed ends the settlement (``relayer.evm.final_refusal``);
+    anything that may pass on another try (a timeout, a nonce race, a relay short of ETH) does not."""
+    import requests
+    from web3.exceptions import ContractLogicError, Web3RPCError
+
+    from relayer.evm import final_refusal
+
+    final = [
+        ContractLogicError("execution reverted: FiatTokenV2: invalid signature"),
+        Web3RPCError("execution reverted"),
+        Web3RPCError("gas required exceeds allowance (120000)"),
+        ValueError("FiatTokenV2: authorization is used or canceled"),
+        Web3RPCError("out of gas"),
+    ]
+    transient = [
+        requests.exceptions.ReadTimeout("read timed out"),
+        requests.exceptions.ConnectionError("connection refused"),
+        Web3RPCError("nonce too low"),
+        Web3RPCError("replacement transaction underpriced"),
+        Web3RPCError("insufficient funds for gas * price + value"),
+        RuntimeError("execution reverted"),  # not the node's answer
+    ]
+    assert all(final_refusal(exc) for exc in final)
+    assert not any(final_refusal(exc) for exc in transient)
