@@ -33,11 +33,11 @@ LIMIT = 10  # blocks per eth_getLogs the simulated provider answers
 class RangeLimitedRpc:
     """The remote RPC's range limit, on the wire: eth_getLogs over more than ``limit`` blocks is refused."""
 
-    def __init__(self, chain: EvmChain, limit: int | None) -> None:
-        self.chain, self.limit = chain, limit
+    def __init__(self, client: EvmChain, limit: int | None) -> None:
+        self.client, self.limit = client, limit
         self.spans: list[int] = []  # every eth_getLogs asked, by its width in blocks
         self.refused = 0
-        self._send = chain.w3.provider._make_request  # type: ignore[attr-defined]
+        self._send = client.w3.provider._make_request  # type: ignore[attr-defined]
 
     def __call__(self, method: str, request_data: bytes) -> bytes:
         if method == "eth_getLogs":
