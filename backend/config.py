@@ -129,6 +129,12 @@ class Settings:
     dashboard_signup: str = "open"
     # Sign-up forms that reach the account check, per client address per hour (0: off).
     dashboard_signups_per_hour: int = 10
+    # The reconciler's eth_getLogs searches at most this many blocks per call (RPC providers refuse wider ranges;
+    # a refusal still halves it): RECONCILE_LOG_BLOCK_RANGE.
+    reconcile_log_block_range: int = 2000
+    # The time one reconcile pass gives each chain; the rest of a slow or unreachable chain's settlements wait for
+    # the next pass, and the other chains go on (RECONCILE_CHAIN_SECONDS).
+    reconcile_chain_seconds: float = 20.0
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -167,4 +173,6 @@ class Settings:
             max_open_settlements_per_payer=max(0, int(_env("MAX_OPEN_SETTLEMENTS_PER_PAYER", "5"))),
             dashboard_signup=_env_choice("DASHBOARD_SIGNUP", _env("DASHBOARD_SIGNUP", "open"), ("open", "closed")),
             dashboard_signups_per_hour=int(_env("DASHBOARD_SIGNUPS_PER_HOUR", "10")),
+            reconcile_log_block_range=max(1, int(_env("RECONCILE_LOG_BLOCK_RANGE", "2000"))),
+            reconcile_chain_seconds=max(1.0, float(_env("RECONCILE_CHAIN_SECONDS", "20"))),
         )

@@ -8,11 +8,21 @@ from typing import Any
 import requests
 from eth_utils import keccak, to_checksum_address
 from web3 import Web3
+from web3.exceptions import Web3RPCError
+from web3.providers.rpc.utils import ExceptionRetryConfiguration
 from web3.types import RPCEndpoint
 
 from backend.chains.registry import Network
 
-RPC_TIMEOUT_SECONDS = 10
+# One RPC call waits at most this long for an answer (read), and this long to connect. web3's own retry is
+# limited to one more try of a refused or reset connection: by default it retries timeouts five times (a
+# hung RPC then held each call a minute, and the reconcile pass with it). Callers retry at their level.
+RPC_TIMEOUT_SECONDS = 10.0
+RPC_CONNECT_TIMEOUT_SECONDS = 3.0
+RPC_CONNECT_ATTEMPTS = 2
+# eth_getLogs searches at most this many blocks per call (RECONCILE_LOG_BLOCK_RANGE): providers refuse wider
+# ranges (often 1,000 to 10,000 blocks). A provider refusing even that is asked for halves (see authorization_log).
+DEFAULT_LOG_BLOCK_RANGE = 2000
 
 _ADDRESS = {"type": "address"}
 _UINT = {"type": "uint256"}
@@ -109,13 +119,19 @@ class EvmChain:
         session.trust_env = False
         provider = Web3.HTTPProvider(
             network.rpc_url,
-            request_kwargs={"timeout": RPC_TIMEOUT_SECONDS},
+            request_kwargs={"timeout": (RPC_CONNECT_TIMEOUT_SECONDS, RPC_TIMEOUT_SECONDS)},
             session=session,
+            # Not timeouts (ConnectTimeout is a ConnectionError: at most RPC_CONNECT_ATTEMPTS x 3 s).
+            exception_retry_configuration=ExceptionRetryConfiguration(
+                errors=(requests.ConnectionError,), retries=RPC_CONNECT_ATTEMPTS, backoff_factor=0.1
+            ),
             # web3 asks eth_chainId before every call; a chain id never changes, so ask once.
             cache_allowed_requests=True,
             cacheable_requests={RPCEndpoint("eth_chainId")},
         )
         self.w3 = Web3(provider)
+        # The widest eth_getLogs range this RPC answered after refusing a wider one (None: none refused yet).
+        self.log_range_limit: int | None = None
         self.token = self.w3.eth.contract(address=to_checksum_address(network.usdc_address), abi=USDC_ABI)
 
     def balance_of(self, address: str) -> int:
@@ -156,20 +172,44 @@ class EvmChain:
         return max(head - max(self.network.confirmations, 1) + 1, 0)
 
     def authorization_log(
-        self, authorizer: str, nonce: bytes, from_block: int, to_block: int | str = "latest"
+        self, authorizer: str, nonce: bytes, from_block: int, to_block: int, max_range: int = DEFAULT_LOG_BLOCK_RANGE
     ) -> tuple[str, str, int] | None:
-        """(topic, tx hash, block) of the AuthorizationUsed/Canceled event for this authorization, if any."""
+        """(topic, tx hash, block) of the first AuthorizationUsed/Canceled event for this authorization
+        between ``from_block`` and ``to_block`` (a height read before), or None if the chain has none there.
+
+        Walked forward in windows of at most ``max_range`` blocks: RPC providers refuse wider eth_getLogs
+        ranges. A window the RPC refuses with an error (a JSON-RPC error, an HTTP 4xx) is halved and asked
+        again, down to one block; the width that then worked is remembered for this RPC. An error on a
+        one-block window, a timeout or an unreachable RPC raises: an error is never "no log". (The query
+        names the authorizer and the nonce, so a provider's cap on the number of results is never reached.)
+        """
         topics = [[AUTHORIZATION_USED_TOPIC, AUTHORIZATION_CANCELED_TOPIC], _word(authorizer), "0x" + nonce.hex()]
-        if isinstance(to_block, int) and max(from_block, 0) > to_block:
-            return None  # the search would start after the height it ends at: nothing to find yet
-        logs = self.w3.eth.get_logs(
-            {"address": self.token.address, "fromBlock": max(from_block, 0), "toBlock": to_block, "topics": topics}
-        )
-        if not logs:
-            return None
-        first = logs[0]
-        topic = first["topics"][0]
-        return ("0x" + bytes(topic).hex(), "0x" + bytes(first["transactionHash"]).hex(), int(first["blockNumber"]))
+        start = max(from_block, 0)
+        width = max(1, min(max_range, self.log_range_limit or max_range))
+        refused = False
+        while start <= to_block:
+            end = min(start + width - 1, to_block)
+            try:
+                logs = self.w3.eth.get_logs(
+                    {"address": self.token.address, "fromBlock": start, "toBlock": end, "topics": topics}
+                )
+            except (Web3RPCError, requests.HTTPError) as exc:
+                if end == start or not _may_be_range_limit(exc):
+                    raise
+                width, refused = max(1, (end - start + 1) // 2), True
+                continue
+            if refused:  # answered after a refusal: later searches start at this width
+                self.log_range_limit, refused = width, False
+            if logs:
+                first = logs[0]
+                topic = first["topics"][0]
+                return (
+                    "0x" + bytes(topic).hex(),
+                    "0x" + bytes(first["transactionHash"]).hex(),
+                    int(first["blockNumber"]),
+                )
+            start = end + 1
+        return None
 
     def receipt(self, tx_hash: str) -> dict[str, Any] | None:
         from web3.exceptions import TransactionNotFound
@@ -178,6 +218,15 @@ class EvmChain:
             return dict(self.w3.eth.get_transaction_receipt(tx_hash))
         except TransactionNotFound:
             return None
+
+
+def _may_be_range_limit(exc: Exception) -> bool:
+    """Whether an eth_getLogs error may be the provider refusing the range (or the size of the answer): a
+    JSON-RPC error, or an HTTP 4xx (some gateways answer 400 or 413). Not a 5xx: the RPC is in trouble."""
+    if isinstance(exc, requests.HTTPError):
+        status = exc.response.status_code if exc.response is not None else 0
+        return 400 <= status < 500
+    return True
 
 
 _chains: dict[Network, EvmChain] = {}

@@ -21,10 +21,11 @@ _ids = itertools.count(1)
 class SolanaRpcError(RuntimeError):
     """The RPC could not be reached or answered with an error (``code``/``data`` as the node sent them)."""
 
-    def __init__(self, message: str, code: int | None = None, data: Any = None) -> None:
+    def __init__(self, message: str, code: int | None = None, data: Any = None, *, unreachable: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.data = data
+        self.unreachable = unreachable  # a timeout or a failed connection: the RPC, not the request, is in trouble
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,10 @@ class SolanaChain:
             response = self._session.post(self.rpc_url, json=body, timeout=self.timeout)
             answer = jsonlimits.loads(response.content)  # an RPC's answer nested 20,000 deep: refused, no crash
         except (requests.RequestException, ValueError) as exc:
-            raise SolanaRpcError(f"{method}: RPC unreachable or malformed answer ({type(exc).__name__})") from None
+            raise SolanaRpcError(
+                f"{method}: RPC unreachable or malformed answer ({type(exc).__name__})",
+                unreachable=isinstance(exc, requests.Timeout | requests.ConnectionError),
+            ) from None
         if not isinstance(answer, dict):
             raise SolanaRpcError(f"{method}: malformed answer")
         if answer.get("error"):

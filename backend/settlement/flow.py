@@ -109,6 +109,8 @@ def submit_payment(
         submission = PaymentSubmission.of(intent.id, payment)
         requirement = services.requirement_for(intent, submission, registry)
         network = services.network_of(registry, submission.network)
+        # The payTo the buyer is asked to sign must still be the merchant's wallet (checked again in the claim).
+        services.check_pay_to_current(intent, network.network, requirement["payTo"])
         if requirement["asset"].lower() != network.usdc_address.lower():
             raise APIError(
                 409,

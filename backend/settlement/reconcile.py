@@ -9,15 +9,25 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from enum import Enum
 from typing import Any
 
+import requests
+from flask import current_app, has_app_context
 from redis import Redis
+from rq.timeouts import JobTimeoutException
 
 from backend import clock
-from backend.chains.evm import AUTHORIZATION_USED_TOPIC, EvmChain, authorization_transfer, evm_chain
-from backend.chains.registry import ChainRegistry
+from backend.chains.evm import (
+    AUTHORIZATION_USED_TOPIC,
+    DEFAULT_LOG_BLOCK_RANGE,
+    EvmChain,
+    authorization_transfer,
+    evm_chain,
+)
+from backend.chains.registry import ChainRegistry, Network
 from backend.relaybudget import services as relaybudget
 from backend.settlement import services
 from backend.settlement.models import Settlement
@@ -32,6 +42,8 @@ EXPIRY_GRACE_SECONDS = 60
 # (each visit costs one or two RPC calls; the open settlements are handled first).
 WATCH_PER_TICK = 50
 WATCH_SECONDS_PER_TICK = 5.0
+# The time one reconcile pass gives each chain (RECONCILE_CHAIN_SECONDS; see ``ChainPass``).
+CHAIN_SECONDS_PER_PASS = 20.0
 
 
 class Outcome(Enum):
@@ -63,32 +75,48 @@ def _paid_this(chain: EvmChain, settlement: Settlement, receipt: dict[str, Any],
     return to.lower() == settlement.pay_to.lower() and value == settlement.amount_atomic
 
 
-def onchain_outcome(chain: EvmChain, settlement: Settlement, head: int | None = None) -> tuple[Outcome, str | None]:
+def log_block_range() -> int:
+    """RECONCILE_LOG_BLOCK_RANGE of the app in context (the worker's, the relayer's), else the default."""
+    if has_app_context():
+        settings = current_app.config.get("PAYINTENT_SETTINGS")
+        if settings is not None:
+            return int(settings.reconcile_log_block_range)
+    return DEFAULT_LOG_BLOCK_RANGE
+
+
+def onchain_outcome(
+    chain: EvmChain, settlement: Settlement, head: int | None = None, log_range: int | None = None
+) -> tuple[Outcome, str | None]:
     """What the chain says about the settlement's authorization: USED, USED_ELSEWHERE, CANCELED, NOT_FINAL
     or UNUSED.
 
-    The height (``head``, unless given) is read first, and the state and the log search are pinned to
-    it: a log or receipt found is final only if it is buried under the confirmations at that height,
-    so a reorg between the reads cannot pass for final, and a lagging RPC node cannot answer "unused"
+    The height (``head``, unless given) is read first, and the state, the receipt and the log search are
+    pinned to it: a log or receipt found is final only if it is buried under the confirmations at that
+    height, so a reorg between the reads cannot pass for final, and a lagging RPC node cannot answer "unused"
     from an older state. A used nonce counts as this payment only if the same transaction moved this
     settlement's terms: the buyer may have signed the nonce again for something else.
+
+    Our own transaction (``tx_hash``) is looked up first, by its receipt: no log search, which RPC providers
+    limit. Only when it did not execute the authorization (none sent, reverted, not mined) are the token's
+    logs searched, from the claim's height, in windows of ``log_range`` blocks (RECONCILE_LOG_BLOCK_RANGE;
+    ``EvmChain.authorization_log``). An RPC error raises: it is never taken for "not found".
     """
     nonce = bytes.fromhex(settlement.nonce[2:])
     head = chain.block_number() if head is None else head
     if not chain.authorization_state(settlement.payer, nonce, head):
         return Outcome.UNUSED, None
-    found = chain.authorization_log(settlement.payer, nonce, (settlement.start_block or 0) - 5, head)
+    if settlement.tx_hash:
+        receipt = chain.receipt(settlement.tx_hash)
+        if receipt is not None and receipt.get("status") == 1 and _paid_this(chain, settlement, receipt, nonce):
+            # Our transaction executed it with this settlement's terms: paid once its block is final at ``head``.
+            final = chain.is_final(int(receipt["blockNumber"]), head)
+            return (Outcome.USED if final else Outcome.NOT_FINAL), settlement.tx_hash
+    found = chain.authorization_log(
+        settlement.payer, nonce, (settlement.start_block or 0) - 5, head, log_range or log_block_range()
+    )
     if found is None:
-        # Used, but the log is out of our search range (or the RPC's log index lags): only our own
-        # mined transaction will do. Until it is found and final, the money may have moved: never release.
-        receipt = chain.receipt(settlement.tx_hash) if settlement.tx_hash else None
-        if (
-            receipt is not None
-            and receipt.get("status") == 1
-            and chain.is_final(int(receipt["blockNumber"]), head)
-            and _paid_this(chain, settlement, receipt, nonce)
-        ):
-            return Outcome.USED, settlement.tx_hash
+        # Used, but the log is out of our search range (or the RPC's log index lags), and our own transaction
+        # did not execute it (yet): until the transaction is found and final, the money may have moved: never release.
         log.warning("settlement %s: authorization used but its final transaction was not found yet", settlement.id)
         return Outcome.NOT_FINAL, None
     topic, tx_hash, block_number = found
@@ -149,7 +177,49 @@ def finish_from_chain(chain: EvmChain, settlement: Settlement) -> bool:
     return settle_from_chain(chain, settlement) in FINISHED
 
 
-def watch_released(registry: ChainRegistry, limit: int = WATCH_PER_TICK) -> dict[str, int]:
+class ChainPass:
+    """The time one reconcile pass gives each chain, so one slow or hung RPC cannot hold the others.
+
+    A chain gets ``seconds`` of the pass (RECONCILE_CHAIN_SECONDS): once spent, its remaining settlements
+    wait for the next pass (they are the least recently handled then). A chain whose RPC timed out or could
+    not be reached is skipped for the rest of the pass: a hung RPC costs one call's timeout per pass, not one
+    per settlement. Chains that were in trouble in the previous pass go last (``order``).
+    """
+
+    _troubled: set[str] = set()  # in trouble in this process's previous pass (the worker's memory, no more)
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.spent: dict[str, float] = {}
+        self.down: set[str] = set()
+
+    def order(self, settlements: list[Settlement]) -> list[Settlement]:
+        return sorted(settlements, key=lambda s: s.network in ChainPass._troubled)  # stable: oldest first within
+
+    def allows(self, network: str) -> bool:
+        return network not in self.down and self.spent.get(network, 0.0) < self.seconds
+
+    def charge(self, network: str, started: float, error: BaseException | None = None) -> None:
+        self.spent[network] = self.spent.get(network, 0.0) + time.monotonic() - started
+        if error is not None and _unreachable(error):
+            self.down.add(network)
+
+    def end(self) -> None:
+        ChainPass._troubled = self.down | {n for n, spent in self.spent.items() if spent >= self.seconds}
+
+
+def _unreachable(error: BaseException) -> bool:
+    """A timeout or a connection that failed: the RPC, not this settlement, is in trouble."""
+    from backend.chains.solana import SolanaRpcError
+
+    if isinstance(error, SolanaRpcError):
+        return error.unreachable
+    return isinstance(error, requests.Timeout | requests.ConnectionError)
+
+
+def watch_released(
+    registry: ChainRegistry, limit: int = WATCH_PER_TICK, chains: ChainPass | None = None
+) -> dict[str, int]:
     """Settlements released without executing (a revert, or their intent paid by another) may still
     execute until validBefore (their signature is out): if one does, the database follows the chain
     (the intent is paid, or the second payment is recorded as a duplicate).
@@ -159,9 +229,11 @@ def watch_released(registry: ChainRegistry, limit: int = WATCH_PER_TICK) -> dict
     or unused with the newest final block past validBefore (+ grace), so an execution seen late (an
     outage, a lagging RPC) is still recorded. Visited round-robin (least recently watched first), at
     most ``limit`` per tick and for at most ``WATCH_SECONDS_PER_TICK``: many released settlements can
-    delay a late execution's record by a few ticks, never hide it. Returns ``{"late": recorded,
+    delay a late execution's record by a few ticks, never hide it. A chain ``chains`` (the pass's time
+    per chain) has no time left for, or found unreachable, is skipped. Returns ``{"late": recorded,
     "watched": visited}``.
     """
+    chains = chains or ChainPass(CHAIN_SECONDS_PER_PASS)
     found = visited = 0
     heads: dict[str, int] = {}
     final_times: dict[str, int] = {}
@@ -169,6 +241,8 @@ def watch_released(registry: ChainRegistry, limit: int = WATCH_PER_TICK) -> dict
     for settlement in services.watched_settlements(limit):
         if time.monotonic() > deadline:
             break  # the rest keep their turn: they are the least recently watched next tick
+        if not chains.allows(settlement.network):
+            continue  # keeps its turn: it is among the least recently watched next tick
         visited += 1
         services.mark_watched(settlement.id)  # to the back of the line, whatever this visit finds
         network = registry.get(settlement.network)
@@ -177,6 +251,8 @@ def watch_released(registry: ChainRegistry, limit: int = WATCH_PER_TICK) -> dict
         if network.kind != "evm":
             services.end_watch(settlement.id)  # a failed Solana transaction can never land again
             continue
+        started = time.monotonic()
+        error: BaseException | None = None
         try:
             chain = evm_chain(network)
             if network.network not in heads:
@@ -196,57 +272,100 @@ def watch_released(registry: ChainRegistry, limit: int = WATCH_PER_TICK) -> dict
                     final_times[network.network] = chain.block_timestamp(chain.final_block(head))
                 if final_times[network.network] > settlement.valid_before + EXPIRY_GRACE_SECONDS:
                     services.end_watch(settlement.id)  # no block that can still join the chain may execute it
+        except JobTimeoutException:
+            raise  # RQ ends the job: not one settlement's error
         except Exception as exc:
+            error = exc
             log.warning("could not watch settlement %s (%s)", settlement.id, type(exc).__name__)
+        finally:
+            chains.charge(network.network, started, error)
     return {"late": found, "watched": visited}
 
 
-def reconcile(registry: ChainRegistry, redis: Redis | None, queue_name: str = "relayer") -> dict[str, int]:
-    """Periodic: finish or re-send every settlement left open by a crash, a timeout or a lost job."""
+def reconcile(
+    registry: ChainRegistry,
+    redis: Redis | None,
+    queue_name: str = "relayer",
+    *,
+    chain_seconds: float = CHAIN_SECONDS_PER_PASS,
+) -> dict[str, int]:
+    """Periodic: finish or re-send every settlement left open by a crash, a timeout or a lost job.
+
+    Each chain gets ``chain_seconds`` of the pass (``ChainPass``): the settlements of a chain that is out of
+    time or unreachable are ``deferred`` to the next pass, and the other chains are reconciled meanwhile.
+    """
     from backend.settlement.flow import enqueue_settlement, notify_settled
 
-    counts = {"finished": 0, "resent": 0, "waiting": 0, "errors": 0}
-    for settlement in services.open_settlements(clock.now() - STALE_AFTER):
+    chains = ChainPass(chain_seconds)
+    counts = {"finished": 0, "resent": 0, "waiting": 0, "errors": 0, "deferred": 0}
+    for settlement in chains.order(services.open_settlements(clock.now() - STALE_AFTER)):
         network = registry.get(settlement.network)
         if network is None:
             counts["errors"] += 1
             continue
+        if not chains.allows(network.network):
+            counts["deferred"] += 1  # untouched: the least recently handled, first of its chain next pass
+            continue
+        started = time.monotonic()
+        error: BaseException | None = None
         try:
-            if network.kind == "solana":
-                from backend.settlement.solana import finish_from_chain as finish_solana
-                from backend.settlement.solana import solana_chain
-
-                finished = finish_solana(solana_chain(network), settlement)
-            else:
-                outcome = settle_from_chain(evm_chain(network), settlement)
-                finished = outcome in FINISHED
-                if outcome is Outcome.NOT_FINAL:
-                    # On chain but not final: nothing to send, nothing to release; look again later.
-                    services.touch(settlement.id)
-                    counts["waiting"] += 1
-                    continue
-            if finished:
-                counts["finished"] += 1
-                if redis is not None:
-                    notify_settled(redis, settlement.id)
-                continue
-            if redis is not None:
-                # Not executed and still valid: (re)send. Sending the same authorization twice is
-                # harmless: the token executes a nonce once.
-                services.touch(settlement.id)
-                enqueue_settlement(redis, settlement.id, queue_name, settlement.network)
-                counts["resent"] += 1
-            else:
-                counts["waiting"] += 1
+            _reconcile_one(network, settlement, redis, queue_name, counts, enqueue_settlement, notify_settled)
+        except JobTimeoutException:
+            raise  # RQ ends the job (its timeout): not one settlement's error to log and go on from
         except Exception as exc:  # logged without the message: RPC errors carry the RPC URL
+            error = exc
             log.warning("could not reconcile settlement %s (%s)", settlement.id, type(exc).__name__)
             counts["errors"] += 1
-    counts.update(watch_released(registry))  # after the open ones, bounded: the watch cannot hold them up
+        finally:
+            chains.charge(network.network, started, error)
+    # After the open ones, bounded: the watch cannot hold them up.
+    counts.update(watch_released(registry, chains=chains))
+    chains.end()
+    if chains.down:
+        log.warning("reconcile: unreachable this pass, retried next pass: %s", ", ".join(sorted(chains.down)))
     return counts
+
+
+def _reconcile_one(
+    network: Network,
+    settlement: Settlement,
+    redis: Redis | None,
+    queue_name: str,
+    counts: dict[str, int],
+    enqueue_settlement: Callable[..., None],
+    notify_settled: Callable[..., None],
+) -> None:
+    if network.kind == "solana":
+        from backend.settlement.solana import finish_from_chain as finish_solana
+        from backend.settlement.solana import solana_chain
+
+        finished = finish_solana(solana_chain(network), settlement)
+    else:
+        outcome = settle_from_chain(evm_chain(network), settlement)
+        finished = outcome in FINISHED
+        if outcome is Outcome.NOT_FINAL:
+            # On chain but not final: nothing to send, nothing to release; look again later.
+            services.touch(settlement.id)
+            counts["waiting"] += 1
+            return
+    if finished:
+        counts["finished"] += 1
+        if redis is not None:
+            notify_settled(redis, settlement.id)
+        return
+    if redis is not None:
+        # Not executed and still valid: (re)send. Sending the same authorization twice is
+        # harmless: the token executes a nonce once.
+        services.touch(settlement.id)
+        enqueue_settlement(redis, settlement.id, queue_name, settlement.network)
+        counts["resent"] += 1
+    else:
+        counts["waiting"] += 1
 
 
 __all__ = [
     "FINISHED",
+    "ChainPass",
     "Outcome",
     "finish_from_chain",
     "onchain_outcome",

@@ -29,6 +29,7 @@ from backend.extensions import db
 from backend.ids import prefixed_id
 from backend.intents.models import PAID, PENDING, Intent
 from backend.intents.services import effective_status
+from backend.merchants.models import Wallet
 from backend.money import from_atomic
 from backend.settlement import models as st
 from backend.settlement.models import Settlement
@@ -80,6 +81,32 @@ def requirement_for(
         f"This intent cannot be paid on {submission.network!r}; it offers {', '.join(offered)}",
         networks=offered,
     )
+
+
+def _same_payee(network_id: str, a: str, b: str) -> bool:
+    return a.lower() == b.lower() if network_id.startswith("eip155:") else a == b
+
+
+def check_pay_to_current(intent: Intent, network_id: str, pay_to: str, *, lock: bool = False) -> None:
+    """Refuse a payment to a payTo that is no longer the merchant's wallet on the network (409
+    REQUIREMENT_OUTDATED): the merchant changed or removed it after the intent was created.
+
+    The intent keeps the payTo it was created with (the buyer signs it: it is never redirected to a new
+    wallet), but a new payment to a wallet the merchant gave up is refused; the merchant creates a fresh
+    intent. ``lock`` (inside the claim): the wallet row is locked until the claim commits, so a wallet
+    change waits for a claim in progress, and a claim after the change sees the new wallet (PostgreSQL;
+    SQLite serializes writers anyway).
+    """
+    query = select(Wallet.address).where(Wallet.merchant_id == intent.merchant_id, Wallet.network == network_id)
+    current = db.session.scalar(query.with_for_update() if lock else query)
+    if current is None or not _same_payee(network_id, current, pay_to):
+        raise APIError(
+            409,
+            "REQUIREMENT_OUTDATED",
+            f"The merchant's payout wallet on {network_id} changed or was removed since this intent was created; "
+            "nothing was paid. Ask the merchant for a new payment intent",
+            network=network_id,
+        )
 
 
 def check_payable(intent: Intent, now: datetime) -> None:
@@ -213,6 +240,11 @@ def claim(
     """
     now = clock.now()
     open_settlements = open_of_payer = 0
+    try:
+        check_pay_to_current(intent, network.network, auth.pay_to, lock=True)
+    except APIError:
+        db.session.rollback()
+        raise
     if admit is not None:
         _lock_merchant_network(intent.id, intent.merchant_id, network.network)
         open_settlements = count_open(intent.merchant_id, network.network)

@@ -12,4 +12,9 @@ from backend.settlement.reconcile import reconcile
 def reconcile_settlements() -> dict[str, int]:
     """Periodic: finish settlements left open by crashes, timeouts or lost jobs."""
     settings = current_app.config["PAYINTENT_SETTINGS"]
-    return reconcile(current_app.extensions["payintent.chains"], app_redis(), settings.relayer_queue)
+    return reconcile(
+        current_app.extensions["payintent.chains"],
+        app_redis(),
+        settings.relayer_queue,
+        chain_seconds=settings.reconcile_chain_seconds,
+    )

@@ -72,7 +72,9 @@ class Pay(MethodView):
         (`{signature, authorization}`); Solana's is `{transaction}`. See docs/x402.md.
 
         Errors: ALREADY_PAID (409), PAYMENT_IN_PROGRESS (409), INTENT_CANCELLED (409), INTENT_EXPIRED (410),
-        NONCE_ALREADY_USED (409), UNSUPPORTED_NETWORK / UNSUPPORTED_SCHEME / UNSUPPORTED_X402_VERSION /
+        NONCE_ALREADY_USED (409), REQUIREMENT_OUTDATED (409: the merchant replaced or removed the payout wallet
+        the requirement's payTo names, or the network's USDC contract changed; ask for a new intent),
+        UNSUPPORTED_NETWORK / UNSUPPORTED_SCHEME / UNSUPPORTED_X402_VERSION /
         INVALID_PAYLOAD / RECIPIENT_MISMATCH / AMOUNT_MISMATCH / ASSET_MISMATCH (v2 accepted.asset) /
         AUTHORIZATION_NOT_YET_VALID / AUTHORIZATION_EXPIRED / INVALID_SIGNATURE (400),
         PAYER_HAS_CODE (400: the paying address has contract code, a smart wallet or an EIP-7702
