@@ -27,3 +27,45 @@ def test_downgrade_and_upgrade_again(tmp_path):
     assert current_revision(url) is None
     upgrade(url)
     assert current_revision(url) == head_revision()
+
+
+def test_0009_gives_each_payee_record_the_mints_payments_landed_in(tmp_path):
+    """Records written before 0009 had no mint: each gets the mints of the confirmed settlements paid to its owner
+    on its network (one record per mint), a record no settlement explains is dropped, and a downgrade keeps one
+    record per (network, owner, genesis hash)."""
+    url = f"sqlite:///{tmp_path / 'payee.db'}"
+    upgrade(url, "0008")
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    now = "2026-11-24 12:00:00.000000"
+    with engine.connect() as conn:
+        conn.exec_driver_sql("PRAGMA foreign_keys=OFF")  # settlements without their merchants and intents
+        for number, (pay_to, asset, status) in enumerate([
+            ("OWNER1", "MINT_A", "confirmed"), ("OWNER1", "MINT_B", "confirmed"), ("OWNER1", "MINT_C", "failed"),
+            ("OWNER2", "MINT_A", "confirmed"), ("OWNER1", "MINT_D", "confirmed"),
+        ]):  # fmt: skip
+            network = "solana:other" if asset == "MINT_D" else "solana:net"
+            conn.exec_driver_sql(
+                "INSERT INTO settlements (id, intent_id, merchant_id, network, asset, payer, pay_to, amount_atomic, "
+                "valid_after, valid_before, nonce, signature, status, created_at, updated_at) VALUES "
+                f"('stl_{number}', 'int_x', 'mer_x', '{network}', '{asset}', 'BUYER', '{pay_to}', 1, 0, 1, "
+                f"'0x{number}', 'sig', '{status}', '{now}', '{now}')"
+            )
+        for owner in ("OWNER1", "OWNER2", "OWNER3"):
+            conn.exec_driver_sql(
+                "INSERT INTO solana_payee_accounts (network, owner, genesis_hash, created_at) "
+                f"VALUES ('solana:net', '{owner}', 'G1', '{now}')"
+            )
+        conn.commit()
+    upgrade(url)
+    query = "SELECT network, owner, mint, genesis_hash FROM solana_payee_accounts ORDER BY owner, mint"
+    with engine.connect() as conn:
+        assert [tuple(row) for row in conn.exec_driver_sql(query)] == [
+            ("solana:net", "OWNER1", "MINT_A", "G1"),
+            ("solana:net", "OWNER1", "MINT_B", "G1"),
+            ("solana:net", "OWNER2", "MINT_A", "G1"),
+        ]
+    downgrade(url, "0008")
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql("SELECT network, owner, genesis_hash FROM solana_payee_accounts ORDER BY owner")
+        assert [tuple(row) for row in rows] == [("solana:net", "OWNER1", "G1"), ("solana:net", "OWNER2", "G1")]
+    engine.dispose()
