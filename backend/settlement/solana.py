@@ -116,7 +116,7 @@ def prepare_transaction(
         settings,
         cost=least,
         open_settlements=services.count_open(intent.merchant_id, network.network),
-        open_cost=relaybudget.max_settlement_cost(network, settings),
+        open_cost=relaybudget.max_settlement_cost(network, settings, intent.merchant_id),
         endpoint=relaybudget.PREPARE,
     )
     chain = solana_chain(network)

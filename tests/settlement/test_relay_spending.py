@@ -361,7 +361,7 @@ def budget_app(db_url: str, redis_server_url: str, devnet: Any, relayer: Any) ->
         settings = application.config["PAYINTENT_SETTINGS"]
         budgets = []
         for network in (EVM, OTHER_EVM, SOLANA):
-            most = max_settlement_cost(devnet.chains.get(network), settings)
+            most = max_settlement_cost(devnet.chains.get(network), settings, "")  # a merchant with no charges yet
             budgets.append((network, Decimal(most).scaleb(-9 if network == SOLANA else -18)))
         application.config["PAYINTENT_SETTINGS"] = replace(settings, relay_budgets=tuple(budgets))
         yield application

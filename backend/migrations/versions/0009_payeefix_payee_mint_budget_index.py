@@ -2,6 +2,8 @@
 USDC mint does not take every merchant paid before for one that closed its account. Existing records get the mints
 of the confirmed settlements paid to that owner on that network (what actually landed); a record no settlement
 explains is dropped (its account, if closed, is opened once more at a buyer's cost: the behaviour before 0008).
+relay_spending loses its (network, created_at) index: the EVM estimate reads a merchant's own charges only (the
+(merchant_id, network, created_at) index), never the network's largest.
 
 Revision ID: 0009
 Revises: 0008
@@ -18,6 +20,8 @@ depends_on = None
 
 
 def upgrade() -> None:
+    with op.batch_alter_table('relay_spending', schema=None) as batch_op:
+        batch_op.drop_index('ix_relay_spending_network_created')
     with op.batch_alter_table('solana_payee_accounts', schema=None) as batch_op:
         batch_op.drop_constraint('uq_solana_payee_accounts_network_owner_genesis_hash', type_='unique')
         batch_op.add_column(sa.Column('mint', sa.String(length=64), nullable=True))
@@ -48,3 +52,5 @@ def downgrade() -> None:
         batch_op.create_unique_constraint(
             batch_op.f('uq_solana_payee_accounts_network_owner_genesis_hash'), ['network', 'owner', 'genesis_hash']
         )
+    with op.batch_alter_table('relay_spending', schema=None) as batch_op:
+        batch_op.create_index('ix_relay_spending_network_created', ['network', 'created_at'], unique=False)
