@@ -76,7 +76,7 @@ def settle(
     # Closed since /pay checked it. Sent now, a transaction that does not open it would fail and still cost the
     # relay its fee; one that opens it would make this buyer pay the rent the merchant already took back once
     # (payments landed in it on this chain): neither is sent.
-    closed = missing and payee_account_closed(chain, network.network, settlement.pay_to)
+    closed = missing and payee_account_closed(chain, network.network, settlement.pay_to, network.usdc_address)
     if missing and (closed or not payment.creates_payee_account):
         if settlement.status == st.PENDING and not settlement.tx_hash:  # never signed by the relay: cannot land
             code = "PAYEE_ACCOUNT_CLOSED" if closed else "PAYEE_ACCOUNT_MISSING"

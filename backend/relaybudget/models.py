@@ -25,9 +25,8 @@ class RelaySpend(db.Model):
     __tablename__ = "relay_spending"
     __table_args__ = (
         UniqueConstraint("network", "reference", "kind"),
+        # A merchant's spending in the window, and its largest recent charge (the EVM estimate, max_settlement_cost).
         Index("ix_relay_spending_merchant_window", "merchant_id", "network", "created_at"),
-        # The largest recent charge of a network: the EVM estimate of a settlement's most (max_settlement_cost).
-        Index("ix_relay_spending_network_created", "network", "created_at"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

@@ -14,7 +14,8 @@ else ``429 RELAY_BUDGET_EXHAUSTED`` with ``Retry-After``, before anything is cla
 settlement claim runs ``admit`` inside its transaction under a lock per (merchant, network)
 (``backend.settlement.services.claim``), so concurrent payments are admitted one after the other
 and the relay spends at most the budget, as long as no settlement costs more than
-``max_settlement_cost`` says (Solana: exact; EVM: an estimate, see there). A merchant also has at
+``max_settlement_cost`` says (Solana: exact; EVM: an estimate from the relay's own limits and the
+merchant's own history, never another merchant's, see there). A merchant also has at
 most ``MAX_OPEN_SETTLEMENTS`` open settlements per network (``429 TOO_MANY_OPEN_SETTLEMENTS``),
 budget or not: one merchant's backlog cannot hold the relay accounts every merchant needs.
 
@@ -90,25 +91,54 @@ PREPARE = "prepare"
 # first payment to an address, a fresh nonce); the bound leaves room for the rest. It is also the gas
 # limit of every relay transaction (relayer.evm.GAS_LIMIT), so no settlement's execution gas exceeds it.
 EVM_SETTLEMENT_GAS = 120_000
+# How far the merchant's own recorded charges may raise its EVM estimate above the gas bound at today's price.
+EVM_HISTORY_CAP = 4
 COST_CACHE_SECONDS = 30.0
 # Retry-After when only settlements in flight block a payment (they finish within seconds to minutes).
 IN_FLIGHT_RETRY_SECONDS = 30
 _cost_cache: dict[str, tuple[float, int]] = {}
 
 
-def max_settlement_cost(network: Network, settings: Settings) -> int:
-    """The most one settlement on ``network`` costs the relay, in its smallest native unit.
+def max_settlement_cost(network: Network, settings: Settings, merchant_id: str) -> int:
+    """The most one of the merchant's settlements on ``network`` costs the relay, in its smallest native unit.
 
     Solana: exact, two signatures and the largest priority fee the rules let a buyer sign
-    (``payintent.solana_tx.MAX_TRANSACTION_FEE``, 10,500 lamports). EVM: an estimate that needs no
-    RPC call per payment: ``EVM_SETTLEMENT_GAS`` at twice the node's gas price (the relayer's fee
-    cap is twice the base fee plus the tip), or the highest gas charge recorded on the network in
-    the window if that is more (an OP-stack L1 fee, a fee spike, a token using more gas); read at
-    most every ``COST_CACHE_SECONDS`` per network and process. Raises 503 CHAIN_UNAVAILABLE if the
+    (``payintent.solana_tx.MAX_TRANSACTION_FEE``, 10,500 lamports).
+
+    EVM: an estimate that needs no RPC call per payment (the gas price is read at most every
+    ``COST_CACHE_SECONDS`` per network and process). Its floor is what the relay's own limits allow:
+    ``EVM_SETTLEMENT_GAS`` at twice the node's gas price (the relayer's fee cap is twice the base fee
+    plus the tip). What those limits do not bound (an OP-stack chain's L1 data fee, a rise of the base
+    fee since the price was read) is learned from **this merchant's own** charges in the window, up to
+    ``EVM_HISTORY_CAP`` times the floor:
+
+    - never another merchant's: one merchant's costly settlement (a fee spike, a payer whose code burns
+      gas) would otherwise raise every merchant's cost and reservations on the network for the whole
+      window, and refuse all their payments (hostile review F3);
+    - capped: a charge far above the floor is a past spike, not what the next settlement costs (the
+      charge itself is in the merchant's spending anyway); it must not hold the merchant's own
+      reservations up for a day after fees came down.
+
+    So the budget can be passed by what a settlement costs above the estimate (a new merchant's first
+    settlements on an L1-fee chain, a spike), once per open settlement: ``MAX_OPEN_SETTLEMENTS`` bounds
+    it, and the real cost is charged when the settlement finishes. Raises 503 CHAIN_UNAVAILABLE if the
     gas price cannot be read and none was read before.
     """
     if network.kind != "evm":
         return stx.MAX_TRANSACTION_FEE
+    floor = _evm_floor(network)
+    recorded = db.session.scalar(
+        select(func.max(RelaySpend.amount_atomic)).where(
+            RelaySpend.merchant_id == merchant_id,
+            RelaySpend.network == network.network,
+            RelaySpend.created_at > clock.now() - window(settings),
+        )
+    )
+    return max(floor, min(int(recorded or 0), EVM_HISTORY_CAP * floor))
+
+
+def _evm_floor(network: Network) -> int:
+    """``EVM_SETTLEMENT_GAS`` at twice the node's gas price (cached per network and process)."""
     cached = _cost_cache.get(network.network)
     if cached is not None and time.monotonic() - cached[0] < COST_CACHE_SECONDS:
         return cached[1]
@@ -121,14 +151,9 @@ def max_settlement_cost(network: Network, settings: Settings) -> int:
         if cached is not None:
             return cached[1]
         raise APIError(503, "CHAIN_UNAVAILABLE", f"{network.name} cannot be reached right now; try again") from None
-    recorded = db.session.scalar(
-        select(func.max(RelaySpend.amount_atomic)).where(
-            RelaySpend.network == network.network, RelaySpend.created_at > clock.now() - window(settings)
-        )
-    )
-    cost = max(EVM_SETTLEMENT_GAS * 2 * price, int(recorded or 0))
-    _cost_cache[network.network] = (time.monotonic(), cost)
-    return cost
+    floor = EVM_SETTLEMENT_GAS * 2 * price
+    _cost_cache[network.network] = (time.monotonic(), floor)
+    return floor
 
 
 def admit(

@@ -152,7 +152,7 @@ def _budget(intent: Intent, network: Any, auth: Any, settings: Settings) -> Call
     if relaybudget.budget_atomic(network, settings) is None:
         open_cost = cost = 0  # unlimited: only the cap on open settlements applies
     else:
-        open_cost = relaybudget.max_settlement_cost(network, settings)
+        open_cost = relaybudget.max_settlement_cost(network, settings, intent.merchant_id)
         cost = stx.transaction_fee(stx.decode(auth.signature_hex).message) if network.kind == "solana" else open_cost
 
     def admit(open_settlements: int) -> None:

@@ -58,20 +58,23 @@ class Settlement(db.Model):
 
 
 class PayeeAccount(db.Model):
-    """A merchant's Solana USDC account (of ``owner``) that a payment of ours landed in, on the chain whose
-    genesis hash is ``genesis_hash``.
+    """A merchant's Solana USDC account (of ``owner``, for the token ``mint``) that a payment of ours landed in, on
+    the chain whose genesis hash is ``genesis_hash``.
 
     While it exists nothing reads this. Once it is gone again on the same chain (its owner closed it and took
     its rent back), a payment does not open it at the next buyer's cost: ``409 PAYEE_ACCOUNT_CLOSED`` until the
     merchant opens it again (``backend.settlement.solana``). A chain with another genesis hash (a local ledger
-    started again under a kept database) is a new chain: the first payment opens the account, as at first.
+    started again under a kept database) is a new chain, and another mint (the operator moved the network to
+    another USDC) is another account: the first payment opens it, as at first. Written before the settlement
+    that landed is marked paid, so a finished payment always has its record.
     """
 
     __tablename__ = "solana_payee_accounts"
-    __table_args__ = (UniqueConstraint("network", "owner", "genesis_hash"),)
+    __table_args__ = (UniqueConstraint("network", "owner", "mint", "genesis_hash"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     network: Mapped[str] = mapped_column(String(64))
     owner: Mapped[str] = mapped_column(String(64))
+    mint: Mapped[str] = mapped_column(String(64))
     genesis_hash: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)

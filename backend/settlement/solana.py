@@ -10,10 +10,12 @@ opens it itself (``CreateIdempotent``) with the **buyer** funding the rent. Noth
 does on an unsigned request spends the relay's SOL.
 
 A buyer pays that rent at most once per account and chain: once a payment of ours has landed in
-the account (``PayeeAccount``, keyed by the chain's genesis hash), an account found missing again
-on the same chain was closed by its owner, who took the rent back; the next buyer is not asked to
-pay it again (``409 PAYEE_ACCOUNT_CLOSED``) until the merchant opens the account itself. A chain
-with another genesis hash is a new chain, where the first payment opens it as at first.
+the account (``PayeeAccount``, keyed by owner, mint and the chain's genesis hash), an account found
+missing again on the same chain was closed by its owner, who took the rent back; the next buyer is
+not asked to pay it again (``409 PAYEE_ACCOUNT_CLOSED``) until the merchant opens the account
+itself. A chain with another genesis hash is a new chain, and another mint another account, where
+the first payment opens it as at first. The record is written before the landed settlement is
+marked paid (``finish_from_chain``), so a finished payment is never without it.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def prepare_transaction(
         settings,
         cost=least,
         open_settlements=services.count_open(intent.merchant_id, network.network),
-        open_cost=relaybudget.max_settlement_cost(network, settings),
+        open_cost=relaybudget.max_settlement_cost(network, settings, intent.merchant_id),
         endpoint=relaybudget.PREPARE,
     )
     chain = solana_chain(network)
@@ -135,7 +137,7 @@ def prepare_transaction(
         )
     try:
         ready = payee_account_ready(chain, requirement)
-        if not ready and payee_account_closed(chain, network.network, requirement["payTo"]):
+        if not ready and payee_account_closed(chain, network.network, requirement["payTo"], requirement["asset"]):
             raise account_closed(network)
         rent = 0 if ready else chain.rent_exempt_minimum(stx.TOKEN_ACCOUNT_SIZE)
         # What is left must be nothing, or enough for the payer's own account to stay rent-exempt.
@@ -191,13 +193,18 @@ def payee_account_ready(chain: SolanaChain, requirement: dict[str, Any]) -> bool
     return chain.token_balance(str(account)) is not None
 
 
-def payee_account_closed(chain: SolanaChain, network_id: str, owner: str) -> bool:
-    """Whether a payment of ours landed in ``owner``'s USDC account on this chain (same genesis hash): if the
-    account is missing now, its owner closed it. Raises SolanaRpcError if the genesis hash cannot be read."""
+def payee_account_closed(chain: SolanaChain, network_id: str, owner: str, mint: str) -> bool:
+    """Whether a payment of ours landed in ``owner``'s account of ``mint`` on this chain (same genesis hash): if
+    the account is missing now, its owner closed it. Raises SolanaRpcError if the genesis hash cannot be read."""
     genesis = chain.genesis_hash()
     found = db.session.scalar(
         select(PayeeAccount.id)
-        .where(PayeeAccount.network == network_id, PayeeAccount.owner == owner, PayeeAccount.genesis_hash == genesis)
+        .where(
+            PayeeAccount.network == network_id,
+            PayeeAccount.owner == owner,
+            PayeeAccount.mint == mint,
+            PayeeAccount.genesis_hash == genesis,
+        )
         .limit(1)
     )
     return found is not None
@@ -214,21 +221,17 @@ def account_closed(network: Network) -> APIError:
     )
 
 
-def record_payee_account(chain: SolanaChain, settlement: Any) -> None:
-    """Remember that a payment landed in the merchant's USDC account on this chain (once; best effort: a
-    genesis hash that cannot be read now is recorded by a later payment)."""
-    try:
-        genesis = chain.genesis_hash()
-    except SolanaRpcError as exc:
-        log.warning("settlement %s: genesis hash unreadable, payee account not recorded (%s)", settlement.id, exc)
-        return
+def record_payee_account(settlement: Any, genesis: str) -> None:
+    """Remember that the settlement's payment landed in the merchant's account of its mint on the chain whose
+    genesis hash is ``genesis`` (idempotent). Commits. Called before the settlement is marked paid: once it is,
+    nothing looks at it again, and a record lost then would let the next buyer pay the rent again."""
     dialect = postgresql if db.engine.dialect.name == "postgresql" else sqlite
-    values = {"network": settlement.network, "owner": settlement.pay_to, "genesis_hash": genesis,
-              "created_at": clock.now()}  # fmt: skip
+    values = {"network": settlement.network, "owner": settlement.pay_to, "mint": settlement.asset,
+              "genesis_hash": genesis, "created_at": clock.now()}  # fmt: skip
     db.session.execute(
         dialect.insert(PayeeAccount)
         .values(**values)
-        .on_conflict_do_nothing(index_elements=["network", "owner", "genesis_hash"])
+        .on_conflict_do_nothing(index_elements=["network", "owner", "mint", "genesis_hash"])
     )
     db.session.commit()
 
@@ -268,7 +271,7 @@ def check_signed_transaction(
     chain = solana_chain(network)
     try:
         ready = payee_account_ready(chain, requirement)
-        if not ready and payee_account_closed(chain, network.network, requirement["payTo"]):
+        if not ready and payee_account_closed(chain, network.network, requirement["payTo"], requirement["asset"]):
             raise account_closed(network)
         if not payment.creates_payee_account and not ready:
             raise APIError(
@@ -308,6 +311,10 @@ def finish_from_chain(chain: SolanaChain, settlement: Any) -> bool:
     height is past ``valid_before`` and the node no longer accepts the blockhash: then the
     transaction can never land. The height is read before the status, so a transaction landing
     in between is seen.
+
+    A payment that landed is recorded in its account (``record_payee_account``) before it is marked
+    paid, with the chain's genesis hash read first: if that cannot be read, the settlement is left
+    open (False) and the reconciler finishes it later.
     """
     from backend.settlement import services
 
@@ -315,12 +322,18 @@ def finish_from_chain(chain: SolanaChain, settlement: Any) -> bool:
     if settlement.tx_hash:
         status = chain.signature_status(settlement.tx_hash)
         if status is not None and status.get("confirmationStatus") in ("confirmed", "finalized"):
-            charge_fee(settlement)  # first: the settlement is not looked at again once finished
             if status.get("err") is not None:
+                charge_fee(settlement)  # first: the settlement is not looked at again once finished
                 services.fail_settlement(settlement.id, "SETTLEMENT_FAILED", f"transaction failed: {status['err']}")
-            else:
-                services.complete_settlement(settlement.id, settlement.tx_hash)
-                record_payee_account(chain, settlement)
+                return True
+            try:
+                genesis = chain.genesis_hash()
+            except SolanaRpcError as exc:
+                log.warning("settlement %s landed; genesis hash unreadable, left open (%s)", settlement.id, exc)
+                return False
+            charge_fee(settlement)
+            record_payee_account(settlement, genesis)  # both first, for the same reason
+            services.complete_settlement(settlement.id, settlement.tx_hash)
             return True
         if status is not None:
             return False  # seen but not yet confirmed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from decimal import Decimal
+from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import func, select
@@ -155,3 +156,37 @@ def test_spending_and_refusals_are_metrics(app, merchant, clock):
     assert value(samples, "payintent_open_settlement_refusals_total", network=BASE.network, endpoint="pay") == (
         capped + 1
     )
+
+
+def test_one_merchants_costly_settlement_is_not_every_merchants_estimate(app, merchant, other_merchant, clock,
+                                                                         monkeypatch):  # fmt: skip
+    """The review's proof (F3), on the ledger alone: the EVM estimate was the largest gas charge of the network by
+    ANY merchant in the window, so one merchant's charge above a budget refused a merchant that spent nothing, for
+    a day. Each merchant's estimate is now the gas bound, or its own charges up to EVM_HISTORY_CAP times that.
+    (The gas price is the one RPC read: a stand-in here; the real devnet: tests/settlement/test_relay_budget_bound.py.)
+    """
+    import backend.chains.evm as evm_module
+
+    gwei = 10**9
+    monkeypatch.setattr(evm_module, "evm_chain", lambda network: SimpleNamespace(w3=SimpleNamespace(
+        eth=SimpleNamespace(gas_price=gwei))))  # fmt: skip
+    budget._cost_cache.clear()
+    limits = settings()
+    room = budget.budget_atomic(BASE, limits)
+    assert room is not None
+    floor = budget.EVM_SETTLEMENT_GAS * 2 * gwei
+
+    def pays(merchant_id: str) -> None:
+        cost = budget.max_settlement_cost(BASE, limits, merchant_id)  # what flow._budget computes
+        admit(merchant_id, BASE, limits, cost=cost, open_settlements=0, open_cost=cost)
+
+    budget.charge(merchant.id, BASE.network, GAS, room + 1, "0x" + "ab" * 32)
+    budget._cost_cache.clear()
+    assert budget.max_settlement_cost(BASE, limits, other_merchant.id) == floor  # before: room + 1
+    assert budget.max_settlement_cost(BASE, limits, merchant.id) == budget.EVM_HISTORY_CAP * floor
+    pays(other_merchant.id)  # before: 429 RELAY_BUDGET_EXHAUSTED, though it spent nothing
+    with pytest.raises(APIError):
+        pays(merchant.id)  # its own spending
+    clock.advance(seconds=limits.relay_budget_window_seconds - 60)
+    pays(other_merchant.id)
+    budget._cost_cache.clear()

@@ -53,8 +53,10 @@ class Bounded:
         self.app.config["PAYINTENT_SETTINGS"] = settings
         return settings
 
-    def evm_cost(self, network: str) -> int:
-        return relaybudget.max_settlement_cost(self.devnet.chains.get(network), self.app.config["PAYINTENT_SETTINGS"])
+    def evm_cost(self, network: str, merchant_id: str = "") -> int:
+        """The most one of the merchant's settlements may cost (by default a merchant with no charges yet)."""
+        network_ = self.devnet.chains.get(network)
+        return relaybudget.max_settlement_cost(network_, self.app.config["PAYINTENT_SETTINGS"], merchant_id)
 
     def relayer(self) -> Any:
         return start_relayer(self.db_url, self.redis_url, self.devnet.info["chains_file"], RELAYER_QUEUE=self.queue)
@@ -126,21 +128,51 @@ def codes(responses: list[Any]) -> list[str]:
 
 def test_the_most_a_settlement_costs(bounded, devnet, clock):
     """Solana: exact (two signatures and the largest priority fee the rules allow). EVM: the gas bound at twice
-    the node's gas price, or the highest gas charge of the window if that is more; cached per network."""
+    the node's gas price (cached per network), or the merchant's own highest gas charge of the window if that
+    is more, up to EVM_HISTORY_CAP times the bound; never another merchant's."""
     settings = bounded.app.config["PAYINTENT_SETTINGS"]
-    assert relaybudget.max_settlement_cost(devnet.chains.get(SOLANA), settings) == SOL_MAX == 10_500
-    network = devnet.chains.get(EVM)
+    shop = create_merchant(bounded.app, f"cost-{uuid.uuid4().hex[:8]}@example.com", {EVM: EVM_PAYOUT})
+    other = create_merchant(bounded.app, f"cost2-{uuid.uuid4().hex[:8]}@example.com", {EVM: EVM_PAYOUT})
+    assert relaybudget.max_settlement_cost(devnet.chains.get(SOLANA), settings, shop.id) == SOL_MAX == 10_500
     relaybudget._cost_cache.pop(EVM, None)
     least = relaybudget.EVM_SETTLEMENT_GAS * 2 * devnet.w3(EVM).eth.gas_price
-    assert relaybudget.max_settlement_cost(network, settings) == least
-    shop = create_merchant(bounded.app, f"cost-{uuid.uuid4().hex[:8]}@example.com", {EVM: EVM_PAYOUT})
+    assert bounded.evm_cost(EVM, shop.id) == least
     relaybudget.charge(shop.id, EVM, GAS, least * 3, "0xspike")  # an L1 fee, a fee spike: the ledger shows it
-    assert relaybudget.max_settlement_cost(network, settings) == least  # read at most every 30 s
-    relaybudget._cost_cache.pop(EVM, None)
-    assert relaybudget.max_settlement_cost(network, settings) == least * 3
+    assert bounded.evm_cost(EVM, shop.id) == least * 3
+    assert bounded.evm_cost(EVM, other.id) == least  # another merchant's charges are not this one's estimate
+    relaybudget.charge(shop.id, EVM, GAS, least * 50, "0xhuge")  # a past spike: capped
+    assert bounded.evm_cost(EVM, shop.id) == least * relaybudget.EVM_HISTORY_CAP
     clock.advance(seconds=settings.relay_budget_window_seconds + 1)  # rolled out of the window
+    assert bounded.evm_cost(EVM, shop.id) == least
+
+
+def test_one_merchants_costly_settlement_does_not_refuse_other_merchants(bounded, devnet, clock):
+    """The review's attack (F3): the EVM estimate was the highest gas charge on the network by ANY merchant in the
+    window, so one merchant's settlement costing more than a budget refused every other merchant's payments
+    (429 RELAY_BUDGET_EXHAUSTED, though they spent nothing) for a day. Now each merchant's estimate comes from
+    the relay's limits and its own charges only: the other merchant pays; the costly one is refused (its own
+    spending)."""
+    budget = 4 * bounded.evm_cost(EVM)
+    bounded.settings(relay_budgets=((EVM, Decimal(budget).scaleb(-18)),))
+    client = bounded.app.test_client()
+    payout = __import__("web3").Web3.to_checksum_address("0x" + secrets.token_hex(20))
+    costly = create_merchant(bounded.app, f"cx-{uuid.uuid4().hex[:8]}@example.com", {EVM: payout})
+    victim = create_merchant(bounded.app, f"cv-{uuid.uuid4().hex[:8]}@example.com", {EVM: payout})
+    # One settlement of the costly merchant cost more than a whole budget (a stand-in in the ledger: a real one
+    # cannot be made that dear on the devnet).
+    relaybudget.charge(costly.id, EVM, GAS, budget + 1, "0x" + secrets.token_hex(32))
     relaybudget._cost_cache.pop(EVM, None)
-    assert relaybudget.max_settlement_cost(network, settings) == least
+
+    def pay_once(merchant: Any) -> Any:
+        intent = create_intent(client, merchant, 0.01)
+        signed = sign_authorization(devnet.buyer(2).key, requirement(intent, EVM), now=int(clock().timestamp()))
+        return pay(client, merchant, intent, EVM, signed)  # signed at the service's (frozen) time
+
+    assert codes([pay_once(victim)]) == ["accepted"]  # before the fix: 429 RELAY_BUDGET_EXHAUSTED
+    assert codes([pay_once(costly)]) == ["429 RELAY_BUDGET_EXHAUSTED"]
+    clock.advance(seconds=bounded.app.config["PAYINTENT_SETTINGS"].relay_budget_window_seconds - 60)
+    relaybudget._cost_cache.pop(EVM, None)
+    assert codes([pay_once(victim)]) == ["accepted"]  # and a day later (before: still refused)
 
 
 # --- a backlog accepted while the relayer is stopped -----------------------------------------------------
@@ -229,7 +261,7 @@ def test_concurrent_solana_payments_cannot_all_pass_the_budget(pay_app, devnet, 
 
 
 def test_concurrent_evm_payments_cannot_all_pass_the_budget(pay_app, devnet):
-    cost = relaybudget.max_settlement_cost(devnet.chains.get(EVM), pay_app.config["PAYINTENT_SETTINGS"])
+    cost = relaybudget.max_settlement_cost(devnet.chains.get(EVM), pay_app.config["PAYINTENT_SETTINGS"], "")
     budget = 2 * cost + cost // 2
     pay_app.config["PAYINTENT_SETTINGS"] = replace(
         pay_app.config["PAYINTENT_SETTINGS"], relay_budgets=((EVM, Decimal(budget).scaleb(-18)),)

@@ -221,8 +221,8 @@ def test_an_account_missing_on_a_new_chain_is_opened_again(pay_app, devnet, sol)
     # What the kept database remembers from the ledger before the restart: payments landed in this account.
     old = ledger_genesis_hash(b"the ledger before the restart")
     assert old != sol.genesis_hash() and old[:32] == sol.genesis_hash()[:32]  # the same network id
-    db.session.add(PayeeAccount(network=SOLANA, owner=str(owner.pubkey()), genesis_hash=old,
-                                created_at=datetime.now(UTC)))  # fmt: skip
+    db.session.add(PayeeAccount(network=SOLANA, owner=str(owner.pubkey()), mint=devnet.info["solana"]["usdc_mint"],
+                                genesis_hash=old, created_at=datetime.now(UTC)))  # fmt: skip
     db.session.commit()
     paid, data = pay_prepared(client, create_intent(client, shop, 1), payer)
     assert data["creates_payee_account"] is True and paid.status_code == 200, paid.data
@@ -305,8 +305,8 @@ def test_the_relayer_does_not_send_an_opening_payment_for_an_account_closed_afte
     claimed, data = pay_prepared(client, intent, payer)
     assert data["creates_payee_account"] is True and claimed.status_code == 504, claimed.data  # no relayer yet
     # Meanwhile another payment landed in the account and the merchant closed it (as the relayer finds it).
-    db.session.add(PayeeAccount(network=SOLANA, owner=str(owner.pubkey()), genesis_hash=sol.genesis_hash(),
-                                created_at=datetime.now(UTC)))  # fmt: skip
+    db.session.add(PayeeAccount(network=SOLANA, owner=str(owner.pubkey()), mint=devnet.info["solana"]["usdc_mint"],
+                                genesis_hash=sol.genesis_hash(), created_at=datetime.now(UTC)))  # fmt: skip
     db.session.commit()
     relay_before, buyer_before = lamports(sol, relay), lamports(sol, str(payer.pubkey()))
     relayer = iso.relayer(RELAYER_NETWORKS=SOLANA)
@@ -361,7 +361,7 @@ def budget_app(db_url: str, redis_server_url: str, devnet: Any, relayer: Any) ->
         settings = application.config["PAYINTENT_SETTINGS"]
         budgets = []
         for network in (EVM, OTHER_EVM, SOLANA):
-            most = max_settlement_cost(devnet.chains.get(network), settings)
+            most = max_settlement_cost(devnet.chains.get(network), settings, "")  # a merchant with no charges yet
             budgets.append((network, Decimal(most).scaleb(-9 if network == SOLANA else -18)))
         application.config["PAYINTENT_SETTINGS"] = replace(settings, relay_budgets=tuple(budgets))
         yield application

@@ -37,6 +37,10 @@ class FakeChain:
         self.calls.append("blockhash")
         return self.blockhash_valid
 
+    def genesis_hash(self) -> str:
+        self.calls.append("genesis")
+        return "G1"
+
 
 @dataclass
 class Row:
@@ -76,17 +80,19 @@ def charged(monkeypatch) -> list[tuple[Any, ...]]:
     calls: list[tuple[Any, ...]] = []
     monkeypatch.setattr(settlement_solana.relaybudget, "charge", lambda *args: calls.append(args) or True)
     # The payee account a landed payment is recorded in (the table is tested on a database elsewhere).
-    monkeypatch.setattr(settlement_solana, "record_payee_account", lambda chain, row: calls.append(("payee", row.id)))
+    monkeypatch.setattr(
+        settlement_solana, "record_payee_account", lambda row, genesis: calls.append(("payee", row.id, genesis))
+    )
     return calls
 
 
 def test_height_is_read_before_status_so_a_late_landing_is_seen(decided, charged):
     chain = FakeChain(heights=[1001], statuses=[{"confirmationStatus": "confirmed", "err": None}])
     assert settlement_solana.finish_from_chain(chain, Row()) is True
-    assert chain.calls[:2] == ["height:finalized", "status"]
+    assert chain.calls == ["height:finalized", "status", "genesis"]
     assert decided == [("paid", "stl_1", "5sig")]
     assert charged == [("mer_1", "solana:test", "fee", 10_040, "5sig", "stl_1"),  # two signatures + 40 priority
-                       ("payee", "stl_1")]  # fmt: skip
+                       ("payee", "stl_1", "G1")]  # fmt: skip
 
 
 def test_not_released_while_the_node_still_accepts_the_blockhash(decided, charged):
