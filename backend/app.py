@@ -7,6 +7,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from flask import Flask, request
 
+from backend import passwords
 from backend.chains.registry import ChainRegistry
 from backend.config import Settings
 from backend.errors import APIError, register_error_handlers
@@ -86,6 +87,9 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
         },
     )
     app.extensions["payintent.chains"] = chains or ChainRegistry.load(settings.chains_file)
+    passwords.configure(
+        settings.password_hash_concurrency, settings.password_hash_wait_seconds, settings.password_hash_slots_dir
+    )
     init_observability(app)  # first: its request hooks wrap every other one (JSON logs, request ids, metrics)
 
     db.init_app(app)

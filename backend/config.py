@@ -126,6 +126,16 @@ class Settings:
     dashboard_signup: str = "open"
     # Sign-up forms that reach the account check, per client address per hour (0: off).
     dashboard_signups_per_hour: int = 10
+    # Failed dashboard log-ins per minute from every address and for every email together, browsers with a
+    # device cookie for the account excepted; past it, other log-ins wait for the next minute (0: off). It
+    # bounds a password spray (one common password tried on many accounts from many addresses).
+    dashboard_login_failures_per_minute: int = 60
+    # Password hashes (argon2: log-in, sign-up) running at once on this machine (0: one per core), shared by
+    # the processes using the same slots directory (default: a per-user temporary one); a request that
+    # finds no slot within the wait is answered 503 SERVER_BUSY (backend/passwords.py).
+    password_hash_concurrency: int = 0
+    password_hash_wait_seconds: float = 2.0
+    password_hash_slots_dir: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -163,4 +173,8 @@ class Settings:
             max_open_settlements=max(0, int(_env("MAX_OPEN_SETTLEMENTS", "20"))),
             dashboard_signup=_env_choice("DASHBOARD_SIGNUP", _env("DASHBOARD_SIGNUP", "open"), ("open", "closed")),
             dashboard_signups_per_hour=int(_env("DASHBOARD_SIGNUPS_PER_HOUR", "10")),
+            dashboard_login_failures_per_minute=max(0, int(_env("DASHBOARD_LOGIN_FAILURES_PER_MINUTE", "60"))),
+            password_hash_concurrency=max(0, int(_env("PASSWORD_HASH_CONCURRENCY", "0"))),
+            password_hash_wait_seconds=min(30.0, max(0.0, float(_env("PASSWORD_HASH_WAIT_SECONDS", "2")))),
+            password_hash_slots_dir=_env("PASSWORD_HASH_SLOTS_DIR", "") or None,
         )

@@ -13,7 +13,7 @@ from argon2.exceptions import InvalidHashError, VerificationError
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import IntegrityError
 
-from backend import clock
+from backend import clock, passwords
 from backend.chains.registry import ChainRegistry
 from backend.extensions import db
 from backend.ids import base62_secret
@@ -50,14 +50,18 @@ def hash_api_key(secret: str) -> str:
 
 
 def hash_password(password: str) -> str:
-    return _hasher.hash(password)
+    """argon2, in one of the machine's password-hash slots (``passwords.PasswordCheckBusy`` when none frees up)."""
+    with passwords.slot():
+        return _hasher.hash(password)
 
 
 def verify_password(password_hash: str, password: str) -> bool:
-    try:
-        return _hasher.verify(password_hash, password)
-    except (VerificationError, InvalidHashError):
-        return False
+    """Like :func:`hash_password`, in a slot: raises ``passwords.PasswordCheckBusy`` rather than wait long."""
+    with passwords.slot():
+        try:
+            return _hasher.verify(password_hash, password)
+        except (VerificationError, InvalidHashError):
+            return False
 
 
 def create_merchant(email: str, password: str, name: str | None = None) -> tuple[Merchant, IssuedKey]:
