@@ -56,7 +56,9 @@ def relative_redirect(response: Any) -> Any:
 
 def create_app(settings: Settings | None = None, chains: ChainRegistry | None = None) -> Flask:
     settings = settings or Settings.from_env()
-    app = Flask(__name__)
+    # No app-wide /static: Flask's default served backend/static/ (the dashboard's and the docs' files) a second
+    # time, without their security headers. Each blueprint serves its own files, with its headers.
+    app = Flask(__name__, static_folder=None)
     if settings.trusted_proxy_hops:  # request.remote_addr (rate limits) from X-Forwarded-For, set by our proxies
         from werkzeug.middleware.proxy_fix import ProxyFix
 
@@ -137,6 +139,14 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
     @app.after_request
     def host_free_redirects(response: Any) -> Any:
         return relative_redirect(response)
+
+    @app.after_request
+    def baseline_security_headers(response: Any) -> Any:
+        # Every answer, files and errors included: never sniffed, never framed, no active content unless the
+        # page set its own policy (the dashboard, the docs page and the checkout page do, before this runs).
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        response.headers.setdefault("Content-Security-Policy", "default-src 'none'; frame-ancestors 'none'")
+        return response
 
     @app.get("/healthz")
     def healthz() -> Any:
