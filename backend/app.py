@@ -90,7 +90,7 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
     )
     app.extensions["payintent.chains"] = chains or ChainRegistry.load(settings.chains_file)
     passwords.configure(
-        settings.password_hash_concurrency, settings.password_hash_wait_seconds, settings.password_hash_slots_dir
+        settings.login_hash_concurrency, settings.login_hash_wait_seconds, settings.login_hash_slots_dir
     )
     init_observability(app)  # first: its request hooks wrap every other one (JSON logs, request ids, metrics)
 

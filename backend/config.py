@@ -133,9 +133,9 @@ class Settings:
     # Password hashes (argon2: log-in, sign-up) running at once on this machine (0: one per core), shared by
     # the processes using the same slots directory (default: a per-user temporary one); a request that
     # finds no slot within the wait is answered 503 SERVER_BUSY (backend/passwords.py).
-    password_hash_concurrency: int = 0
-    password_hash_wait_seconds: float = 2.0
-    password_hash_slots_dir: str | None = None
+    login_hash_concurrency: int = 0
+    login_hash_wait_seconds: float = 2.0
+    login_hash_slots_dir: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -174,7 +174,7 @@ class Settings:
             dashboard_signup=_env_choice("DASHBOARD_SIGNUP", _env("DASHBOARD_SIGNUP", "open"), ("open", "closed")),
             dashboard_signups_per_hour=int(_env("DASHBOARD_SIGNUPS_PER_HOUR", "10")),
             dashboard_login_failures_per_minute=max(0, int(_env("DASHBOARD_LOGIN_FAILURES_PER_MINUTE", "60"))),
-            password_hash_concurrency=max(0, int(_env("PASSWORD_HASH_CONCURRENCY", "0"))),
-            password_hash_wait_seconds=min(30.0, max(0.0, float(_env("PASSWORD_HASH_WAIT_SECONDS", "2")))),
-            password_hash_slots_dir=_env("PASSWORD_HASH_SLOTS_DIR", "") or None,
+            login_hash_concurrency=max(0, int(_env("LOGIN_HASH_CONCURRENCY", "0"))),
+            login_hash_wait_seconds=min(30.0, max(0.0, float(_env("LOGIN_HASH_WAIT_SECONDS", "2")))),
+            login_hash_slots_dir=_env("LOGIN_HASH_SLOTS_DIR", "") or None,
         )

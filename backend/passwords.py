@@ -3,11 +3,11 @@
 argon2 is meant to be expensive (about 50 ms of one core and 64 MiB per hash with argon2-cffi's
 defaults). Every log-in and sign-up runs one on the request's worker, so a flood of them, from any
 number of addresses and for any emails, used to pin every core and leave nothing for the checkout and
-the API. Each hash now runs in one of ``PASSWORD_HASH_CONCURRENCY`` slots (default: the machine's
-cores), shared by every process that uses the same ``PASSWORD_HASH_SLOTS_DIR``: gunicorn's workers are
+the API. Each hash now runs in one of ``LOGIN_HASH_CONCURRENCY`` slots (default: the machine's
+cores), shared by every process that uses the same ``LOGIN_HASH_SLOTS_DIR``: gunicorn's workers are
 processes (sync workers, one request each), so a lock inside one process would bound nothing. A slot is
 an exclusive ``flock`` on one of K files; the kernel frees it when its holder exits, however it exits.
-A request that finds every slot taken tries again for ``PASSWORD_HASH_WAIT_SECONDS`` (default 2) and
+A request that finds every slot taken tries again for ``LOGIN_HASH_WAIT_SECONDS`` (default 2) and
 is then answered ``503 SERVER_BUSY`` with ``Retry-After: 1``: never queued without bound.
 
 Without a usable directory (another user owns it, a read-only file system) the bound is per process,
@@ -66,7 +66,7 @@ class HashGate:
         self.wait_seconds = max(0.0, wait_seconds)
         self.directory = directory if directory is not None and _usable(directory) else None
         if directory is not None and self.directory is None:
-            log.warning("PASSWORD_HASH_SLOTS_DIR %s is not usable: password hashes are bounded per process", directory)
+            log.warning("LOGIN_HASH_SLOTS_DIR %s is not usable: password hashes are bounded per process", directory)
         self._local = threading.BoundedSemaphore(self.slots)
 
     def _try_file_slot(self) -> int | None:

@@ -150,8 +150,8 @@ def make_settings(database_url: str, **overrides: Any) -> Settings:
         "api_auth_failures_per_minute": 0,
         # The password-hash gate (backend/passwords.py) is not under test here: slots enough for every test's
         # bursts, in a directory of this test process only (not shared with other runs on the machine).
-        "password_hash_concurrency": 64,
-        "password_hash_slots_dir": _password_slots_dir(),
+        "login_hash_concurrency": 64,
+        "login_hash_slots_dir": _password_slots_dir(),
     }
     values.update(overrides)
     return Settings(**values)

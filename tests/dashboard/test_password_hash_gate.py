@@ -1,6 +1,6 @@
-"""A flood of log-ins cannot pin every core: at most PASSWORD_HASH_CONCURRENCY argon2 hashes run at once on the
+"""A flood of log-ins cannot pin every core: at most LOGIN_HASH_CONCURRENCY argon2 hashes run at once on the
 machine (slots shared by every process through file locks); a request that finds no slot within
-PASSWORD_HASH_WAIT_SECONDS is answered 503 with Retry-After and a clear message, and counts as no failure.
+LOGIN_HASH_WAIT_SECONDS is answered 503 with Retry-After and a clear message, and counts as no failure.
 
 The real argon2 runs; the test wraps it to count how many run at once and to hold them until it has seen the
 excess refused (a hash takes ~50 ms, too short to make the overlap certain otherwise).
@@ -64,7 +64,7 @@ def gated_app(db_url: str, chains: Any, tmp_path: Path) -> Iterator[Any]:
 
     truncate_all(db_url)
     settings = make_settings(
-        db_url, password_hash_concurrency=SLOTS, password_hash_wait_seconds=0.3, password_hash_slots_dir=str(tmp_path)
+        db_url, login_hash_concurrency=SLOTS, login_hash_wait_seconds=0.3, login_hash_slots_dir=str(tmp_path)
     )
     application = create_app(settings, chains=chains)
     with application.app_context():
