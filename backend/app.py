@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from flask import Flask, request
 
+from backend import passwords
 from backend.chains.registry import ChainRegistry
 from backend.config import Settings
 from backend.errors import APIError, register_error_handlers
@@ -31,14 +33,38 @@ def _engine_options(url: str) -> dict[str, Any]:
     return options
 
 
+def relative_redirect(response: Any) -> Any:
+    """A redirect never names the request's Host and is never cached.
+
+    Werkzeug's routing redirects (a missing trailing slash, merged slashes: 308) are absolute URLs built from
+    the Host header, so a cache in front could store "/dashboard -> https://evil.example/dashboard/" for
+    everyone. The service never redirects to another site (``security.safe_next`` allows dashboard paths
+    only), so every absolute Location becomes its path and query alone (a path that would read as another
+    host, ``//evil.example`` or ``/\\evil.example``, keeps one slash), and every redirect gets ``no-store``.
+    """
+    if not 300 <= response.status_code < 400 or response.status_code == 304:  # 304: a cached file, still fresh
+        return response
+    response.headers["Cache-Control"] = "no-store"
+    location = response.headers.get("Location")
+    if location:
+        parts = urlsplit(location)
+        if parts.scheme or parts.netloc or parts.path.startswith(("//", "/\\")):
+            path = "/" + parts.path.lstrip("/\\")
+            response.headers["Location"] = urlunsplit(("", "", path, parts.query, parts.fragment))
+    return response
+
+
 def create_app(settings: Settings | None = None, chains: ChainRegistry | None = None) -> Flask:
     settings = settings or Settings.from_env()
-    app = Flask(__name__)
+    # No app-wide /static: Flask's default served backend/static/ (the dashboard's and the docs' files) a second
+    # time, without their security headers. Each blueprint serves its own files, with its headers.
+    app = Flask(__name__, static_folder=None)
     if settings.trusted_proxy_hops:  # request.remote_addr (rate limits) from X-Forwarded-For, set by our proxies
         from werkzeug.middleware.proxy_fix import ProxyFix
 
+        # X-Forwarded-Host is never trusted (x_host=0): nothing may take the host it names for ours.
         hops = settings.trusted_proxy_hops
-        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops, x_host=hops)  # type: ignore[method-assign]
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops, x_host=0)  # type: ignore[method-assign]
     app.json = ExactJSONProvider(app)
     app.request_class = JSONRequest  # request.get_json(): depth-capped, and 400 INVALID_JSON like the API's parser
     app.config.update(
@@ -63,6 +89,9 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
         },
     )
     app.extensions["payintent.chains"] = chains or ChainRegistry.load(settings.chains_file)
+    passwords.configure(
+        settings.login_hash_concurrency, settings.login_hash_wait_seconds, settings.login_hash_slots_dir
+    )
     init_observability(app)  # first: its request hooks wrap every other one (JSON logs, request ids, metrics)
 
     db.init_app(app)
@@ -105,6 +134,18 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
         if request.path.startswith("/api/"):
             response.headers.setdefault("Cache-Control", "no-store")
             response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        return response
+
+    @app.after_request
+    def host_free_redirects(response: Any) -> Any:
+        return relative_redirect(response)
+
+    @app.after_request
+    def baseline_security_headers(response: Any) -> Any:
+        # Every answer, files and errors included: never sniffed, never framed, no active content unless the
+        # page set its own policy (the dashboard, the docs page and the checkout page do, before this runs).
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        response.headers.setdefault("Content-Security-Policy", "default-src 'none'; frame-ancestors 'none'")
         return response
 
     @app.get("/healthz")

@@ -135,6 +135,16 @@ class Settings:
     # The time one reconcile pass gives each chain; the rest of a slow or unreachable chain's settlements wait for
     # the next pass, and the other chains go on (RECONCILE_CHAIN_SECONDS).
     reconcile_chain_seconds: float = 20.0
+    # Failed dashboard log-ins per minute from every address and for every email together, browsers with a
+    # device cookie for the account excepted; past it, other log-ins wait for the next minute (0: off). It
+    # bounds a password spray (one common password tried on many accounts from many addresses).
+    dashboard_login_failures_per_minute: int = 60
+    # Password hashes (argon2: log-in, sign-up) running at once on this machine (0: one per core), shared by
+    # the processes using the same slots directory (default: a per-user temporary one); a request that
+    # finds no slot within the wait is answered 503 SERVER_BUSY (backend/passwords.py).
+    login_hash_concurrency: int = 0
+    login_hash_wait_seconds: float = 2.0
+    login_hash_slots_dir: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -175,4 +185,8 @@ class Settings:
             dashboard_signups_per_hour=int(_env("DASHBOARD_SIGNUPS_PER_HOUR", "10")),
             reconcile_log_block_range=max(1, int(_env("RECONCILE_LOG_BLOCK_RANGE", "2000"))),
             reconcile_chain_seconds=max(1.0, float(_env("RECONCILE_CHAIN_SECONDS", "20"))),
+            dashboard_login_failures_per_minute=max(0, int(_env("DASHBOARD_LOGIN_FAILURES_PER_MINUTE", "60"))),
+            login_hash_concurrency=max(0, int(_env("LOGIN_HASH_CONCURRENCY", "0"))),
+            login_hash_wait_seconds=min(30.0, max(0.0, float(_env("LOGIN_HASH_WAIT_SECONDS", "2")))),
+            login_hash_slots_dir=_env("LOGIN_HASH_SLOTS_DIR", "") or None,
         )

@@ -8,6 +8,7 @@ every other failure, into that envelope. No stack trace ever reaches a client.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from flask import Flask, Response, current_app, request
@@ -34,8 +35,36 @@ class APIError(Exception):
         return {"success": False, "error": {"code": self.code, "message": self.message, **self.extra}}
 
 
+# What an error message may repeat of the client's own text (a network id, a field name, a version): at most
+# ECHO_LIMIT characters, of a set that cannot be read as markup, a control character or another line.
+ECHO_LIMIT = 64
+MAX_ERROR_FIELDS = 20
+_UNSAFE = re.compile(r"[^A-Za-z0-9 _.,:;/@+=#~()\[\]-]")
+
+
+def echo(value: object, limit: int = ECHO_LIMIT, *, quoted: bool = True) -> str:
+    """Client-supplied ``value`` as an error message may show it: its first ``limit`` characters, every one
+    outside a plain set (letters, digits, space, ``_.,:;/@+=#~()[]-``) shown as ``?``, ``...`` when cut,
+    in single quotes unless ``quoted`` is false."""
+    text = value if isinstance(value, str) else repr(value)
+    shown = _UNSAFE.sub("?", text[:limit]) + ("..." if len(text) > limit else "")
+    return f"'{shown}'" if quoted else shown
+
+
+def _bounded_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """Field names come from the client (an unknown field is named): at most MAX_ERROR_FIELDS, each echoed
+    safely, two levels deep (where our schemas nest)."""
+    bounded: dict[str, Any] = {}
+    for name, detail in list(fields.items())[:MAX_ERROR_FIELDS]:
+        if isinstance(detail, dict):
+            detail = {echo(k, quoted=False): v for k, v in list(detail.items())[:MAX_ERROR_FIELDS]}
+        bounded[echo(name, quoted=False)] = detail
+    return bounded
+
+
 def validation_error(fields: dict[str, Any], message: str | None = None) -> APIError:
-    """400 VALIDATION_ERROR naming each bad field."""
+    """400 VALIDATION_ERROR naming each bad field (client-supplied names bounded: :func:`echo`)."""
+    fields = _bounded_fields(fields)
     if message is None:
         first = next(iter(fields), "request")
         detail = fields[first]

@@ -2,7 +2,9 @@
 
 Requests are parsed with numbers as ``Decimal`` (never ``float``), the non-standard
 constants ``NaN``/``Infinity`` refused, and so is text nested deeper than
-``payintent.jsonlimits.MAX_JSON_DEPTH`` (checked before parsing, without recursion). Responses
+``payintent.jsonlimits.MAX_JSON_DEPTH`` (checked before parsing, without recursion) and text with a
+lone UTF-16 surrogate (``"\\ud800"``: valid JSON, but no character, so it cannot be written as UTF-8 to
+the database, a log line or a webhook body; a correctly paired one is the character it encodes). Responses
 are written with ``Decimal`` values as JSON numbers, digit for digit, so ``amount_usdc``
 round-trips exactly.
 """
@@ -18,7 +20,7 @@ import simplejson
 from flask.json.provider import JSONProvider
 
 from backend.clock import isoformat
-from payintent.jsonlimits import MAX_JSON_DEPTH, exceeds_depth
+from payintent.jsonlimits import MAX_JSON_DEPTH, LoneSurrogate, exceeds_depth, has_lone_surrogate
 
 
 class JSONParseError(ValueError):
@@ -40,12 +42,15 @@ def strict_loads(data: str | bytes, *, max_depth: int | None = MAX_JSON_DEPTH) -
         raise JSONTooDeep(f"arrays and objects nested deeper than {max_depth} levels")
     try:
         if isinstance(data, bytes):
-            data = data.decode("utf-8")
-        return json.loads(data, parse_float=Decimal, parse_constant=_reject_constant)
+            data = data.decode("utf-8")  # raw surrogate bytes are not UTF-8: refused here
+        value = json.loads(data, parse_float=Decimal, parse_constant=_reject_constant)
     except JSONParseError:
         raise
     except (ValueError, RecursionError) as exc:  # includes JSONDecodeError, UnicodeDecodeError
         raise JSONParseError(str(exc).split(":")[0] or "invalid JSON") from None
+    if has_lone_surrogate(data, value):
+        raise JSONParseError(str(LoneSurrogate()))
+    return value
 
 
 def stored_loads(data: str | bytes) -> Any:

@@ -8,6 +8,7 @@ from typing import Any
 from flask import current_app
 from marshmallow import Schema, ValidationError, fields, validate
 
+from backend.errors import echo
 from backend.money import AmountError, parse_usdc_amount
 
 METADATA_MAX_KEYS = 50
@@ -57,11 +58,11 @@ class FlatMetadata(fields.Dict):
             if not key or len(key) > METADATA_MAX_KEY_LENGTH:
                 raise ValidationError(f"keys must be 1 to {METADATA_MAX_KEY_LENGTH} characters")
             if isinstance(item, dict | list):
-                raise ValidationError(f"value of {key!r} must be a string, number, boolean or null, not nested")
+                raise ValidationError(f"value of {echo(key)} must be a string, number, boolean or null, not nested")
             if isinstance(item, str) and len(item) > METADATA_MAX_VALUE_LENGTH:
-                raise ValidationError(f"value of {key!r} must be at most {METADATA_MAX_VALUE_LENGTH} characters")
+                raise ValidationError(f"value of {echo(key)} must be at most {METADATA_MAX_VALUE_LENGTH} characters")
             if isinstance(item, Decimal) and not item.is_finite():
-                raise ValidationError(f"value of {key!r} must be a finite number")
+                raise ValidationError(f"value of {echo(key)} must be a finite number")
         return dict(value)
 
 

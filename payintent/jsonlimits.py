@@ -31,8 +31,10 @@ __all__ = [
     "DEFAULT_RECURSION_LIMIT",
     "MAX_JSON_DEPTH",
     "JSONTooDeep",
+    "LoneSurrogate",
     "check_depth",
     "exceeds_depth",
+    "has_lone_surrogate",
     "iter_strings",
     "json_depth",
     "loads",
@@ -93,10 +95,34 @@ def check_depth(data: str | bytes | bytearray | memoryview, limit: int = MAX_JSO
         raise JSONTooDeep(limit)
 
 
+class LoneSurrogate(ValueError):
+    """JSON text whose string escapes a lone UTF-16 surrogate (``"\\ud800"``): valid JSON, but no character."""
+
+    def __init__(self) -> None:
+        super().__init__("a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not a character")
+
+
+# A \\u escape of a surrogate (D800-DFFF) in the text: only then are the decoded strings searched. Raw surrogate
+# bytes are not UTF-8, so decoding refuses them before any parser runs.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def has_lone_surrogate(text: str | bytes, value: Any) -> bool:
+    """Whether ``value``, decoded from JSON ``text``, holds a lone surrogate (json pairs the valid ones)."""
+    escape = _SURROGATE_ESCAPE_BYTES if isinstance(text, bytes) else _SURROGATE_ESCAPE
+    return bool(escape.search(text)) and any(_SURROGATE.search(s) for s in iter_strings(value))  # type: ignore[arg-type]
+
+
 def loads(data: str | bytes, limit: int = MAX_JSON_DEPTH, **kwargs: Any) -> Any:
-    """``json.loads`` of text from someone else (a server's answer, a header) after :func:`check_depth`."""
+    """``json.loads`` of text from someone else (a server's answer, a header) after :func:`check_depth`;
+    :class:`LoneSurrogate` (a ``ValueError``) for a string that is not Unicode text."""
     check_depth(data, limit)
-    return json.loads(data, **kwargs)
+    value = json.loads(data, **kwargs)
+    if has_lone_surrogate(data, value):
+        raise LoneSurrogate()
+    return value
 
 
 def iter_strings(value: Any) -> Iterator[str]:

@@ -8,6 +8,8 @@ Redis is ``PAYINTENT_TEST_REDIS_URL`` or a private redis-server from the ``redis
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import shutil
 import tempfile
@@ -125,6 +127,13 @@ def chains() -> ChainRegistry:
     return ChainRegistry.load()
 
 
+@functools.cache
+def _password_slots_dir() -> str:
+    path = tempfile.mkdtemp(prefix="payintent-test-password-slots-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def make_settings(database_url: str, **overrides: Any) -> Settings:
     values: dict[str, Any] = {
         "database_url": database_url,
@@ -139,6 +148,10 @@ def make_settings(database_url: str, **overrides: Any) -> Settings:
         "api_requests_per_minute_per_key": 0,
         "api_requests_per_minute_per_ip": 0,
         "api_auth_failures_per_minute": 0,
+        # The password-hash gate (backend/passwords.py) is not under test here: slots enough for every test's
+        # bursts, in a directory of this test process only (not shared with other runs on the machine).
+        "login_hash_concurrency": 64,
+        "login_hash_slots_dir": _password_slots_dir(),
     }
     values.update(overrides)
     return Settings(**values)

@@ -172,6 +172,7 @@ EDITS: list[Callable[[Any], Any]] = [
     lambda v: f"-{v}",
     lambda v: str(v).translate(str.maketrans("0123456789", "٠١٢٣٤٥٦٧٨٩")),
     lambda v: str(v) * 40,
+    lambda v: f"{v}\ud800",  # a lone surrogate: 400 INVALID_JSON at the parse (tests/test_unicode_surrogates.py)
 ]
 
 
@@ -311,8 +312,10 @@ def test_every_single_edit_of_a_valid_payment_is_refused_cleanly(app: Any, merch
     for path, method, path_parameters, part, valid in _valid_requests():
         operation = schema[path][method]
         for label, value in [("valid", valid), *single_edits(valid)]:
-            if part == "query" and not (isinstance(value, dict) and all(isinstance(v, str) for v in value.values())):
-                continue  # a query string holds strings only
+            if part == "query" and not (
+                isinstance(value, dict) and all(isinstance(v, str) and "\ud800" not in v for v in value.values())
+            ):
+                continue  # a query string holds strings only (a lone surrogate cannot even be percent-encoded)
             sent += 1
             try:
                 _send(operation.Case(path_parameters=path_parameters, **{part: value}), app, merchant)

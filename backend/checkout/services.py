@@ -11,7 +11,7 @@ from solders.pubkey import Pubkey
 from backend import clock
 from backend.chains.evm import evm_chain
 from backend.chains.registry import ChainRegistry
-from backend.errors import APIError
+from backend.errors import APIError, echo
 from backend.extensions import db
 from backend.intents.models import Intent
 from backend.intents.services import effective_status
@@ -70,7 +70,7 @@ def buyer_balance(intent: Intent, network_id: str, address: str) -> dict[str, An
     requirement = next((r for r in intent.payment_requirements or [] if r["network"] == network_id), None)
     network = _registry().get(network_id) if requirement else None
     if requirement is None or network is None:
-        raise APIError(400, "UNSUPPORTED_NETWORK", f"This intent cannot be paid on {network_id}")
+        raise APIError(400, "UNSUPPORTED_NETWORK", f"This intent cannot be paid on {echo(network_id)}")
     try:
         address = normalize_address(network.kind, address)
     except AddressError as exc:

@@ -12,21 +12,27 @@ The login throttle counts failures in ``backend.ephemeral`` (Redis, shared by ev
 - per email and client address (an IPv4 address, an IPv6 /64: ``ratelimit.client_key``): 5 failures
   in 15 minutes lock that pair for the rest of the window;
 - per email from every address: 10 failures in 15 minutes lock the email for the rest of the window,
-  so an attacker with many addresses gets at most 10 guesses per 15 minutes at one account.
+  so an attacker with many addresses gets at most 10 guesses per 15 minutes at one account; and 30 in
+  24 hours lock the account's password log-in (for browsers without its device cookie) for the rest of
+  those 24 hours, so slow guessing that waits out each window stops at 30 a day, not 960;
+- every email and address together: ``DASHBOARD_LOGIN_FAILURES_PER_MINUTE`` (default 60) failures a
+  minute, then every other log-in waits for the next minute. A password spray (one common password
+  tried once on each of many accounts, from many addresses) gets past none of the limits above; this
+  one bounds it, at the price that a spray can hold up new browsers' log-ins service-wide.
 
 Each attempt reserves its failure before the password is checked (an atomic increment; over the
 limit it is refused and counts nowhere) and a success takes its reservation back, so simultaneous
 guesses through any number of processes never get more password checks than the limits.
 
-Both limits can be tripped by others: the per-email one by anyone, the per-address one by anyone
-behind the same address (an office NAT, a VPN exit). So a browser that has logged in to the account
-before is exempt from both: a successful log-in leaves a signed device cookie (``payintent_device``,
+All these limits can be tripped by others: the per-email and global ones by anyone, the per-address one
+by anyone behind the same address (an office NAT, a VPN exit). So a browser that has logged in to the
+account before is exempt from them all: a successful log-in leaves a signed device cookie (``payintent_device``,
 90 days, naming up to 5 accounts by a keyed tag), and a browser holding it for this email is limited
 only by its own counter, 5 failures per 15 minutes for that account (a stolen device cookie does not
 buy unlimited guesses either; once spent, the browser is limited like any other). An attack can
 therefore lock the owner out only on a browser never used for this account, and only while it lasts
-plus 15 minutes. A success forgives no earlier failure (on a shared address or a copied cookie they
-may be an attacker's): they expire with their window.
+plus 15 minutes (24 hours once the account has had 30 failures in a day). A success forgives no earlier
+failure (on a shared address or a copied cookie they may be an attacker's): they expire with their window.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ LOGIN_MAX_FAILURES = 5  # per email and client address, and per device cookie
 LOGIN_WINDOW_SECONDS = 15 * 60
 ACCOUNT_MAX_FAILURES = 10  # per email from every address (browsers with its device cookie excepted)
 ACCOUNT_WINDOW_SECONDS = 15 * 60
+ACCOUNT_DAY_MAX_FAILURES = 30  # per email from every address over a day: the account's password log-in is locked
+ACCOUNT_DAY_WINDOW_SECONDS = 24 * 3600
+GLOBAL_WINDOW_SECONDS = 60  # DASHBOARD_LOGIN_FAILURES_PER_MINUTE counts over this window
 DEVICE_COOKIE = "payintent_device"
 DEVICE_MAX_AGE = timedelta(days=90)
 DEVICE_MAX_ACCOUNTS = 5  # accounts one browser's device cookie remembers (the most recent ones)
@@ -184,6 +193,26 @@ def _account_key(email: str) -> str:
     return f"login-account-failures:{_digest(_normal(email))}"
 
 
+def _account_day_key(email: str) -> str:
+    return f"login-account-day-failures:{_digest(_normal(email))}"
+
+
+_GLOBAL_KEY = "login-failures-everywhere"
+
+
+def _shared_limits(email: str, ip: str) -> list[tuple[str, int, int]]:
+    """(counter, limit, window) of every limit a browser without the account's device cookie is under."""
+    limits = [
+        (_login_key(email, ip), LOGIN_MAX_FAILURES, LOGIN_WINDOW_SECONDS),
+        (_account_key(email), ACCOUNT_MAX_FAILURES, ACCOUNT_WINDOW_SECONDS),
+        (_account_day_key(email), ACCOUNT_DAY_MAX_FAILURES, ACCOUNT_DAY_WINDOW_SECONDS),
+    ]
+    per_minute = current_app.config["PAYINTENT_SETTINGS"].dashboard_login_failures_per_minute
+    if per_minute > 0:
+        limits.append((_GLOBAL_KEY, per_minute, GLOBAL_WINDOW_SECONDS))
+    return limits
+
+
 def _device_key(device_id: str, email: str) -> str:
     return f"login-device-failures:{_digest(device_id, _normal(email))}"
 
@@ -249,10 +278,7 @@ def reserve_login_attempt(email: str, ip: str) -> LoginAttempt:
             return LoginAttempt(email, ip, (key,), by_device=True)
         counters.release(key)
     reserved: list[str] = []
-    for key, limit, window in (
-        (_login_key(email, ip), LOGIN_MAX_FAILURES, LOGIN_WINDOW_SECONDS),
-        (_account_key(email), ACCOUNT_MAX_FAILURES, ACCOUNT_WINDOW_SECONDS),
-    ):
+    for key, limit, window in _shared_limits(email, ip):
         if counters.incr(key, window) > limit:
             retry_after = max(1, counters.count(key)[1])
             for taken in (*reserved, key):  # a refused attempt counts nowhere
@@ -267,8 +293,8 @@ def login_failed(attempt: LoginAttempt) -> None:
     counts against the email and the address too, as every failure does."""
     if attempt.by_device:
         counters = store()
-        counters.incr(_login_key(attempt.email, attempt.ip), LOGIN_WINDOW_SECONDS)
-        counters.incr(_account_key(attempt.email), ACCOUNT_WINDOW_SECONDS)
+        for key, _, window in _shared_limits(attempt.email, attempt.ip):
+            counters.incr(key, window)
 
 
 def login_succeeded(attempt: LoginAttempt) -> None:

@@ -30,7 +30,7 @@ from flask import (
 )
 from werkzeug.exceptions import HTTPException, NotFound
 
-from backend import ratelimit
+from backend import passwords, ratelimit
 from backend.chains.registry import ChainRegistry
 from backend.dashboard import display, forms, reveals, security, services
 from backend.dashboard.forms import Form
@@ -218,7 +218,18 @@ def _unexpected(exc: Exception) -> Response:
 
 def _minutes(seconds: int) -> str:
     minutes = -(-seconds // 60)
+    if minutes > 120:
+        hours = -(-minutes // 60)
+        return f"{hours} hours"
     return f"{minutes} minute{'s' if minutes != 1 else ''}"
+
+
+def _busy(template: str, form: Form, **context: Any) -> Response:
+    """Every password-hash slot stayed taken (a flood of log-ins or sign-ups): 503, try again in a moment."""
+    form.error("form", passwords.BUSY_MESSAGE)
+    response = render(template, 503, form=form, **context)
+    response.headers["Retry-After"] = "1"
+    return response
 
 
 def _settings() -> Any:
@@ -253,7 +264,10 @@ def signup() -> Any:
             response = render("signup.html", 429, form=form)
             response.headers["Retry-After"] = str(retry_after)
             return response
-    issued = services.sign_up(form) if form.ok else None
+    try:
+        issued = services.sign_up(form) if form.ok else None
+    except passwords.PasswordCheckBusy:
+        return _busy("signup.html", form)
     if issued is None:
         return render("signup.html", 400, form=form)
     security.start_session(issued.key.merchant_id)
@@ -284,6 +298,9 @@ def login() -> Any:
         return response
     try:
         merchant = services.authenticate_merchant(email, form.values["password"])
+    except passwords.PasswordCheckBusy:  # the password was not checked: no failure to count
+        security.login_abandoned(attempt)
+        return _busy("login.html", form, next_page=next_page)
     except Exception:
         security.login_abandoned(attempt)
         raise

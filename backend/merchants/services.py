@@ -13,8 +13,9 @@ from argon2.exceptions import InvalidHashError, VerificationError
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import IntegrityError
 
-from backend import clock
+from backend import clock, passwords
 from backend.chains.registry import ChainRegistry
+from backend.errors import echo
 from backend.extensions import db
 from backend.ids import base62_secret
 from backend.merchants.addresses import AddressError, normalize_address
@@ -50,14 +51,18 @@ def hash_api_key(secret: str) -> str:
 
 
 def hash_password(password: str) -> str:
-    return _hasher.hash(password)
+    """argon2, in one of the machine's password-hash slots (``passwords.PasswordCheckBusy`` when none frees up)."""
+    with passwords.slot():
+        return _hasher.hash(password)
 
 
 def verify_password(password_hash: str, password: str) -> bool:
-    try:
-        return _hasher.verify(password_hash, password)
-    except (VerificationError, InvalidHashError):
-        return False
+    """Like :func:`hash_password`, in a slot: raises ``passwords.PasswordCheckBusy`` rather than wait long."""
+    with passwords.slot():
+        try:
+            return _hasher.verify(password_hash, password)
+        except (VerificationError, InvalidHashError):
+            return False
 
 
 def create_merchant(email: str, password: str, name: str | None = None) -> tuple[Merchant, IssuedKey]:
@@ -164,7 +169,7 @@ def set_wallet(merchant_id: str, network_id: str, address: str, registry: ChainR
     network = registry.get(network_id)
     if network is None:
         known = ", ".join(registry.ids())
-        raise MerchantError("UNKNOWN_NETWORK", f"network {network_id!r} is not configured; known: {known}")
+        raise MerchantError("UNKNOWN_NETWORK", f"network {echo(network_id)} is not configured; known: {known}")
     try:
         normalized = normalize_address(network.kind, address)
     except AddressError as exc:
@@ -217,7 +222,7 @@ def service_addresses(registry: ChainRegistry, kind: str) -> dict[str, str]:
 def remove_wallet(merchant_id: str, network_id: str) -> None:
     wallet = db.session.scalar(select(Wallet).where(Wallet.merchant_id == merchant_id, Wallet.network == network_id))
     if wallet is None:
-        raise MerchantError("WALLET_NOT_FOUND", f"no wallet on {network_id}")
+        raise MerchantError("WALLET_NOT_FOUND", f"no wallet on {echo(network_id)}")
     db.session.delete(wallet)
     db.session.commit()
 

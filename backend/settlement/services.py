@@ -22,7 +22,7 @@ from sqlalchemy.exc import IntegrityError
 
 from backend import clock
 from backend.chains.registry import ChainRegistry, Network
-from backend.errors import APIError
+from backend.errors import APIError, echo
 from backend.events.models import Event
 from backend.events.services import record_event
 from backend.extensions import db
@@ -520,7 +520,7 @@ def open_settlements(older_than: datetime, limit: int = 200) -> list[Settlement]
 def network_of(registry: ChainRegistry, network_id: str) -> Network:
     network = registry.get(network_id)
     if network is None:
-        raise APIError(400, "UNSUPPORTED_NETWORK", f"Network {network_id!r} is not configured on this service")
+        raise APIError(400, "UNSUPPORTED_NETWORK", f"Network {echo(network_id)} is not configured on this service")
     return network
 
 

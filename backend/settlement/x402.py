@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backend.chains.registry import ChainRegistry, resolve_x402_network
-from backend.errors import APIError
+from backend.errors import APIError, echo
 
 X402_VERSIONS = (1, 2)
 AUTHORIZATION_FIELDS = ("from", "to", "value", "validAfter", "validBefore", "nonce")
@@ -117,7 +117,7 @@ def normalize_payment_signature(signature: Any, registry: ChainRegistry | None =
         raise APIError(
             400,
             "UNSUPPORTED_X402_VERSION",
-            f"x402Version must be one of {list(X402_VERSIONS)}, not {version!r}"[:200],
+            f"x402Version must be one of {list(X402_VERSIONS)}, not {echo(version)}",
         )
     accepted: dict[str, Any] | None = None
     if version == 1:
