@@ -250,15 +250,7 @@ def test_serve_worker_and_relayer_warn_about_development_settings(redis_url, tmp
         assert "set DATABASE_URL to a PostgreSQL database in production" in done.stderr
         assert SECRET_KEY_WARNING not in done.stderr, done.stderr
 
-    port = free_port()
-    with (tmp_path / "serve.log").open("w") as log:
-        proc = subprocess.Popen([PAYINTENT, "serve", "--port", str(port), "--workers", "2"], env=env, stderr=log)
-    try:
-        _wait_healthy(f"http://127.0.0.1:{port}", [proc])
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-    logged = (tmp_path / "serve.log").read_text()
+    logged = _serve_until_healthy(env, tmp_path)
     assert logged.count(f"{SQLITE_WARNING} {sqlite_file}") == 1, logged  # once, not once per gunicorn worker
     assert logged.count(SECRET_KEY_WARNING) == 1, logged
 
@@ -305,16 +297,7 @@ def test_serve_off_loopback_without_a_proxy_warns_about_slow_clients(tmp_path, h
     env = {**os.environ, "SECRET_KEY": "a-real-secret-key-for-this-test", "DATABASE_URL": database_url,
            "PAYINTENT_VAR_DIR": str(tmp_path / "var"), "LOG_LEVEL": "WARNING", "LOG_FORMAT": "text",
            "TRUSTED_PROXY_HOPS": hops}  # fmt: skip
-    port = free_port()
-    with (tmp_path / "serve.log").open("w") as log:
-        proc = subprocess.Popen([PAYINTENT, "serve", "--host", host, "--port", str(port), "--workers", "2"], env=env,
-                                stderr=log)  # fmt: skip
-    try:
-        _wait_healthy(f"http://127.0.0.1:{port}", [proc])
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-    logged = (tmp_path / "serve.log").read_text()
+    logged = _serve_until_healthy(env, tmp_path, host)
     assert logged.count(SLOW_CLIENTS_WARNING) == (1 if warned else 0), logged
     if warned:
         assert f"serving on {host}" in logged and "deploy/nginx.conf" in logged and "TRUSTED_PROXY_HOPS=1" in logged
@@ -333,3 +316,17 @@ def test_which_hosts_are_loopback(monkeypatch):
         cli._refuse_development_secret_key("0.0.0.0")
     monkeypatch.setenv("SECRET_KEY", "a-real-secret-key-" + "x" * 40)
     cli._refuse_development_secret_key("0.0.0.0")  # the image, docker-compose.yml: a real key
+
+
+def _serve_until_healthy(env: dict[str, str], tmp_path: Path, host: str = "127.0.0.1") -> str:
+    """Start `payintent serve` (2 workers) on ``host``, wait until it answers, stop it; what it logged."""
+    port = free_port()
+    with (tmp_path / "serve.log").open("w") as log:
+        argv = [PAYINTENT, "serve", "--host", host, "--port", str(port), "--workers", "2"]
+        proc = subprocess.Popen(argv, env=env, stderr=log)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", [proc])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    return (tmp_path / "serve.log").read_text()
