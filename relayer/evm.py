@@ -9,6 +9,7 @@ lease, so it survives restarts and transactions sent by anyone else.
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from backend.chains.evm import EvmChain
 from backend.relaybudget.services import EVM_SETTLEMENT_GAS
 from backend.settlement.models import Settlement
 
+log = logging.getLogger(__name__)
 LEASE_SECONDS = 120  # longer than the RPC calls and the database write a send makes
 NONCE_KEY = "payintent:relayer:last:{}:{}"  # the last transaction sent from an account: "nonce:hash"
 LEASE_KEY = "payintent:relayer:lease:{}:{}"
@@ -32,21 +34,35 @@ PRIORITY_FEE_WEI = 1_000_000_000  # 1 gwei tip when the node does not suggest on
 GAS_LIMIT = EVM_SETTLEMENT_GAS
 MAX_SEND_ATTEMPTS = 4
 # What a node answers when the transaction cannot succeed whenever it is sent again (lowercase parts of
-# the message): the settlement then fails for good instead of being retried.
+# the message): the settlement then fails for good instead of being retried. "gas required exceeds
+# (allowance)" and "out of gas" mean "more than GAS_LIMIT" only when the sender can pay GAS_LIMIT at the fee
+# cap (the node caps the allowance by the sender's balance): ``estimate`` checks that first (``RelayShortOfFunds``).
 FINAL_REFUSALS = (
     "execution reverted",
     "revert",
     "invalid signature",
     "authorization is used",
     "authorization is expired",
-    "not yet valid",
     "gas required exceeds",
     "out of gas",
 )
+# The token's "authorization is not yet valid" (block.timestamp <= validAfter): the chain's clock has not
+# reached validAfter yet; the same transaction succeeds a few blocks later. Never final (checked first: the
+# node's answer also says "execution reverted").
+NOT_YET_VALID = "not yet valid"
+_GAS_ALLOWANCE = ("gas required exceeds", "out of gas")
 
 
 class RelayUnavailable(RuntimeError):
     pass
+
+
+class RelayShortOfFunds(RelayUnavailable):
+    """The relay account (or every one) cannot pay GAS_LIMIT at the fee cap: transient, never the payment's fault."""
+
+
+class NotYetValid(RuntimeError):
+    """The chain's latest block is not past validAfter yet: transient, the settlement is tried again."""
 
 
 class Reverted(RuntimeError):
@@ -60,21 +76,47 @@ class Refused(Reverted):
 def final_refusal(exc: BaseException) -> str | None:
     """The node's reason if ``exc`` is its answer that the call cannot succeed (a revert, a bad or used
     authorization, more gas than the cap); None for anything else (a timeout, a dropped connection, a
-    nonce race, a relay short of funds), which may pass if tried again."""
+    nonce race, a relay short of funds, an authorization not valid *yet*), which may pass if tried again."""
     if isinstance(exc, ContractLogicError):
-        return str(exc.message or exc)
+        message = str(exc.message or exc)
+        return None if NOT_YET_VALID in message.lower() else message
     if isinstance(exc, Web3RPCError | ValueError):
         message = str(getattr(exc, "message", None) or exc)
-        if any(part in message.lower() for part in FINAL_REFUSALS):
+        lowered = message.lower()
+        if NOT_YET_VALID not in lowered and any(part in lowered for part in FINAL_REFUSALS):
             return message
     return None
 
 
+def _not_yet_valid(exc: BaseException) -> bool:
+    """Whether ``exc`` is the node's answer that the authorization is not valid yet (the token's revert)."""
+    message = str(getattr(exc, "message", None) or exc).lower()
+    return isinstance(exc, ContractLogicError | Web3RPCError | ValueError) and NOT_YET_VALID in message
+
+
+def relay_cost(fee_fields: dict[str, int]) -> int:
+    """The most one relay transaction can cost its sender (wei): GAS_LIMIT at the fee cap."""
+    return GAS_LIMIT * int(fee_fields.get("maxFeePerGas") or 0)
+
+
+def short_of_funds(chain: EvmChain, sender: str, fee_fields: dict[str, int]) -> bool:
+    return int(chain.w3.eth.get_balance(sender)) < relay_cost(fee_fields)
+
+
 @contextlib.contextmanager
-def lease(redis: Redis, network: str, accounts: list[LocalAccount], wait_seconds: float = 20) -> Iterator[LocalAccount]:
-    """Hold one free relay account of the network for the duration of a send."""
+def lease(
+    redis: Redis,
+    network: str,
+    accounts: list[LocalAccount],
+    wait_seconds: float = 20,
+    skip: frozenset[str] = frozenset(),
+) -> Iterator[LocalAccount]:
+    """Hold one free relay account of the network (not one of ``skip``) for the duration of a send."""
     token = secrets.token_hex(8)
     deadline = time.monotonic() + wait_seconds
+    accounts = [account for account in accounts if account.address not in skip]
+    if not accounts:
+        raise RelayUnavailable(f"no relay account of {network} to lease")
     start = secrets.randbelow(len(accounts))
     while True:
         for i in range(len(accounts)):
@@ -153,15 +195,26 @@ def transfer_call(chain: EvmChain, settlement: Settlement) -> Any:
 
 
 def estimate(chain: EvmChain, call: Any, sender: str, fee_fields: dict[str, int]) -> int:
-    """The gas the transfer needs, estimated as it will be sent: the same fee fields (a payer's code may
-    read the gas price: at 0, what ``eth_estimateGas`` uses without them, it may answer otherwise) and
-    at most ``GAS_LIMIT`` (more is a refusal, not a bigger transaction). Raises ``Reverted``."""
+    """The gas the transfer needs, estimated as it will be sent: from the account that sends it, with the same
+    fee fields (a payer's code may read the gas price: at 0, what ``eth_estimateGas`` uses without them, it
+    may answer otherwise) and at most ``GAS_LIMIT`` (more is a refusal, not a bigger transaction).
+
+    Raises ``Reverted`` when the transfer cannot succeed; ``RelayShortOfFunds`` when ``sender`` cannot pay
+    ``GAS_LIMIT`` at the fee cap (checked before, and again when the node says the gas "exceeds allowance":
+    the node caps the allowance by the sender's balance, so only a funded sender's answer means "more than
+    the cap"); ``NotYetValid`` when the token says validAfter has not passed on chain yet."""
+    if short_of_funds(chain, sender, fee_fields):
+        raise RelayShortOfFunds(f"relay account {sender} cannot pay {GAS_LIMIT} gas at the fee cap")
     try:
         return int(call.estimate_gas({"from": sender, "gas": GAS_LIMIT, **fee_fields}))
     except Exception as exc:
+        if _not_yet_valid(exc):
+            raise NotYetValid(str(getattr(exc, "message", None) or exc)) from None
         reason = final_refusal(exc)
         if reason is None:
             raise
+        if any(part in reason.lower() for part in _GAS_ALLOWANCE) and short_of_funds(chain, sender, fee_fields):
+            raise RelayShortOfFunds(f"relay account {sender} cannot pay {GAS_LIMIT} gas at the fee cap") from None
         raise Reverted(reason) from None
 
 
@@ -173,13 +226,28 @@ def send(
     fee_fields: dict[str, int],
     before_broadcast: Any,
 ) -> str:
-    """Sign and broadcast from a leased account; ``before_broadcast(tx_hash, address)`` runs first.
+    """Estimate from a leased account, then sign and broadcast from it; ``before_broadcast(tx_hash, address)``
+    runs first.
 
-    The transaction has ``GAS_LIMIT`` gas and the fees it was estimated with. Raises ``Refused`` when
-    the node refuses it for good (``final_refusal``): nothing to retry."""
+    The transaction has ``GAS_LIMIT`` gas and the fees it was estimated with. A relay account that cannot pay
+    that (``RelayShortOfFunds``, or the node's "insufficient funds") is left aside and another one is leased;
+    when none can, ``RelayShortOfFunds`` (transient: the settlement stays open). Raises ``Reverted`` when the
+    estimate says the transfer cannot succeed, ``Refused`` when the node refuses it for good
+    (``final_refusal``), ``NotYetValid`` (transient)."""
     network = chain.network.network
-    for attempt in range(MAX_SEND_ATTEMPTS):
-        with lease(redis, network, accounts) as account:
+    short: set[str] = set()
+    attempt = 0
+    while attempt < MAX_SEND_ATTEMPTS:
+        if len(short) >= len({account.address for account in accounts}):
+            raise RelayShortOfFunds(f"every relay account of {network} is short of ETH: fund them")
+        with lease(redis, network, accounts, skip=frozenset(short)) as account:
+            try:
+                estimate(chain, call, account.address, fee_fields)
+            except RelayShortOfFunds:
+                log.error("relay account %s of %s is short of ETH: fund it (another account is used)",
+                          account.address, network)  # fmt: skip
+                short.add(account.address)
+                continue
             nonce = _next_nonce(redis, chain, account)
             tx = call.build_transaction(
                 {
@@ -201,11 +269,15 @@ def send(
                     reason = final_refusal(exc)
                     if reason is not None:
                         raise Refused(reason) from None
+                    if "insufficient funds" in message:  # its balance fell since the estimate: another account
+                        short.add(account.address)
+                        continue
+                    attempt += 1
                     retryable = "nonce too low" in message or "replacement transaction underpriced" in message
-                    if not retryable or attempt + 1 >= MAX_SEND_ATTEMPTS:
+                    if not retryable or attempt >= MAX_SEND_ATTEMPTS:
                         raise
                     redis.delete(NONCE_KEY.format(network, account.address))
-                    time.sleep(0.2 * (attempt + 1))
+                    time.sleep(0.2 * attempt)
                     continue
             redis.set(NONCE_KEY.format(network, account.address), f"{nonce}:{tx_hash}")
             return tx_hash

@@ -53,6 +53,9 @@ PAYER_CODE_REASON = (
     "the payer's address has contract code (a smart wallet or an EIP-7702 delegation): the relay does not "
     "settle such authorizations; pay from a plain address"
 )
+# An authorization whose validAfter the chain's latest block has not passed yet (the token needs
+# block.timestamp > validAfter) is waited for this long, then left open for the reconciler to send again.
+NOT_YET_VALID_WAIT_SECONDS = 10.0
 # Set by relayer.worker at start-up: the only place relay keys live.
 RELAY_ACCOUNTS: dict[str, list[LocalAccount]] = {}
 SOLANA_RELAYS: dict[str, Keypair] = {}
@@ -148,13 +151,13 @@ def _settle(settlement_id: str, redis: Redis) -> str:
     # right before the estimate and the send (the code's answer at estimate time proves nothing).
     if chain.has_code(settlement.payer):
         return _reverted(chain, settlement, PAYER_CODE_REASON, PAYER_HAS_CODE)
+    # Not before the chain's clock passes validAfter: the transaction would revert (docs/security.md).
+    if not _valid_on_chain(chain, settlement.valid_after):
+        return "not-yet-valid"  # left open: the reconciler sends it again once it is STALE_AFTER old
     call = evm.transfer_call(chain, settlement)
     fees = evm.fees(chain)  # the estimate and the send use the same fee fields
     try:
-        evm.estimate(chain, call, accounts[0].address, fees)
-    except evm.Reverted as exc:
-        return _reverted(chain, settlement, f"the transfer would revert: {exc}")
-    try:
+        # Estimated from the leased account that then sends it, with its fees (evm.send).
         tx_hash = evm.send(
             redis,
             chain,
@@ -166,12 +169,32 @@ def _settle(settlement_id: str, redis: Redis) -> str:
     except evm.Refused as exc:
         # The node refused it for good: final, not retried (the chain still decides first, in _reverted).
         return _reverted(chain, services.get_settlement(settlement_id) or settlement, f"the node refused it: {exc}")
+    except evm.Reverted as exc:  # the estimate, from the account that would send it
+        latest = services.get_settlement(settlement_id) or settlement
+        return _reverted(chain, latest, f"the transfer would revert: {exc}")
+    except evm.NotYetValid:
+        return "not-yet-valid"  # the node's clock disagrees with its latest block's: transient, left open
+    except evm.RelayShortOfFunds as exc:
+        # Our relay's trouble, never the payment's: left open (the reconciler sends it again) and said loudly.
+        log.error("settlement %s waits: %s", settlement_id, exc)
+        return "relay-short-of-eth"
     crash_point("after-broadcast")
     receipt = evm.wait_receipt(chain, tx_hash, RECEIPT_TIMEOUT_SECONDS)
     crash_point("before-finish")
     if receipt is None:
         return "waiting-for-receipt"  # the reconciler finishes it
     return _finish(chain, services.get_settlement(settlement_id) or settlement, tx_hash, receipt)
+
+
+def _valid_on_chain(chain: EvmChain, valid_after: int) -> bool:
+    """Whether the chain's latest block is past validAfter (then every later block is too), waiting for it up
+    to NOT_YET_VALID_WAIT_SECONDS."""
+    deadline = time.monotonic() + NOT_YET_VALID_WAIT_SECONDS
+    while chain.block_timestamp("latest") <= valid_after:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1.0)
+    return True
 
 
 def _submitted(settlement_id: str, tx_hash: str, relay_address: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import requests
@@ -23,6 +24,31 @@ RPC_CONNECT_ATTEMPTS = 2
 # eth_getLogs searches at most this many blocks per call (RECONCILE_LOG_BLOCK_RANGE): providers refuse wider
 # ranges (often 1,000 to 10,000 blocks). A provider refusing even that is asked for halves (see authorization_log).
 DEFAULT_LOG_BLOCK_RANGE = 2000
+# A width learned from a range refusal is doubled again after this many windows answered in a row (up to the
+# configured range): a refusal narrows the searches for a while, never for the life of the process.
+LOG_RANGE_GROW_AFTER = 8
+# Search cursors kept per chain client (``authorization_log``): the authorizations searched most recently.
+LOG_CURSORS_KEPT = 10_000
+# What an RPC says when it refuses an eth_getLogs because of its range or the size of its answer (lowercase):
+# one of the limits AND one of the subjects, and none of the words of a rate limit or a lagging node.
+# Infura "query returned more than 10000 results", Alchemy "Log response size exceeded ... up to a 2K block
+# range", QuickNode "eth_getLogs is limited to a 10,000 range", Ankr "block range is too wide", Chainstack
+# "Block range limit exceeded", Cloudflare "Exceeded max range limit", others "exceed maximum block range: 5000".
+_RANGE_LIMITS = ("limit", "exceed", "too many", "too large", "too wide", "too big", "more than", "max")
+_RANGE_SUBJECTS = ("range", "block", "result", "response size", "logs")
+_NOT_RANGE = (
+    "rate", "too many requests", "per second", "quota", "credit", "capacity", "daily",
+    "beyond", "head", "not found", "timeout", "timed out",
+)  # fmt: skip
+
+
+class LogSearchIncomplete(RuntimeError):
+    """A log search ran out of its time before reaching its last block (never "not found")."""
+
+    def __init__(self, searched_to: int) -> None:
+        super().__init__(f"log search stopped after block {searched_to}")
+        self.searched_to = searched_to
+
 
 _ADDRESS = {"type": "address"}
 _UINT = {"type": "uint256"}
@@ -130,8 +156,12 @@ class EvmChain:
             cacheable_requests={RPCEndpoint("eth_chainId")},
         )
         self.w3 = Web3(provider)
-        # The widest eth_getLogs range this RPC answered after refusing a wider one (None: none refused yet).
+        # The eth_getLogs width this RPC answers after refusing a wider one (None: none refused lately); it grows
+        # back after LOG_RANGE_GROW_AFTER answered windows.
         self.log_range_limit: int | None = None
+        self._log_answers = 0  # windows answered in a row at the learned width
+        # (authorizer, nonce) -> (first, last): final blocks searched for its log with no match (this process).
+        self._log_cursors: dict[tuple[str, bytes], tuple[int, int]] = {}
         self.token = self.w3.eth.contract(address=to_checksum_address(network.usdc_address), abi=USDC_ABI)
 
     def balance_of(self, address: str) -> int:
@@ -155,6 +185,11 @@ class EvmChain:
     def block_number(self) -> int:
         return int(self.w3.eth.block_number)
 
+    def latest_block(self) -> tuple[int, int]:
+        """(number, timestamp) of the chain's latest block, read at once."""
+        block = self.w3.eth.get_block("latest")
+        return int(block["number"]), int(block["timestamp"])
+
     def block_timestamp(self, block: int | str = "latest") -> int:
         return int(self.w3.eth.get_block(block)["timestamp"])
 
@@ -172,44 +207,85 @@ class EvmChain:
         return max(head - max(self.network.confirmations, 1) + 1, 0)
 
     def authorization_log(
-        self, authorizer: str, nonce: bytes, from_block: int, to_block: int, max_range: int = DEFAULT_LOG_BLOCK_RANGE
+        self,
+        authorizer: str,
+        nonce: bytes,
+        from_block: int,
+        to_block: int,
+        max_range: int = DEFAULT_LOG_BLOCK_RANGE,
+        deadline: float | None = None,
     ) -> tuple[str, str, int] | None:
         """(topic, tx hash, block) of the first AuthorizationUsed/Canceled event for this authorization
         between ``from_block`` and ``to_block`` (a height read before), or None if the chain has none there.
 
         Walked forward in windows of at most ``max_range`` blocks: RPC providers refuse wider eth_getLogs
-        ranges. A window the RPC refuses with an error (a JSON-RPC error, an HTTP 4xx) is halved and asked
-        again, down to one block; the width that then worked is remembered for this RPC. An error on a
-        one-block window, a timeout or an unreachable RPC raises: an error is never "no log". (The query
-        names the authorizer and the nonce, so a provider's cap on the number of results is never reached.)
+        ranges. A window refused with an answer that names a range or result limit (``is_range_limit``) is
+        halved and asked again, down to one block, and the narrower width is used by later searches until
+        LOG_RANGE_GROW_AFTER windows were answered in a row, then doubled again. Any other error (a rate limit,
+        a 5xx, a lagging node, a timeout), and a refusal of a one-block window, raises: an error is never "no
+        log", and it does not narrow the window.
+
+        Resumes where an earlier search of this authorization stopped (this process's memory, LOG_CURSORS_KEPT
+        authorizations): blocks already searched with no match, up to the newest final block at that search's
+        ``to_block`` (a reorg cannot change those), are not searched again. ``deadline`` (``time.monotonic()``):
+        checked before every window after the first; past it, ``LogSearchIncomplete`` (the cursor keeps what
+        was searched).
         """
         topics = [[AUTHORIZATION_USED_TOPIC, AUTHORIZATION_CANCELED_TOPIC], _word(authorizer), "0x" + nonce.hex()]
-        start = max(from_block, 0)
+        key = (to_checksum_address(authorizer), bytes(nonce))
+        start = first = max(from_block, 0)
+        cursor = self._log_cursors.get(key)
+        if cursor is not None and cursor[0] <= start <= cursor[1] + 1:
+            first, start = cursor[0], cursor[1] + 1
+        final = self.final_block(to_block)
         width = max(1, min(max_range, self.log_range_limit or max_range))
-        refused = False
+        answered = 0
         while start <= to_block:
+            if deadline is not None and answered and time.monotonic() > deadline:
+                raise LogSearchIncomplete(start - 1)
             end = min(start + width - 1, to_block)
             try:
                 logs = self.w3.eth.get_logs(
                     {"address": self.token.address, "fromBlock": start, "toBlock": end, "topics": topics}
                 )
             except (Web3RPCError, requests.HTTPError) as exc:
-                if end == start or not _may_be_range_limit(exc):
+                if end == start or not is_range_limit(exc):
                     raise
-                width, refused = max(1, (end - start + 1) // 2), True
+                width = max(1, (end - start + 1) // 2)
+                self.log_range_limit, self._log_answers = width, 0
                 continue
-            if refused:  # answered after a refusal: later searches start at this width
-                self.log_range_limit, refused = width, False
+            answered += 1
+            width = self._answered(width, max_range)
             if logs:
-                first = logs[0]
-                topic = first["topics"][0]
+                entry = logs[0]
+                topic = entry["topics"][0]
                 return (
                     "0x" + bytes(topic).hex(),
-                    "0x" + bytes(first["transactionHash"]).hex(),
-                    int(first["blockNumber"]),
+                    "0x" + bytes(entry["transactionHash"]).hex(),
+                    int(entry["blockNumber"]),
                 )
+            if min(end, final) >= first:
+                self._remember(key, first, min(end, final))
             start = end + 1
         return None
+
+    def _answered(self, width: int, max_range: int) -> int:
+        """A window of ``width`` was answered: the width for the next one (doubled after enough answers)."""
+        if self.log_range_limit is None or width >= max_range:
+            return width
+        self._log_answers += 1
+        if self._log_answers < LOG_RANGE_GROW_AFTER:
+            return width
+        width = min(width * 2, max_range)
+        self.log_range_limit = width if width < max_range else None
+        self._log_answers = 0
+        return width
+
+    def _remember(self, key: tuple[str, bytes], first: int, last: int) -> None:
+        self._log_cursors.pop(key, None)
+        self._log_cursors[key] = (first, last)  # the most recent last: the oldest go first
+        while len(self._log_cursors) > LOG_CURSORS_KEPT:
+            del self._log_cursors[next(iter(self._log_cursors))]
 
     def receipt(self, tx_hash: str) -> dict[str, Any] | None:
         from web3.exceptions import TransactionNotFound
@@ -220,13 +296,25 @@ class EvmChain:
             return None
 
 
-def _may_be_range_limit(exc: Exception) -> bool:
-    """Whether an eth_getLogs error may be the provider refusing the range (or the size of the answer): a
-    JSON-RPC error, or an HTTP 4xx (some gateways answer 400 or 413). Not a 5xx: the RPC is in trouble."""
+def is_range_limit(exc: Exception) -> bool:
+    """Whether an eth_getLogs error is the RPC refusing the range or the size of the answer (then a narrower
+    window is asked): an HTTP 413, or an answer (a JSON-RPC error, an HTTP 400's body) whose message names a
+    range or result limit. Not a rate limit (429, "rate limit exceeded"), a 5xx, a lagging node ("beyond the
+    head") or any other error: those end the search (the RPC is in trouble, not the window too wide)."""
     if isinstance(exc, requests.HTTPError):
-        status = exc.response.status_code if exc.response is not None else 0
-        return 400 <= status < 500
-    return True
+        response = exc.response
+        status = response.status_code if response is not None else 0
+        if status == 413:
+            return True
+        if status != 400 or response is None:
+            return False
+        message = response.text[:2000]
+    else:
+        message = str(getattr(exc, "message", None) or exc)
+    lowered = message.lower()
+    if any(word in lowered for word in _NOT_RANGE):
+        return False
+    return any(word in lowered for word in _RANGE_LIMITS) and any(word in lowered for word in _RANGE_SUBJECTS)
 
 
 _chains: dict[Network, EvmChain] = {}

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 PAY_WAIT_SECONDS = 30.0
 SETTLED_KEY = "payintent:settled:{}"
 SETTLE_JOB = "relayer.tasks.settle"
+# The most Retry-After of a validAfter the chain's latest block has not passed yet (it passed by our clock).
+NOT_YET_VALID_RETRY_MAX_SECONDS = 60
 _NO_FAILURE_EVENT = ("ALREADY_PAID", "PAYMENT_IN_PROGRESS")
 
 
@@ -173,12 +175,24 @@ def _check_evm(submission: PaymentSubmission, requirement: dict[str, Any], netwo
         used = chain.authorization_state(auth.payer, auth.nonce)
         has_code = chain.has_code(auth.payer)
         balance = chain.balance_of(auth.payer)
-        start_block = chain.block_number()
+        start_block, chain_time = chain.latest_block()
     except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
         log.warning("chain %s unreachable during /pay (%s)", network.network, type(exc).__name__)
         raise APIError(503, "CHAIN_UNAVAILABLE", f"{network.name} cannot be reached right now; try again") from None
     if used:
         raise APIError(409, "NONCE_ALREADY_USED", "This authorization's nonce was already used or cancelled")
+    if auth.valid_after >= chain_time:
+        # Past by our clock, not by the chain's: the token needs block.timestamp > validAfter, so the relay's
+        # transaction would revert now (a chain's latest block may be seconds old). Try again shortly.
+        wait = min(max(auth.valid_after - chain_time + 1, 1), NOT_YET_VALID_RETRY_MAX_SECONDS)
+        raise APIError(
+            400,
+            "AUTHORIZATION_NOT_YET_VALID",
+            f"validAfter has not passed on {network.name} yet (its latest block is from {chain_time}); "
+            f"try again in {wait} s, or sign with validAfter 0",
+            headers={"Retry-After": str(wait)},
+            retry_after=wait,
+        )
     if has_code:
         # The token would ask the payer's code whether the signature is valid, and code may answer one
         # way when the relay estimates and another when the transaction is mined (docs/security.md).

@@ -24,6 +24,7 @@ from backend.chains.evm import (
     AUTHORIZATION_USED_TOPIC,
     DEFAULT_LOG_BLOCK_RANGE,
     EvmChain,
+    LogSearchIncomplete,
     authorization_transfer,
     evm_chain,
 )
@@ -44,6 +45,8 @@ WATCH_PER_TICK = 50
 WATCH_SECONDS_PER_TICK = 5.0
 # The time one reconcile pass gives each chain (RECONCILE_CHAIN_SECONDS; see ``ChainPass``).
 CHAIN_SECONDS_PER_PASS = 20.0
+# One log search (``onchain_outcome``) runs at most this long unless its caller gives a deadline (the relayer's).
+LOG_SEARCH_SECONDS = 20.0
 
 
 class Outcome(Enum):
@@ -85,7 +88,11 @@ def log_block_range() -> int:
 
 
 def onchain_outcome(
-    chain: EvmChain, settlement: Settlement, head: int | None = None, log_range: int | None = None
+    chain: EvmChain,
+    settlement: Settlement,
+    head: int | None = None,
+    log_range: int | None = None,
+    deadline: float | None = None,
 ) -> tuple[Outcome, str | None]:
     """What the chain says about the settlement's authorization: USED, USED_ELSEWHERE, CANCELED, NOT_FINAL
     or UNUSED.
@@ -99,7 +106,9 @@ def onchain_outcome(
     Our own transaction (``tx_hash``) is looked up first, by its receipt: no log search, which RPC providers
     limit. Only when it did not execute the authorization (none sent, reverted, not mined) are the token's
     logs searched, from the claim's height, in windows of ``log_range`` blocks (RECONCILE_LOG_BLOCK_RANGE;
-    ``EvmChain.authorization_log``). An RPC error raises: it is never taken for "not found".
+    ``EvmChain.authorization_log``), continuing where this process's last search of it stopped. An RPC error
+    raises: it is never taken for "not found". A search still unfinished at ``deadline`` (``time.monotonic()``;
+    by default LOG_SEARCH_SECONDS from now) is NOT_FINAL: the next look goes on from where it stopped.
     """
     nonce = bytes.fromhex(settlement.nonce[2:])
     head = chain.block_number() if head is None else head
@@ -111,9 +120,16 @@ def onchain_outcome(
             # Our transaction executed it with this settlement's terms: paid once its block is final at ``head``.
             final = chain.is_final(int(receipt["blockNumber"]), head)
             return (Outcome.USED if final else Outcome.NOT_FINAL), settlement.tx_hash
-    found = chain.authorization_log(
-        settlement.payer, nonce, (settlement.start_block or 0) - 5, head, log_range or log_block_range()
-    )
+    if deadline is None:
+        deadline = time.monotonic() + LOG_SEARCH_SECONDS
+    try:
+        found = chain.authorization_log(
+            settlement.payer, nonce, (settlement.start_block or 0) - 5, head, log_range or log_block_range(), deadline
+        )
+    except LogSearchIncomplete as exc:
+        log.info("settlement %s: log search out of time after block %d; goes on next time", settlement.id,
+                 exc.searched_to)  # fmt: skip
+        return Outcome.NOT_FINAL, None  # used (authorizationState says so) and not found yet: never released
     if found is None:
         # Used, but the log is out of our search range (or the RPC's log index lags), and our own transaction
         # did not execute it (yet): until the transaction is found and final, the money may have moved: never release.
@@ -147,12 +163,13 @@ def can_never_execute(chain: EvmChain, settlement: Settlement, head: int) -> boo
     return chain.block_timestamp(chain.final_block(head)) > settlement.valid_before + EXPIRY_GRACE_SECONDS
 
 
-def settle_from_chain(chain: EvmChain, settlement: Settlement) -> Outcome:
+def settle_from_chain(chain: EvmChain, settlement: Settlement, deadline: float | None = None) -> Outcome:
     """Finish the settlement if the chain has decided it (USED: paid; CANCELED, EXPIRED: failed, the
-    intent released); NOT_FINAL and UNUSED leave it open. Returns the outcome."""
+    intent released); NOT_FINAL and UNUSED leave it open. Returns the outcome. ``deadline``: of the log
+    search (``onchain_outcome``)."""
     relaybudget.charge_evm_transaction(chain, settlement)  # our mined transaction's gas, once (before it is finished)
     head = chain.block_number()
-    outcome, tx_hash = onchain_outcome(chain, settlement, head)
+    outcome, tx_hash = onchain_outcome(chain, settlement, head, deadline=deadline)
     if outcome is Outcome.USED:
         services.complete_settlement(settlement.id, tx_hash or "")
     elif outcome is Outcome.CANCELED:
@@ -198,6 +215,11 @@ class ChainPass:
 
     def allows(self, network: str) -> bool:
         return network not in self.down and self.spent.get(network, 0.0) < self.seconds
+
+    def deadline(self, network: str, started: float) -> float:
+        """When the chain's time in this pass runs out, for work on it that began at ``started`` (a log search
+        checks it between its windows: one settlement cannot overrun the chain's time)."""
+        return started + max(self.seconds - self.spent.get(network, 0.0), 0.0)
 
     def charge(self, network: str, started: float, error: BaseException | None = None) -> None:
         self.spent[network] = self.spent.get(network, 0.0) + time.monotonic() - started
@@ -258,7 +280,9 @@ def watch_released(
             if network.network not in heads:
                 heads[network.network] = chain.block_number()  # read before any state or log of this tick
             head = heads[network.network]
-            outcome, tx_hash = onchain_outcome(chain, settlement, head)
+            outcome, tx_hash = onchain_outcome(
+                chain, settlement, head, deadline=min(deadline, chains.deadline(network.network, started))
+            )
             if outcome is Outcome.USED and tx_hash:
                 services.complete_settlement(settlement.id, tx_hash)
                 services.end_watch(settlement.id)
@@ -309,7 +333,8 @@ def reconcile(
         started = time.monotonic()
         error: BaseException | None = None
         try:
-            _reconcile_one(network, settlement, redis, queue_name, counts, enqueue_settlement, notify_settled)
+            deadline = chains.deadline(network.network, started)
+            _reconcile_one(network, settlement, redis, queue_name, counts, enqueue_settlement, notify_settled, deadline)
         except JobTimeoutException:
             raise  # RQ ends the job (its timeout): not one settlement's error to log and go on from
         except Exception as exc:  # logged without the message: RPC errors carry the RPC URL
@@ -334,6 +359,7 @@ def _reconcile_one(
     counts: dict[str, int],
     enqueue_settlement: Callable[..., None],
     notify_settled: Callable[..., None],
+    deadline: float | None = None,
 ) -> None:
     if network.kind == "solana":
         from backend.settlement.solana import finish_from_chain as finish_solana
@@ -341,7 +367,7 @@ def _reconcile_one(
 
         finished = finish_solana(solana_chain(network), settlement)
     else:
-        outcome = settle_from_chain(evm_chain(network), settlement)
+        outcome = settle_from_chain(evm_chain(network), settlement, deadline)
         finished = outcome in FINISHED
         if outcome is Outcome.NOT_FINAL:
             # On chain but not final: nothing to send, nothing to release; look again later.
