@@ -1027,15 +1027,18 @@ BREAKDOWN_STEPS = (
     ("  of it: signature", "API", "recover_authorizer alone (EIP-712 encode + ecrecover)"),
     ("check payable", "API", "services.check_payable"),
     ("nonce read", "API", "EvmChain.authorization_state"),
+    ("code read", "API", "EvmChain.has_code (a payer with code is refused)"),
     ("balance read", "API", "EvmChain.balance_of"),
-    ("block number", "API", "EvmChain.block_number"),
+    ("latest block", "API", "EvmChain.latest_block (height and time)"),
     (RAW_READS, "-", "not the service: the same three reads as one JSON-RPC batch (requests, trust_env off)"),
     ("claim", "API", "services.claim: insert, conditional update, commit"),
     ("load settlement", "relayer", "services.get_settlement"),
     ("pre-check", "relayer", "reconcile.finish_from_chain (only for a settlement sent before)"),
     ("intent check", "relayer", "is the intent paid by another settlement? (DB)"),
-    ("estimate gas", "relayer", "evm.estimate (eth_estimateGas)"),
-    ("lease, nonce, fees, sign", "relayer", "evm.send up to before_broadcast"),
+    ("code read again", "relayer", "EvmChain.has_code (code can appear after /pay)"),
+    ("latest block time", "relayer", "EvmChain.block_timestamp (validAfter passed on chain?)"),
+    ("fees", "relayer", "evm.fees (base fee and tip)"),
+    ("lease, nonce, fees, sign", "relayer", "evm.send up to before_broadcast: lease, balance, estimate, nonce, sign"),
     ("mark submitted", "relayer", "services.mark_submitted (DB)"),
     ("broadcast", "relayer", "evm.send after before_broadcast (eth_sendRawTransaction)"),
     ("receipt", "relayer", "evm.wait_receipt"),
@@ -1141,8 +1144,9 @@ def breakdown(
                 timed("check payable", services.check_payable, intent, now)
                 if timed("nonce read", chain.authorization_state, auth.payer, auth.nonce):
                     raise BenchError("breakdown: a fresh nonce reads as used")
+                timed("code read", chain.has_code, auth.payer)
                 timed("balance read", chain.balance_of, auth.payer)
-                start_block = timed("block number", chain.block_number)
+                start_block, _ = timed("latest block", chain.latest_block)
                 timed(RAW_READS, raw_reads, raw_session, chain, auth.payer, auth.nonce)
                 settlement_id = timed("claim", services.claim, intent, network, auth, start_block)
                 db.session.remove()
@@ -1152,7 +1156,9 @@ def breakdown(
                     raise BenchError("breakdown: the chain already decided a new settlement")
                 timed("intent check", db.session.get, Intent, settlement.intent_id)
                 call = relay.transfer_call(chain, settlement)
-                gas = timed("estimate gas", relay.estimate, chain, call, accounts[p.network][0].address)
+                timed("code read again", chain.has_code, settlement.payer)
+                timed("latest block time", chain.block_timestamp, "latest")
+                fee_fields = timed("fees", relay.fees, chain)
                 marks: dict[str, Any] = {}
 
                 def before_broadcast(
@@ -1163,7 +1169,7 @@ def breakdown(
                     marks["b1"], marks["m1"], marks["w1"] = time.perf_counter(), log.mark(), time.time()
 
                 mark, started, w_start = log.mark(), time.perf_counter(), time.time()
-                tx_hash = relay.send(stack.redis, chain, accounts[p.network], call, gas, before_broadcast)
+                tx_hash = relay.send(stack.redis, chain, accounts[p.network], call, fee_fields, before_broadcast)
                 ended, end_mark, w_end = time.perf_counter(), log.mark(), time.time()
                 sample["lease, nonce, fees, sign"] = (
                     marks["b0"] - started,
