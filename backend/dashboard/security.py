@@ -7,32 +7,41 @@ token; logging in starts a new one (the old contents, CSRF token included, are d
 logging out remembers the session id as ended until the session could have expired anyway, so a
 copied cookie stops working too. Sessions end 12 hours after log-in whatever the activity.
 
-The login throttle counts failures in ``backend.ephemeral`` (Redis, shared by every API process):
+The login throttle counts in ``backend.ephemeral`` (Redis, shared by every API process). Every password
+check counts first, whatever its outcome (``ratelimit.hit``, before any hash): ``DASHBOARD_LOGIN_ATTEMPTS_PER_MINUTE``
+(default 30) per client address (log-ins and sign-ups; refused attempts too), ``ACCOUNT_MAX_ATTEMPTS`` (20) a
+minute per account, and ``DEVICE_MAX_ATTEMPTS`` (10) per 15 minutes per device cookie and account; browsers
+with the account's device cookie are counted apart, so others cannot use up the owner's. Then failures:
 
-- per email and client address (an IPv4 address, an IPv6 /64: ``ratelimit.client_key``): 5 failures
-  in 15 minutes lock that pair for the rest of the window;
+- per client address (an IPv4 address, an IPv6 /64: ``ratelimit.client_key``), over every email:
+  ``DASHBOARD_LOGIN_FAILURES_PER_ADDRESS`` (default 10) in 15 minutes, so one address cannot spend the
+  service-wide budget below alone;
+- every email and address together: ``DASHBOARD_LOGIN_FAILURES_PER_MINUTE`` (default 60) failures a
+  minute, then every other log-in waits for the next minute. A password spray (one common password
+  tried once on each of many accounts, from many addresses) gets past none of the limits below; this
+  one bounds it, at the price that a spray from many addresses can hold up new browsers' log-ins
+  service-wide;
+- per email and client address: 5 failures in 15 minutes lock that pair for the rest of the window;
 - per email from every address: 10 failures in 15 minutes lock the email for the rest of the window,
   so an attacker with many addresses gets at most 10 guesses per 15 minutes at one account; and 30 in
   24 hours lock the account's password log-in (for browsers without its device cookie) for the rest of
-  those 24 hours, so slow guessing that waits out each window stops at 30 a day, not 960;
-- every email and address together: ``DASHBOARD_LOGIN_FAILURES_PER_MINUTE`` (default 60) failures a
-  minute, then every other log-in waits for the next minute. A password spray (one common password
-  tried once on each of many accounts, from many addresses) gets past none of the limits above; this
-  one bounds it, at the price that a spray can hold up new browsers' log-ins service-wide.
+  those 24 hours, so slow guessing that waits out each window stops at 30 a day, not 960.
 
 Each attempt reserves its failure before the password is checked (an atomic increment; over the
 limit it is refused and counts nowhere) and a success takes its reservation back, so simultaneous
-guesses through any number of processes never get more password checks than the limits.
+guesses through any number of processes never get more password checks than the limits. The per-address
+and service-wide limits come first, so a refused attempt creates no key for its email (made-up emails
+cannot grow Redis), and a reservation taken back to 0 deletes its key.
 
-All these limits can be tripped by others: the per-email and global ones by anyone, the per-address one
-by anyone behind the same address (an office NAT, a VPN exit). So a browser that has logged in to the
-account before is exempt from them all: a successful log-in leaves a signed device cookie (``payintent_device``,
-90 days, naming up to 5 accounts by a keyed tag), and a browser holding it for this email is limited
-only by its own counter, 5 failures per 15 minutes for that account (a stolen device cookie does not
-buy unlimited guesses either; once spent, the browser is limited like any other). An attack can
-therefore lock the owner out only on a browser never used for this account, and only while it lasts
-plus 15 minutes (24 hours once the account has had 30 failures in a day). A success forgives no earlier
-failure (on a shared address or a copied cookie they may be an attacker's): they expire with their window.
+All these failure limits can be tripped by others: the per-email and global ones by anyone, the per-address
+ones by anyone behind the same address (an office NAT, a VPN exit). So a browser that has logged in to the
+account before is exempt from them: a successful log-in leaves a signed device cookie (``payintent_device``,
+90 days, naming up to 5 accounts by a keyed tag), and a browser holding it for this email is limited only by
+its own counters: 5 failures and 10 attempts per 15 minutes for that account (a stolen device cookie does
+not buy unlimited guesses either; once spent, the browser is limited like any other). An attack can
+therefore lock the owner out only on a browser never used for this account, and only while it lasts plus 15
+minutes (24 hours once the account has had 30 failures in a day). A success forgives no earlier failure (on
+a shared address or a copied cookie they may be an attacker's): they expire with their window.
 """
 
 from __future__ import annotations
