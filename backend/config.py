@@ -139,6 +139,12 @@ class Settings:
     # device cookie for the account excepted; past it, other log-ins wait for the next minute (0: off). It
     # bounds a password spray (one common password tried on many accounts from many addresses).
     dashboard_login_failures_per_minute: int = 60
+    # Failed log-ins from one client address (an IPv4 address, an IPv6 /64) per 15 minutes, over every email,
+    # checked before the service-wide budget above: one address cannot spend that budget alone (0: off).
+    dashboard_login_failures_per_address: int = 10
+    # Password checks (log-ins, successful ones too, and sign-up forms that reach argon2) per client address per
+    # minute; past it 429 with Retry-After, before any hash (0: off).
+    dashboard_login_attempts_per_minute: int = 30
     # Password hashes (argon2: log-in, sign-up) running at once on this machine (0: one per core), shared by
     # the processes using the same slots directory (default: a per-user temporary one); a request that
     # finds no slot within the wait is answered 503 SERVER_BUSY (backend/passwords.py).
@@ -186,6 +192,8 @@ class Settings:
             reconcile_log_block_range=max(1, int(_env("RECONCILE_LOG_BLOCK_RANGE", "2000"))),
             reconcile_chain_seconds=max(1.0, float(_env("RECONCILE_CHAIN_SECONDS", "20"))),
             dashboard_login_failures_per_minute=max(0, int(_env("DASHBOARD_LOGIN_FAILURES_PER_MINUTE", "60"))),
+            dashboard_login_failures_per_address=max(0, int(_env("DASHBOARD_LOGIN_FAILURES_PER_ADDRESS", "10"))),
+            dashboard_login_attempts_per_minute=max(0, int(_env("DASHBOARD_LOGIN_ATTEMPTS_PER_MINUTE", "30"))),
             login_hash_concurrency=max(0, int(_env("LOGIN_HASH_CONCURRENCY", "0"))),
             login_hash_wait_seconds=min(30.0, max(0.0, float(_env("LOGIN_HASH_WAIT_SECONDS", "2")))),
             login_hash_slots_dir=_env("LOGIN_HASH_SLOTS_DIR", "") or None,

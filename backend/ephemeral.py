@@ -26,8 +26,14 @@ log = logging.getLogger(__name__)
 
 _PREFIX = "payintent:ephemeral:"
 _EXTENSION = "payintent.ephemeral.memory_store"
-# Decrement a live counter above 0 (its TTL stays); a missing (expired) key stays missing.
-_RELEASE = "local v = redis.call('GET', KEYS[1]) if v and tonumber(v) > 0 then redis.call('DECR', KEYS[1]) end return 0"
+# Decrement a live counter above 1 (its TTL stays); one that would fall to 0 is deleted (a window that counts
+# nothing holds nothing: refused log-ins with made-up emails must not leave keys behind); a missing (expired)
+# key stays missing.
+_RELEASE = (
+    "local v = redis.call('GET', KEYS[1]) "
+    "if v and tonumber(v) > 1 then redis.call('DECR', KEYS[1]) elseif v then redis.call('DEL', KEYS[1]) end "
+    "return 0"
+)
 
 
 class EphemeralStore(Protocol):
@@ -36,7 +42,8 @@ class EphemeralStore(Protocol):
         ...
 
     def release(self, key: str) -> None:
-        """Take one back from a counter (a reservation that did not count); never below 0, never revives it."""
+        """Take one back from a counter (a reservation that did not count); one back at 0 is deleted (its window
+        ends: it counted nothing), and an expired one is never revived."""
         ...
 
     def count(self, key: str) -> tuple[int, int]:
@@ -95,8 +102,10 @@ class MemoryStore:
     def release(self, key: str) -> None:
         with self._lock:
             entry = self._live(key, self._now())
-            if entry is not None and entry[0] > 0:
+            if entry is not None and entry[0] > 1:
                 self._data[key] = (entry[0] - 1, entry[1])
+            elif entry is not None:
+                del self._data[key]
 
     def count(self, key: str) -> tuple[int, int]:
         with self._lock:

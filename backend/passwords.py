@@ -10,8 +10,13 @@ an exclusive ``flock`` on one of K files; the kernel frees it when its holder ex
 A request that finds every slot taken tries again for ``LOGIN_HASH_WAIT_SECONDS`` (default 2) and
 is then answered ``503 SERVER_BUSY`` with ``Retry-After: 1``: never queued without bound.
 
-Without a usable directory (another user owns it, a read-only file system) the bound is per process,
-and a warning is logged once.
+The default directory is private to the user and out of reach of /tmp cleaners where the platform gives
+one: systemd's ``RuntimeDirectory=`` (``$RUNTIME_DIRECTORY``), else ``$XDG_RUNTIME_DIR``, else
+``$PAYINTENT_VAR_DIR/password-slots``, else a per-user directory under the temporary directory. A slot file
+is touched each time it is taken, so an age-based cleaner never sees a busy one as stale. If the directory
+disappears while the api runs (a cleaner, an operator), it is created again, with the same checks, on the
+next hash. Without a usable directory (another user owns it, a read-only file system) the bound is per
+process, and a warning is logged once: never an error answer.
 """
 
 from __future__ import annotations
@@ -44,7 +49,15 @@ class PasswordCheckBusy(APIError):
 
 
 def default_slots_dir() -> Path:
-    """Shared by every payintent process of this user on this machine (a per-user temporary directory)."""
+    """Shared by every payintent process of this user with the same environment (gunicorn's workers inherit it)."""
+    for variable, name in (
+        ("RUNTIME_DIRECTORY", "password-slots"),  # systemd RuntimeDirectory=: private, removed at stop
+        ("XDG_RUNTIME_DIR", "payintent-password-slots"),  # /run/user/<uid>: private, no age cleaning
+        ("PAYINTENT_VAR_DIR", "password-slots"),
+    ):
+        value = os.environ.get(variable, "").split(":")[0]
+        if value and os.path.isabs(value) and os.path.isdir(value):
+            return Path(value) / name
     return Path(tempfile.gettempdir()) / f"payintent-password-slots-{os.getuid()}"
 
 
@@ -69,12 +82,15 @@ class HashGate:
             log.warning("LOGIN_HASH_SLOTS_DIR %s is not usable: password hashes are bounded per process", directory)
         self._local = threading.BoundedSemaphore(self.slots)
 
+    def _open(self, path: Path) -> int:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
     def _try_file_slot(self) -> int | None:
+        """A locked slot file's descriptor, None when every slot is taken; OSError when the directory fails."""
         assert self.directory is not None
         first = random.randrange(self.slots)
         for n in range(self.slots):
-            path = self.directory / f"slot-{(first + n) % self.slots}.lock"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = self._open(self.directory / f"slot-{(first + n) % self.slots}.lock")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -83,28 +99,60 @@ class HashGate:
             except BaseException:
                 os.close(fd)
                 raise
+            with contextlib.suppress(OSError):
+                os.utime(fd)  # a busy slot never looks stale to an age-based /tmp cleaner
             return fd
         return None
+
+    def _try_slot_or_recover(self) -> int | None:
+        """:meth:`_try_file_slot` in the directory, checked (and created again if it is gone: a /tmp cleaner, an
+        operator) each time, a syscall or two beside a ~50 ms hash; if it cannot be used any more (another user's
+        now, not a directory), fall back to the per-process bound, logged once, rather than fail the request."""
+        directory = self.directory
+        assert directory is not None
+        error: OSError | None = None
+        for _ in range(2):  # a directory removed between the check and the open: once more
+            if not _usable(directory):
+                break
+            try:
+                return self._try_file_slot()
+            except OSError as exc:
+                error = exc
+        self.directory = None
+        log.warning(
+            "LOGIN_HASH_SLOTS_DIR %s is not usable any more (%s): password hashes are bounded per process from now on",
+            directory,
+            error or "not a private directory of this user",
+        )
+        return None
+
+    @contextlib.contextmanager
+    def _local_slot(self, timeout: float) -> Iterator[None]:
+        if not self._local.acquire(timeout=max(0.0, timeout)):
+            raise PasswordCheckBusy()
+        try:
+            yield
+        finally:
+            self._local.release()
 
     @contextlib.contextmanager
     def slot(self) -> Iterator[None]:
         """Hold one slot for the ``with`` block; :class:`PasswordCheckBusy` when none frees up in time."""
         deadline = time.monotonic() + self.wait_seconds
-        if self.directory is None:
-            if not self._local.acquire(timeout=self.wait_seconds):
-                raise PasswordCheckBusy()
-            try:
-                yield
-            finally:
-                self._local.release()
-            return
         pause = _POLL_SECONDS[0]
-        while (fd := self._try_file_slot()) is None:
+        fd = None
+        while self.directory is not None and (fd := self._try_slot_or_recover()) is None:
+            if self.directory is None:
+                break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise PasswordCheckBusy()
             time.sleep(min(pause, remaining) * random.uniform(0.5, 1.0))
             pause = min(pause * 2, _POLL_SECONDS[1])
+        if fd is None:  # no usable directory: the per-process bound
+            with self._local_slot(deadline - time.monotonic()):
+                yield
+            return
         try:
             yield
         finally:

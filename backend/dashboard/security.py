@@ -7,32 +7,41 @@ token; logging in starts a new one (the old contents, CSRF token included, are d
 logging out remembers the session id as ended until the session could have expired anyway, so a
 copied cookie stops working too. Sessions end 12 hours after log-in whatever the activity.
 
-The login throttle counts failures in ``backend.ephemeral`` (Redis, shared by every API process):
+The login throttle counts in ``backend.ephemeral`` (Redis, shared by every API process). Every password
+check counts first, whatever its outcome (``ratelimit.hit``, before any hash): ``DASHBOARD_LOGIN_ATTEMPTS_PER_MINUTE``
+(default 30) per client address (log-ins and sign-ups; refused attempts too), ``ACCOUNT_MAX_ATTEMPTS`` (20) a
+minute per account, and ``DEVICE_MAX_ATTEMPTS`` (10) per 15 minutes per device cookie and account; browsers
+with the account's device cookie are counted apart, so others cannot use up the owner's. Then failures:
 
-- per email and client address (an IPv4 address, an IPv6 /64: ``ratelimit.client_key``): 5 failures
-  in 15 minutes lock that pair for the rest of the window;
+- per client address (an IPv4 address, an IPv6 /64: ``ratelimit.client_key``), over every email:
+  ``DASHBOARD_LOGIN_FAILURES_PER_ADDRESS`` (default 10) in 15 minutes, so one address cannot spend the
+  service-wide budget below alone;
+- every email and address together: ``DASHBOARD_LOGIN_FAILURES_PER_MINUTE`` (default 60) failures a
+  minute, then every other log-in waits for the next minute. A password spray (one common password
+  tried once on each of many accounts, from many addresses) gets past none of the limits below; this
+  one bounds it, at the price that a spray from many addresses can hold up new browsers' log-ins
+  service-wide;
+- per email and client address: 5 failures in 15 minutes lock that pair for the rest of the window;
 - per email from every address: 10 failures in 15 minutes lock the email for the rest of the window,
   so an attacker with many addresses gets at most 10 guesses per 15 minutes at one account; and 30 in
   24 hours lock the account's password log-in (for browsers without its device cookie) for the rest of
-  those 24 hours, so slow guessing that waits out each window stops at 30 a day, not 960;
-- every email and address together: ``DASHBOARD_LOGIN_FAILURES_PER_MINUTE`` (default 60) failures a
-  minute, then every other log-in waits for the next minute. A password spray (one common password
-  tried once on each of many accounts, from many addresses) gets past none of the limits above; this
-  one bounds it, at the price that a spray can hold up new browsers' log-ins service-wide.
+  those 24 hours, so slow guessing that waits out each window stops at 30 a day, not 960.
 
 Each attempt reserves its failure before the password is checked (an atomic increment; over the
 limit it is refused and counts nowhere) and a success takes its reservation back, so simultaneous
-guesses through any number of processes never get more password checks than the limits.
+guesses through any number of processes never get more password checks than the limits. The per-address
+and service-wide limits come first, so a refused attempt creates no key for its email (made-up emails
+cannot grow Redis), and a reservation taken back to 0 deletes its key.
 
-All these limits can be tripped by others: the per-email and global ones by anyone, the per-address one
-by anyone behind the same address (an office NAT, a VPN exit). So a browser that has logged in to the
-account before is exempt from them all: a successful log-in leaves a signed device cookie (``payintent_device``,
-90 days, naming up to 5 accounts by a keyed tag), and a browser holding it for this email is limited
-only by its own counter, 5 failures per 15 minutes for that account (a stolen device cookie does not
-buy unlimited guesses either; once spent, the browser is limited like any other). An attack can
-therefore lock the owner out only on a browser never used for this account, and only while it lasts
-plus 15 minutes (24 hours once the account has had 30 failures in a day). A success forgives no earlier
-failure (on a shared address or a copied cookie they may be an attacker's): they expire with their window.
+All these failure limits can be tripped by others: the per-email and global ones by anyone, the per-address
+ones by anyone behind the same address (an office NAT, a VPN exit). So a browser that has logged in to the
+account before is exempt from them: a successful log-in leaves a signed device cookie (``payintent_device``,
+90 days, naming up to 5 accounts by a keyed tag), and a browser holding it for this email is limited only by
+its own counters: 5 failures and 10 attempts per 15 minutes for that account (a stolen device cookie does
+not buy unlimited guesses either; once spent, the browser is limited like any other). An attack can
+therefore lock the owner out only on a browser never used for this account, and only while it lasts plus 15
+minutes (24 hours once the account has had 30 failures in a day). A success forgives no earlier failure (on
+a shared address or a copied cookie they may be an attacker's): they expire with their window.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import re
 import secrets
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 from urllib.parse import urlsplit
 
 from flask import Flask, current_app, request, session
@@ -50,7 +60,7 @@ from flask.sessions import SecureCookieSessionInterface
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 from werkzeug.wrappers import Response
 
-from backend import clock
+from backend import clock, ratelimit
 from backend.ephemeral import store
 
 SESSION_MAX_AGE = timedelta(hours=12)
@@ -62,6 +72,9 @@ ACCOUNT_WINDOW_SECONDS = 15 * 60
 ACCOUNT_DAY_MAX_FAILURES = 30  # per email from every address over a day: the account's password log-in is locked
 ACCOUNT_DAY_WINDOW_SECONDS = 24 * 3600
 GLOBAL_WINDOW_SECONDS = 60  # DASHBOARD_LOGIN_FAILURES_PER_MINUTE counts over this window
+ADDRESS_WINDOW_SECONDS = 15 * 60  # DASHBOARD_LOGIN_FAILURES_PER_ADDRESS counts over this window
+ACCOUNT_MAX_ATTEMPTS = 20  # password checks per account per minute, successes included (per kind of browser)
+DEVICE_MAX_ATTEMPTS = 10  # password checks per device cookie and account per 15 minutes, successes included
 DEVICE_COOKIE = "payintent_device"
 DEVICE_MAX_AGE = timedelta(days=90)
 DEVICE_MAX_ACCOUNTS = 5  # accounts one browser's device cookie remembers (the most recent ones)
@@ -160,11 +173,12 @@ def safe_next(target: str | None) -> str | None:
 
 
 class LoginThrottled(Exception):
-    """Too many failed log-ins for this email (from this address, or from everywhere): try again later."""
+    """Too many log-in attempts or failures (from this address, for this email, or everywhere): try again later."""
 
-    def __init__(self, retry_after: int) -> None:
+    def __init__(self, retry_after: int, message: str = "Too many failed attempts.") -> None:
         super().__init__(f"retry after {retry_after} s")
         self.retry_after = retry_after
+        self.message = message
 
 
 @dataclass(frozen=True)
@@ -175,6 +189,13 @@ class LoginAttempt:
     ip: str
     reserved: tuple[str, ...]
     by_device: bool  # exempted by this browser's device cookie, which alone limits it
+
+
+_FROM_ADDRESS = "Too many log-in attempts from your network."
+_FAILED_FROM_ADDRESS = "Too many failed log-ins from your network."
+_FAILED_EVERYWHERE = "Too many failed log-ins on this service right now."
+_FAILED_FOR_EMAIL = "Too many failed attempts."
+_FOR_ACCOUNT = "Too many log-ins to this account."
 
 
 def _digest(*parts: str) -> str:
@@ -197,24 +218,55 @@ def _account_day_key(email: str) -> str:
     return f"login-account-day-failures:{_digest(_normal(email))}"
 
 
+def _address_key(ip: str) -> str:
+    return f"login-address-failures:{_digest(ip)}"
+
+
 _GLOBAL_KEY = "login-failures-everywhere"
 
 
-def _shared_limits(email: str, ip: str) -> list[tuple[str, int, int]]:
-    """(counter, limit, window) of every limit a browser without the account's device cookie is under."""
-    limits = [
-        (_login_key(email, ip), LOGIN_MAX_FAILURES, LOGIN_WINDOW_SECONDS),
-        (_account_key(email), ACCOUNT_MAX_FAILURES, ACCOUNT_WINDOW_SECONDS),
-        (_account_day_key(email), ACCOUNT_DAY_MAX_FAILURES, ACCOUNT_DAY_WINDOW_SECONDS),
-    ]
-    per_minute = current_app.config["PAYINTENT_SETTINGS"].dashboard_login_failures_per_minute
+def _settings() -> Any:
+    return current_app.config["PAYINTENT_SETTINGS"]
+
+
+def _shared_limits(email: str, ip: str) -> list[tuple[str, int, int, str]]:
+    """(counter, limit, window, message) of every failure limit a browser without the account's device cookie is
+    under, in the order they are reserved: the address's and the service's first, so an attempt refused there
+    makes no key for its email (made-up emails cost nothing in Redis)."""
+    limits = []
+    per_address = _settings().dashboard_login_failures_per_address
+    if per_address > 0:
+        limits.append((_address_key(ip), per_address, ADDRESS_WINDOW_SECONDS, _FAILED_FROM_ADDRESS))
+    per_minute = _settings().dashboard_login_failures_per_minute
     if per_minute > 0:
-        limits.append((_GLOBAL_KEY, per_minute, GLOBAL_WINDOW_SECONDS))
+        limits.append((_GLOBAL_KEY, per_minute, GLOBAL_WINDOW_SECONDS, _FAILED_EVERYWHERE))
+    limits += [
+        (_login_key(email, ip), LOGIN_MAX_FAILURES, LOGIN_WINDOW_SECONDS, _FAILED_FOR_EMAIL),
+        (_account_key(email), ACCOUNT_MAX_FAILURES, ACCOUNT_WINDOW_SECONDS, _FAILED_FOR_EMAIL),
+        (_account_day_key(email), ACCOUNT_DAY_MAX_FAILURES, ACCOUNT_DAY_WINDOW_SECONDS, _FAILED_FOR_EMAIL),
+    ]
     return limits
 
 
 def _device_key(device_id: str, email: str) -> str:
     return f"login-device-failures:{_digest(device_id, _normal(email))}"
+
+
+def _count_attempt(key: str, limit: int, window: int, message: str) -> None:
+    """Count one password check against ``key`` (whatever its outcome; never taken back); raise past ``limit``."""
+    if limit <= 0:
+        return
+    retry_after = ratelimit.hit(key, limit, window)
+    if retry_after is not None:
+        raise LoginThrottled(retry_after, message)
+
+
+def count_password_check(ip: str) -> None:
+    """Count one password check from this client address (a log-in or a sign-up form that would reach argon2);
+    :class:`LoginThrottled` past ``DASHBOARD_LOGIN_ATTEMPTS_PER_MINUTE``. Refused attempts count too: this one
+    per-address key is all a flood from one address makes in Redis."""
+    per_minute = _settings().dashboard_login_attempts_per_minute
+    _count_attempt(f"dashboard:login:{ip}", per_minute, 60, _FROM_ADDRESS)
 
 
 def _device_serializer() -> URLSafeTimedSerializer:
@@ -261,30 +313,45 @@ def _device(email: str) -> str | None:
 
 
 def reserve_login_attempt(email: str, ip: str) -> LoginAttempt:
-    """Count this attempt as a failure before the password is checked, or raise :class:`LoginThrottled`.
+    """Count this attempt, and reserve its failure before the password is checked, or raise :class:`LoginThrottled`.
 
-    The reservation is atomic (an increment that answers the new count), so simultaneous attempts
+    Every password check counts, successes included: per client address (``DASHBOARD_LOGIN_ATTEMPTS_PER_MINUTE``)
+    and per account (``ACCOUNT_MAX_ATTEMPTS`` a minute), for browsers with the account's device cookie and for the
+    others separately, so nobody without that cookie can use up the owner's. A device cookie is also limited to
+    ``DEVICE_MAX_ATTEMPTS`` per 15 minutes; past them its browser is limited like any other.
+
+    The failure reservation is atomic (an increment that answers the new count), so simultaneous attempts
     through any number of API processes never get more password checks than the limits allow. The
     caller reports the outcome: :func:`login_failed` keeps the reservation, :func:`login_succeeded`
-    takes it back. A browser with this account's device cookie is limited by its own counter only
-    (not by others' failures on the email or on its address); once that is spent, it is limited like
-    any other browser.
+    takes it back. A browser with this account's device cookie is limited by its own counters only
+    (not by others' failures on the email or on its address).
     """
     counters = store()
     device = _device(email)
     if device is not None:
-        key = _device_key(device, email)
-        if counters.incr(key, LOGIN_WINDOW_SECONDS) <= LOGIN_MAX_FAILURES:
-            return LoginAttempt(email, ip, (key,), by_device=True)
-        counters.release(key)
+        account, per_minute = _digest(_normal(email)), _settings().dashboard_login_attempts_per_minute
+        _count_attempt(f"dashboard:login-known:{ip}", per_minute, 60, _FROM_ADDRESS)
+        _count_attempt(f"dashboard:login-known-account:{account}", ACCOUNT_MAX_ATTEMPTS, 60, _FOR_ACCOUNT)
+        device_attempts = f"dashboard:login-device:{_digest(device, _normal(email))}"
+        if ratelimit.hit(device_attempts, DEVICE_MAX_ATTEMPTS, LOGIN_WINDOW_SECONDS) is None:
+            key = _device_key(device, email)
+            if counters.incr(key, LOGIN_WINDOW_SECONDS) <= LOGIN_MAX_FAILURES:
+                return LoginAttempt(email, ip, (key,), by_device=True)
+            counters.release(key)
+        # this cookie is spent for the window: limited like any other browser
+    count_password_check(ip)
     reserved: list[str] = []
-    for key, limit, window in _shared_limits(email, ip):
-        if counters.incr(key, window) > limit:
-            retry_after = max(1, counters.count(key)[1])
-            for taken in (*reserved, key):  # a refused attempt counts nowhere
-                counters.release(taken)
-            raise LoginThrottled(retry_after)
-        reserved.append(key)
+    try:
+        for key, limit, window, message in _shared_limits(email, ip):
+            if counters.incr(key, window) > limit:
+                reserved.append(key)
+                raise LoginThrottled(max(1, counters.count(key)[1]), message)
+            reserved.append(key)
+        _count_attempt(f"dashboard:login-account:{_digest(_normal(email))}", ACCOUNT_MAX_ATTEMPTS, 60, _FOR_ACCOUNT)
+    except LoginThrottled:
+        for taken in reserved:  # a refused attempt counts as no failure (a counter back at 0 is deleted)
+            counters.release(taken)
+        raise
     return LoginAttempt(email, ip, tuple(reserved), by_device=False)
 
 
@@ -293,7 +360,7 @@ def login_failed(attempt: LoginAttempt) -> None:
     counts against the email and the address too, as every failure does."""
     if attempt.by_device:
         counters = store()
-        for key, _, window in _shared_limits(attempt.email, attempt.ip):
+        for key, _, window, _ in _shared_limits(attempt.email, attempt.ip):
             counters.incr(key, window)
 
 

@@ -232,6 +232,14 @@ def _busy(template: str, form: Form, **context: Any) -> Response:
     return response
 
 
+def _throttled(template: str, form: Form, throttled: security.LoginThrottled, **context: Any) -> Response:
+    """Too many log-ins or password checks (security.reserve_login_attempt): 429 with Retry-After, no hash run."""
+    form.error("form", f"{throttled.message} Try again in {_minutes(throttled.retry_after)}.")
+    response = render(template, 429, form=form, **context)
+    response.headers["Retry-After"] = str(throttled.retry_after)
+    return response
+
+
 def _settings() -> Any:
     return current_app.config["PAYINTENT_SETTINGS"]
 
@@ -264,6 +272,10 @@ def signup() -> Any:
             response = render("signup.html", 429, form=form)
             response.headers["Retry-After"] = str(retry_after)
             return response
+        try:  # a sign-up runs argon2 like a log-in: it counts against the address's password checks
+            security.count_password_check(ratelimit.client_key())
+        except security.LoginThrottled as throttled:
+            return _throttled("signup.html", form, throttled)
     try:
         issued = services.sign_up(form) if form.ok else None
     except passwords.PasswordCheckBusy:
@@ -292,10 +304,7 @@ def login() -> Any:
     try:
         attempt = security.reserve_login_attempt(email, ratelimit.client_key())
     except security.LoginThrottled as throttled:
-        form.error("form", f"Too many failed attempts. Try again in {_minutes(throttled.retry_after)}.")
-        response = render("login.html", 429, form=form, next_page=next_page)
-        response.headers["Retry-After"] = str(throttled.retry_after)
-        return response
+        return _throttled("login.html", form, throttled, next_page=next_page)
     try:
         merchant = services.authenticate_merchant(email, form.values["password"])
     except passwords.PasswordCheckBusy:  # the password was not checked: no failure to count
