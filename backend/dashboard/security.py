@@ -37,8 +37,11 @@ All these failure limits can be tripped by others: the per-email and global ones
 ones by anyone behind the same address (an office NAT, a VPN exit). So a browser that has logged in to the
 account before is exempt from them: a successful log-in leaves a signed device cookie (``payintent_device``,
 90 days, naming up to 5 accounts by a keyed tag), and a browser holding it for this email is limited only by
-its own counters: 5 failures and 10 attempts per 15 minutes for that account (a stolen device cookie does
-not buy unlimited guesses either; once spent, the browser is limited like any other). An attack can
+its own counters: 5 failures and 10 attempts per 15 minutes for that account, and 10 failures per 15 minutes
+for the account over all its device cookies together (stolen or freshly minted device cookies do not buy
+unlimited guesses either; once spent, the browser is limited like any other). Its failures count against the
+email and the address like any other, but not against the service-wide budget, which they never passed: else
+a few accounts of an attacker's own, with cookies minted beforehand, would fill it from two addresses. An attack can
 therefore lock the owner out only on a browser never used for this account, and only while it lasts plus 15
 minutes (24 hours once the account has had 30 failures in a day). A success forgives no earlier failure (on
 a shared address or a copied cookie they may be an attacker's): they expire with their window.
@@ -75,6 +78,7 @@ GLOBAL_WINDOW_SECONDS = 60  # DASHBOARD_LOGIN_FAILURES_PER_MINUTE counts over th
 ADDRESS_WINDOW_SECONDS = 15 * 60  # DASHBOARD_LOGIN_FAILURES_PER_ADDRESS counts over this window
 ACCOUNT_MAX_ATTEMPTS = 20  # password checks per account per minute, successes included (per kind of browser)
 DEVICE_MAX_ATTEMPTS = 10  # password checks per device cookie and account per 15 minutes, successes included
+DEVICE_ACCOUNT_MAX_FAILURES = 10  # failures per account per 15 minutes over all its device cookies together
 DEVICE_COOKIE = "payintent_device"
 DEVICE_MAX_AGE = timedelta(days=90)
 DEVICE_MAX_ACCOUNTS = 5  # accounts one browser's device cookie remembers (the most recent ones)
@@ -252,6 +256,10 @@ def _device_key(device_id: str, email: str) -> str:
     return f"login-device-failures:{_digest(device_id, _normal(email))}"
 
 
+def _device_account_key(email: str) -> str:
+    return f"login-device-account-failures:{_digest(_normal(email))}"
+
+
 def _count_attempt(key: str, limit: int, window: int, message: str) -> None:
     """Count one password check against ``key`` (whatever its outcome; never taken back); raise past ``limit``."""
     if limit <= 0:
@@ -334,9 +342,11 @@ def reserve_login_attempt(email: str, ip: str) -> LoginAttempt:
         _count_attempt(f"dashboard:login-known-account:{account}", ACCOUNT_MAX_ATTEMPTS, 60, _FOR_ACCOUNT)
         device_attempts = f"dashboard:login-device:{_digest(device, _normal(email))}"
         if ratelimit.hit(device_attempts, DEVICE_MAX_ATTEMPTS, LOGIN_WINDOW_SECONDS) is None:
-            key = _device_key(device, email)
+            key, every_device = _device_key(device, email), _device_account_key(email)
             if counters.incr(key, LOGIN_WINDOW_SECONDS) <= LOGIN_MAX_FAILURES:
-                return LoginAttempt(email, ip, (key,), by_device=True)
+                if counters.incr(every_device, LOGIN_WINDOW_SECONDS) <= DEVICE_ACCOUNT_MAX_FAILURES:
+                    return LoginAttempt(email, ip, (key, every_device), by_device=True)
+                counters.release(every_device)
             counters.release(key)
         # this cookie is spent for the window: limited like any other browser
     count_password_check(ip)
@@ -357,11 +367,15 @@ def reserve_login_attempt(email: str, ip: str) -> LoginAttempt:
 
 def login_failed(attempt: LoginAttempt) -> None:
     """A wrong password: the reservation stays as the failure. One made under a device cookie's exemption
-    counts against the email and the address too, as every failure does."""
+    counts against the email and the address too, but never against the service-wide budget: it passed none
+    of the checks that bound what one address adds to it (review4 F2: two addresses and a few accounts of the
+    attacker's own, with device cookies minted beforehand, kept the budget full). It is bounded instead per
+    cookie, per account over all its cookies, and per address (attempts)."""
     if attempt.by_device:
         counters = store()
         for key, _, window, _ in _shared_limits(attempt.email, attempt.ip):
-            counters.incr(key, window)
+            if key != _GLOBAL_KEY:
+                counters.incr(key, window)
 
 
 def login_succeeded(attempt: LoginAttempt) -> None:

@@ -9,6 +9,9 @@
 - M3: successes and device-cookie log-ins were never throttled, so one account with its password kept the
   argon2 slots full. Now every password check counts: ``DASHBOARD_LOGIN_ATTEMPTS_PER_MINUTE`` per address, 20 a
   minute per account (per kind of browser), 10 per 15 minutes per device cookie.
+- review4 F2: failures under a device cookie passed no per-address failure limit but counted into the service-wide
+  budget, so a few accounts of the attacker's own with pre-minted cookies filled it from two addresses. Now they
+  never count into it, and an account's device cookies share 10 failures per 15 minutes.
 """
 
 from __future__ import annotations
@@ -222,3 +225,56 @@ def test_signup_posts_count_as_password_checks_of_the_address(db_url, chains, re
         assert refused.status_code == 429
         db.session.remove()
         db.engine.dispose()
+
+
+# --- review4 F2: device-cookie failures and the service-wide budget ------------------------------
+
+
+def _minted(app: Any, email: str, count: int, subnet: str) -> list[Any]:
+    """``count`` browsers holding ``email``'s device cookie, each minted by one successful log-in."""
+    browsers = []
+    for n in range(count):
+        browser = app.test_client()
+        assert log_in(browser, email, **_at(f"{subnet}.{n + 1}")).status_code == 302
+        log_out(browser)
+        browsers.append(browser)
+    return browsers
+
+
+def test_device_cookie_failures_do_not_fill_the_service_wide_budget(shared_app, redis):
+    """The review's proof: 3 accounts of the attacker's own x 4 device cookies minted beforehand, then 30 + 30 wrong
+    passwords from two addresses filled the budget of 60 a minute (the device path skipped the per-address failure
+    limit but counted into the budget), and the owner on a new browser got 429 "on this service"."""
+    attackers = [f"attacker{n}@example.com" for n in range(3)]
+    cookies = {}
+    for n, email in enumerate(attackers):
+        create_merchant(shared_app, email)
+        cookies[email] = _minted(shared_app, email, 4, f"198.51.110{n}")
+    plan = {  # address -> (account, cookie) x 5 failures each: <= 30 per address, <= 20 per account
+        "203.0.113.66": [(attackers[0], i) for i in range(4)] + [(attackers[1], i) for i in range(2)],
+        "203.0.113.77": [(attackers[1], i) for i in range(2, 4)] + [(attackers[2], i) for i in range(4)],
+    }
+    codes: dict[str, list[int]] = {}
+    for address, uses in plan.items():
+        for email, i in uses:
+            for _ in range(5):
+                codes.setdefault(address, []).append(
+                    log_in(cookies[email][i], email, "wrong password!!", **_at(address)).status_code
+                )
+    assert redis.get(PREFIX + "login-failures-everywhere") is None, codes  # nothing in the service-wide budget
+    owner = log_in(shared_app.test_client(), EMAIL, **_at("192.0.2.10"))
+    assert owner.status_code == 302, text(owner)
+
+
+def test_device_cookies_of_one_account_share_a_failure_limit(shared_app, hashes):
+    """Minting device cookies buys no guesses: 10 failures per 15 minutes per account over all its cookies, then
+    its browsers are limited like any other (here by the account's failures, which the device ones count into)."""
+    browsers = _minted(shared_app, EMAIL, 4, "198.51.111")
+    codes = []
+    for n, browser in enumerate(browsers):
+        codes += [
+            log_in(browser, EMAIL, "wrong password!!", **_at(f"203.0.113.{90 + n}")).status_code for _ in range(5)
+        ]
+    assert codes == [400] * 10 + [429] * 10, codes
+    # Device failures count against the account like any other: 10 of them lock it for new browsers too.
+    assert log_in(shared_app.test_client(), EMAIL, **_at("192.0.2.11")).status_code == 429
