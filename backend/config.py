@@ -130,7 +130,7 @@ class Settings:
     # Sign-up forms that reach the account check, per client address per hour (0: off).
     dashboard_signups_per_hour: int = 10
     # The reconciler's eth_getLogs searches at most this many blocks per call (RPC providers refuse wider ranges;
-    # a refusal still halves it): RECONCILE_LOG_BLOCK_RANGE.
+    # a refusal that names the range halves it, see evm.is_range_limit): RECONCILE_LOG_BLOCK_RANGE.
     reconcile_log_block_range: int = 2000
     # The time one reconcile pass gives each chain; the rest of a slow or unreachable chain's settlements wait for
     # the next pass, and the other chains go on (RECONCILE_CHAIN_SECONDS).

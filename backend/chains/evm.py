@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any
@@ -29,17 +30,26 @@ DEFAULT_LOG_BLOCK_RANGE = 2000
 LOG_RANGE_GROW_AFTER = 8
 # Search cursors kept per chain client (``authorization_log``): the authorizations searched most recently.
 LOG_CURSORS_KEPT = 10_000
+# A search cursor never covers the newest blocks: at most up to (newest final block - this, or - the network's
+# confirmations if more). An RPC's empty answer for blocks near its head is not trusted to be complete (a
+# load-balanced node or a log index behind the node that answered eth_blockNumber answers "no logs", with no
+# error): those blocks are searched again by the next search. 64 blocks: about 13 minutes on Ethereum, a few
+# on L2s, far beyond any log index's lag; they cost at most one more eth_getLogs window per search.
+LOG_CURSOR_MARGIN = 64
 # What an RPC says when it refuses an eth_getLogs because of its range or the size of its answer (lowercase):
-# one of the limits AND one of the subjects, and none of the words of a rate limit or a lagging node.
+# a limit AND a subject, or a range phrase (Alchemy names no limit), and no word of a rate limit, a quota or a
+# lagging node (whole words: "separate" is not "rate").
 # Infura "query returned more than 10000 results", Alchemy "Log response size exceeded ... up to a 2K block
-# range", QuickNode "eth_getLogs is limited to a 10,000 range", Ankr "block range is too wide", Chainstack
+# range" and "You can make eth_getLogs requests with up to a 500 block range. ... this block range should
+# work", QuickNode "eth_getLogs is limited to a 10,000 range", Ankr "block range is too wide", Chainstack
 # "Block range limit exceeded", Cloudflare "Exceeded max range limit", others "exceed maximum block range: 5000".
 _RANGE_LIMITS = ("limit", "exceed", "too many", "too large", "too wide", "too big", "more than", "max")
 _RANGE_SUBJECTS = ("range", "block", "result", "response size", "logs")
-_NOT_RANGE = (
-    "rate", "too many requests", "per second", "quota", "credit", "capacity", "daily",
-    "beyond", "head", "not found", "timeout", "timed out",
-)  # fmt: skip
+_RANGE_PHRASE = re.compile(r"\bup to (?:a |an )?[\d,.]+\s*k?[\s-]*blocks?\b|\bblock range should work\b")
+_NOT_RANGE = re.compile(
+    r"\b(?:rate|rates|ratelimit\w*|rate-limit\w*|throttl\w*|too many requests|per second|quota|credits?|"
+    r"capacity|daily|beyond|head|not found|timeout|timed out)\b"
+)
 
 
 class LogSearchIncomplete(RuntimeError):
@@ -160,7 +170,7 @@ class EvmChain:
         # back after LOG_RANGE_GROW_AFTER answered windows.
         self.log_range_limit: int | None = None
         self._log_answers = 0  # windows answered in a row at the learned width
-        # (authorizer, nonce) -> (first, last): final blocks searched for its log with no match (this process).
+        # (authorizer, nonce) -> (first, last): blocks an unfinished search searched with no match (this process).
         self._log_cursors: dict[tuple[str, bytes], tuple[int, int]] = {}
         self.token = self.w3.eth.contract(address=to_checksum_address(network.usdc_address), abi=USDC_ABI)
 
@@ -225,11 +235,13 @@ class EvmChain:
         a 5xx, a lagging node, a timeout), and a refusal of a one-block window, raises: an error is never "no
         log", and it does not narrow the window.
 
-        Resumes where an earlier search of this authorization stopped (this process's memory, LOG_CURSORS_KEPT
-        authorizations): blocks already searched with no match, up to the newest final block at that search's
-        ``to_block`` (a reorg cannot change those), are not searched again. ``deadline`` (``time.monotonic()``):
-        checked before every window after the first; past it, ``LogSearchIncomplete`` (the cursor keeps what
-        was searched).
+        ``deadline`` (``time.monotonic()``): checked before every window after the first; past it,
+        ``LogSearchIncomplete``, and the next search of this authorization resumes where this one stopped (this
+        process's memory, LOG_CURSORS_KEPT authorizations): the blocks it searched with no match, but never the
+        last LOG_CURSOR_MARGIN blocks before the newest final one at its ``to_block`` (or the network's
+        confirmations, if more), are not searched again. A search that reaches ``to_block`` forgets its cursor:
+        no match there while the caller knows the authorization is used means an answer was incomplete (a
+        lagging node), so the next search starts again at ``from_block``.
         """
         topics = [[AUTHORIZATION_USED_TOPIC, AUTHORIZATION_CANCELED_TOPIC], _word(authorizer), "0x" + nonce.hex()]
         key = (to_checksum_address(authorizer), bytes(nonce))
@@ -237,7 +249,8 @@ class EvmChain:
         cursor = self._log_cursors.get(key)
         if cursor is not None and cursor[0] <= start <= cursor[1] + 1:
             first, start = cursor[0], cursor[1] + 1
-        final = self.final_block(to_block)
+        # The newest block a cursor may cover: well behind the head (see LOG_CURSOR_MARGIN).
+        kept_to = self.final_block(to_block) - max(LOG_CURSOR_MARGIN, self.network.confirmations)
         width = max(1, min(max_range, self.log_range_limit or max_range))
         answered = 0
         while start <= to_block:
@@ -264,9 +277,10 @@ class EvmChain:
                     "0x" + bytes(entry["transactionHash"]).hex(),
                     int(entry["blockNumber"]),
                 )
-            if min(end, final) >= first:
-                self._remember(key, first, min(end, final))
+            if min(end, kept_to) >= first:
+                self._remember(key, first, min(end, kept_to))
             start = end + 1
+        self._log_cursors.pop(key, None)  # reached the end with no match: the next search starts again
         return None
 
     def _answered(self, width: int, max_range: int) -> int:
@@ -299,8 +313,9 @@ class EvmChain:
 def is_range_limit(exc: Exception) -> bool:
     """Whether an eth_getLogs error is the RPC refusing the range or the size of the answer (then a narrower
     window is asked): an HTTP 413, or an answer (a JSON-RPC error, an HTTP 400's body) whose message names a
-    range or result limit. Not a rate limit (429, "rate limit exceeded"), a 5xx, a lagging node ("beyond the
-    head") or any other error: those end the search (the RPC is in trouble, not the window too wide)."""
+    range or result limit, or a range phrase ("up to a 500 block range", "this block range should work").
+    Not a rate limit (429, "rate limit exceeded", "too many requests"), a quota, a 5xx, a lagging node ("beyond
+    the head") or any other error: those end the search (the RPC is in trouble, not the window too wide)."""
     if isinstance(exc, requests.HTTPError):
         response = exc.response
         status = response.status_code if response is not None else 0
@@ -312,8 +327,10 @@ def is_range_limit(exc: Exception) -> bool:
     else:
         message = str(getattr(exc, "message", None) or exc)
     lowered = message.lower()
-    if any(word in lowered for word in _NOT_RANGE):
+    if _NOT_RANGE.search(lowered):
         return False
+    if _RANGE_PHRASE.search(lowered):
+        return True
     return any(word in lowered for word in _RANGE_LIMITS) and any(word in lowered for word in _RANGE_SUBJECTS)
 
 

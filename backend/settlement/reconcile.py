@@ -106,9 +106,10 @@ def onchain_outcome(
     Our own transaction (``tx_hash``) is looked up first, by its receipt: no log search, which RPC providers
     limit. Only when it did not execute the authorization (none sent, reverted, not mined) are the token's
     logs searched, from the claim's height, in windows of ``log_range`` blocks (RECONCILE_LOG_BLOCK_RANGE;
-    ``EvmChain.authorization_log``), continuing where this process's last search of it stopped. An RPC error
-    raises: it is never taken for "not found". A search still unfinished at ``deadline`` (``time.monotonic()``;
-    by default LOG_SEARCH_SECONDS from now) is NOT_FINAL: the next look goes on from where it stopped.
+    ``EvmChain.authorization_log``). An RPC error raises: it is never taken for "not found". A search still
+    unfinished at ``deadline`` (``time.monotonic()``; by default LOG_SEARCH_SECONDS from now) is NOT_FINAL: the
+    next look goes on from where it stopped (short of the newest blocks). A search that finished with no match
+    is NOT_FINAL too, and the next look searches again from the claim's block (an RPC answered incompletely).
     """
     nonce = bytes.fromhex(settlement.nonce[2:])
     head = chain.block_number() if head is None else head
@@ -131,8 +132,9 @@ def onchain_outcome(
                  exc.searched_to)  # fmt: skip
         return Outcome.NOT_FINAL, None  # used (authorizationState says so) and not found yet: never released
     if found is None:
-        # Used, but the log is out of our search range (or the RPC's log index lags), and our own transaction
-        # did not execute it (yet): until the transaction is found and final, the money may have moved: never release.
+        # Used, but the log is out of our search range (or the RPC's log index lags: the search keeps no cursor,
+        # so the next look asks every block again), and our own transaction did not execute it (yet): until the
+        # transaction is found and final, the money may have moved: never release.
         log.warning("settlement %s: authorization used but its final transaction was not found yet", settlement.id)
         return Outcome.NOT_FINAL, None
     topic, tx_hash, block_number = found
