@@ -343,8 +343,12 @@ def reserve_login_attempt(email: str, ip: str) -> LoginAttempt:
         device_attempts = f"dashboard:login-device:{_digest(device, _normal(email))}"
         if ratelimit.hit(device_attempts, DEVICE_MAX_ATTEMPTS, LOGIN_WINDOW_SECONDS) is None:
             key, every_device = _device_key(device, email), _device_account_key(email)
-            if counters.incr(key, LOGIN_WINDOW_SECONDS) <= LOGIN_MAX_FAILURES:
-                if counters.incr(every_device, LOGIN_WINDOW_SECONDS) <= DEVICE_ACCOUNT_MAX_FAILURES:
+            own = counters.incr(key, LOGIN_WINDOW_SECONDS)
+            if own <= LOGIN_MAX_FAILURES:
+                # A cookie with no failures of its own (the owner's usual browser) is never refused by the
+                # account's cap over all cookies: others' cookies (copied, or an ex-colleague's) cannot spend
+                # it for the owner (review 5, N1). Each fresh cookie costs a successful log-in.
+                if counters.incr(every_device, LOGIN_WINDOW_SECONDS) <= DEVICE_ACCOUNT_MAX_FAILURES or own == 1:
                     return LoginAttempt(email, ip, (key, every_device), by_device=True)
                 counters.release(every_device)
             counters.release(key)

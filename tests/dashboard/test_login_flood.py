@@ -275,6 +275,21 @@ def test_device_cookies_of_one_account_share_a_failure_limit(shared_app, hashes)
         codes += [
             log_in(browser, EMAIL, "wrong password!!", **_at(f"203.0.113.{90 + n}")).status_code for _ in range(5)
         ]
-    assert codes == [400] * 10 + [429] * 10, codes
+    # A cookie's first failure is its own (the owner's usual browser is never refused by the shared cap).
+    assert codes == [400] * 10 + [400] + [429] * 4 + [400] + [429] * 4, codes
     # Device failures count against the account like any other: 10 of them lock it for new browsers too.
     assert log_in(shared_app.test_client(), EMAIL, **_at("192.0.2.11")).status_code == 429
+
+
+def test_foreign_device_cookies_cannot_lock_the_owners_usual_browser(shared_app):
+    """Review 5 (N1): two device cookies of the account held by someone else (copied, or an ex-colleague's) spent
+    the account's cap over all cookies with 10 wrong passwords, and the owner's usual browser then fell back to
+    the account's limits, which those failures had filled: 429 on every browser. A cookie with no failures of
+    its own is never refused by that cap."""
+    owner = shared_app.test_client()
+    assert log_in(owner, EMAIL, **_at("192.0.2.10")).status_code == 302
+    log_out(owner)
+    held = _minted(shared_app, EMAIL, 2, "198.51.112")
+    codes = [log_in(b, EMAIL, "wrong password!!", **_at("203.0.113.66")).status_code for b in held for _ in range(5)]
+    assert codes == [400] * 10, codes
+    assert log_in(owner, EMAIL, **_at("192.0.2.10")).status_code == 302
