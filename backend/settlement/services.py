@@ -169,14 +169,18 @@ def record_failed_attempt(intent: Intent, reason: str, code: str) -> bool:
 _CLAIM_LOCK_CLASS = 0x5354
 
 
-def _lock_merchant_network(intent_id: str, merchant_id: str, network_id: str) -> None:
-    """Until this transaction ends, no other claim of the merchant on the network passes this point."""
+def _claim_lock(intent_id: str, lock_class: int, key: str) -> None:
+    """Until this transaction ends, no other claim holding (``lock_class``, ``key``) passes this point."""
     if db.engine.dialect.name == "postgresql":
-        key = func.hashtext(f"{merchant_id}|{network_id}")
-        db.session.execute(select(func.pg_advisory_xact_lock(_CLAIM_LOCK_CLASS, key)))
+        db.session.execute(select(func.pg_advisory_xact_lock(lock_class, func.hashtext(key))))
     else:
         # SQLite: a write takes the database's write lock at once and holds it to the commit (claims queue there).
         db.session.execute(update(Intent).where(Intent.id == intent_id).values(updated_at=Intent.updated_at))
+
+
+def _lock_merchant_network(intent_id: str, merchant_id: str, network_id: str) -> None:
+    """Until this transaction ends, no other claim of the merchant on the network passes this point."""
+    _claim_lock(intent_id, _CLAIM_LOCK_CLASS, f"{merchant_id}|{network_id}")
 
 
 # pg_advisory_xact_lock's first key for the cap per payer: one claim of a payer at a time (see ``claim``).
@@ -188,10 +192,7 @@ PAYER_RETRY_SECONDS = 30
 def _lock_payer(intent_id: str, payer: str) -> None:
     """Until this transaction ends, no other claim by the payer passes this point (taken after the
     (merchant, network) lock, never before it: no two claims wait on each other in opposite order)."""
-    if db.engine.dialect.name == "postgresql":
-        db.session.execute(select(func.pg_advisory_xact_lock(_PAYER_LOCK_CLASS, func.hashtext(payer))))
-    else:
-        db.session.execute(update(Intent).where(Intent.id == intent_id).values(updated_at=Intent.updated_at))
+    _claim_lock(intent_id, _PAYER_LOCK_CLASS, payer)
 
 
 def count_open_of_payer(payer: str) -> int:
