@@ -8,14 +8,22 @@ from urllib.parse import urlsplit, urlunsplit
 from flask import Flask, request
 
 from backend import passwords
+from backend.apidocs import bp as apidocs_bp
 from backend.chains.registry import ChainRegistry
+from backend.checkout.pages import bp as checkout_page_bp
+from backend.checkout.views import blp as checkout_blp
 from backend.config import Settings
+from backend.dashboard import init_app as init_dashboard
 from backend.errors import APIError, register_error_handlers
 from backend.extensions import api, connect_args, db
 from backend.http import JSONRequest
+from backend.intents.views import blp as intents_blp
 from backend.jsonio import ExactJSONProvider, dumps, stored_loads
 from backend.observability.hooks import init_app as init_observability
 from backend.schemas import FlatMetadata, HttpUrl, UsdcAmount
+from backend.settlement.views import blp as payments_blp
+from backend.webhooks.tasks import init_app as init_webhooks
+from backend.webhooks.views import blp as webhooks_blp
 
 MAX_REQUEST_BYTES = 64 * 1024
 
@@ -101,25 +109,17 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
     api.register_field(HttpUrl, "string", "uri")
     api.register_field(FlatMetadata, "object", None)
 
-    from backend.checkout.views import blp as checkout_blp
-    from backend.intents.views import blp as intents_blp
-    from backend.settlement.views import blp as payments_blp
-    from backend.webhooks.views import blp as webhooks_blp
-
     api.register_blueprint(intents_blp)
     api.register_blueprint(payments_blp)
     api.register_blueprint(webhooks_blp)
     api.register_blueprint(checkout_blp)
     register_error_handlers(app)
 
-    from backend.apidocs import bp as apidocs_bp
-    from backend.checkout.pages import bp as checkout_page_bp
-    from backend.dashboard import init_app as init_dashboard
-
     app.register_blueprint(apidocs_bp)
     app.register_blueprint(checkout_page_bp)
 
     init_dashboard(app)
+    init_webhooks(app)  # events -> deliveries, and the after-commit wake-up of the senders
 
     @app.before_request
     def refuse_nul_characters() -> None:

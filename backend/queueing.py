@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from functools import wraps
 from typing import Any, TypeVar
 
-from flask import Flask
+from flask import Flask, current_app, has_app_context
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -55,17 +55,15 @@ def queue(name: str, connection: Redis) -> Queue:
 
 
 def set_job_app(app: Flask | None) -> None:
-    """The Flask app jobs run in (the worker sets it; tests may too)."""
+    """The Flask app jobs run in, handed in by the entry point that runs them (``payintent worker``,
+    ``payintent relayer``; tests may too). This module knows no app factory: infrastructure imports no domain."""
     global _job_app
     _job_app = app
 
 
 def job_app() -> Flask:
-    global _job_app
     if _job_app is None:
-        from backend.app import create_app
-
-        _job_app = create_app()
+        raise RuntimeError("no app for jobs: the entry point that runs them calls set_job_app(app) first")
     return _job_app
 
 
@@ -86,8 +84,6 @@ def app_redis(*, fast: bool = False) -> Redis | None:
     ``fast=True`` gives a separate connection with 0.5 s timeouts, for best-effort calls made
     inside other work (waking workers after a commit) that must never stall it.
     """
-    from flask import current_app, has_app_context
-
     if not has_app_context():
         return None
     name = "payintent.redis.fast" if fast else "payintent.redis"

@@ -81,7 +81,7 @@ AIM_RATE = 300.0  # deliveries/s
 AIM_P50_MS = 50.0
 KINDS = ("backlog", "stream", "latency")
 # The line RQ's worker logs when it has dequeued a wake-up job (logging's default asctime: local time, ms;
-# DEBUG since backend.observability.logs.QuietRQFilter, so only with LOG_LEVEL=DEBUG).
+# DEBUG since backend.logs.QuietRQFilter, so only with LOG_LEVEL=DEBUG).
 JOB_START = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (?:DEBUG|INFO) rq\.worker .*payintent-webhooks: "
     r"backend\.webhooks\.tasks\.deliver_webhooks\(\)"

@@ -14,7 +14,7 @@ from redis import Redis
 
 from backend.chains.evm import evm_chain
 from backend.chains.registry import Network
-from backend.observability.logs import register_secret
+from backend.logs import register_secret
 from backend.queueing import relayer_queue, set_job_app, work
 from relayer import tasks
 from relayer.keys import RelayKeyError, load_relay_accounts, load_solana_relays

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.merchants.addresses import AddressError, normalize_evm_address, normalize_solana_address
+from backend.chains.addresses import AddressError, normalize_evm_address, normalize_solana_address
 from payintent.x402 import V1_NETWORK_NAMES
 
 DEFAULT_CHAINS_FILE = Path(__file__).with_name("testnets.json")

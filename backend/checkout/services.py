@@ -9,13 +9,13 @@ from flask import current_app
 from solders.pubkey import Pubkey
 
 from backend import clock
+from backend.chains.addresses import AddressError, normalize_address
 from backend.chains.evm import evm_chain
 from backend.chains.registry import ChainRegistry
 from backend.errors import APIError, echo
 from backend.extensions import db
 from backend.intents.models import Intent
 from backend.intents.services import effective_status
-from backend.merchants.addresses import AddressError, normalize_address
 from backend.merchants.models import Merchant
 from backend.money import from_atomic
 from backend.ratelimit import client_key, enforce

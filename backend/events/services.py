@@ -1,7 +1,13 @@
-"""Writing events: the one place an event is created and its envelope serialised."""
+"""Writing events: the one place an event is created and its envelope serialised.
+
+Events are written by the domains and read by webhooks, never the other way: this package imports no
+webhook code. Webhooks subscribe (:func:`subscribe`, from ``backend.webhooks.tasks.init_app``, which the
+app factory calls) and are handed each event inside the transaction that writes it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from backend import clock
@@ -9,7 +15,6 @@ from backend.events.models import Event
 from backend.extensions import db
 from backend.ids import prefixed_id
 from backend.jsonio import dumps
-from backend.webhooks.services import schedule_deliveries
 
 # The ten event types of the spec, in its order, and payment.duplicate (ours: a second charge to refund).
 EVENT_TYPES: tuple[str, ...] = (
@@ -25,6 +30,16 @@ EVENT_TYPES: tuple[str, ...] = (
     "fraud.flagged",
     "payment.duplicate",
 )
+
+# Called with (event, endpoint_id) for every event recorded, in the writer's transaction.
+EventSubscriber = Callable[[Event, str | None], object]
+_subscribers: list[EventSubscriber] = []
+
+
+def subscribe(subscriber: EventSubscriber) -> None:
+    """Hand every event recorded from now on to ``subscriber`` (once, however often it is subscribed)."""
+    if subscriber not in _subscribers:
+        _subscribers.append(subscriber)
 
 
 def record_event(
@@ -58,6 +73,9 @@ def record_event(
         created_at=created_at,
         simulated=simulated,
     )
+    if not _subscribers:  # an event nobody delivers would be lost silently
+        raise RuntimeError("no event subscriber: the app factory subscribes webhooks (backend.webhooks.tasks)")
     db.session.add(event)
-    schedule_deliveries(event, endpoint_id=endpoint_id)
+    for subscriber in _subscribers:
+        subscriber(event, endpoint_id)
     return event

@@ -14,11 +14,11 @@ from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import IntegrityError
 
 from backend import clock, passwords
+from backend.chains.addresses import AddressError, normalize_address
 from backend.chains.registry import ChainRegistry
 from backend.errors import echo
 from backend.extensions import db
 from backend.ids import base62_secret
-from backend.merchants.addresses import AddressError, normalize_address
 from backend.merchants.models import ApiKey, Merchant, Wallet
 
 KEY_PREFIX = "sk_test_"

@@ -63,7 +63,7 @@ logconfig_dict: dict[str, Any] = {
     },
     "handlers": {
         "payintent": {
-            "()": "backend.observability.logs.make_handler",
+            "()": "backend.logs.make_handler",
             "fmt": _settings.log_format,
         }
     },

@@ -12,19 +12,17 @@ from typing import Any
 from flask import Flask
 from sqlalchemy import text
 
+from backend.extensions import db
 from backend.observability.chains import Outcome, ProbeError, timed
+from backend.queueing import app_redis
 
 
 def _database() -> None:
-    from backend.extensions import db
-
     with db.engine.connect() as connection:
         connection.execute(text("SELECT 1"))
 
 
 def _redis() -> None:
-    from backend.queueing import app_redis
-
     redis = app_redis(fast=True)
     if redis is None:
         raise ProbeError("REDIS_URL is not set")

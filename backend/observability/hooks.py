@@ -17,15 +17,16 @@ from typing import Any
 from flask import Flask, Response, g, request
 from prometheus_client import CollectorRegistry
 
-from backend.observability.chains import ChainProbes
-from backend.observability.logs import (
+from backend.logs import (
     REQUEST_ID_HEADER,
     configure_logging,
     register_rpc_urls,
     register_secret,
     valid_request_id,
 )
+from backend.observability.chains import ChainProbes
 from backend.observability.metrics import REQUEST_DURATION, scrape_registry
+from backend.observability.views import bp
 
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 # Probes and scrapes come every few seconds: their successful answers are logged at DEBUG only.
@@ -49,9 +50,6 @@ def init_app(app: Flask) -> None:
     app.before_request(_start)
     # after_request functions run last-registered first: this one, registered first, sees the final answer.
     app.after_request(_finish)
-
-    from backend.observability.views import bp
-
     app.register_blueprint(bp)
 
 

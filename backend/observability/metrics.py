@@ -3,9 +3,8 @@
 Two kinds:
 
 - **Request latency** (:data:`REQUEST_DURATION`), observed by each api process as it answers, and
-  relay-budget refusals (:data:`RELAY_BUDGET_REFUSALS`, :data:`OPEN_SETTLEMENT_REFUSALS`), counted
-  where they happen. Under ``payintent serve`` gunicorn's workers write them to files in ``PROMETHEUS_MULTIPROC_DIR``
-  (prometheus_client's multiprocess mode, set up by ``backend.observability.gunicorn_conf``) and a
+  relay-budget refusals (``backend.relaybudget.metrics``), counted where they happen. Under ``payintent serve``
+  gunicorn's workers write them to files in ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode, set up by ``backend.observability.gunicorn_conf``) and a
   scrape, whichever worker answers it, sums them all. Without that variable (tests, a single
   process) they live in the process.
 - **State** (:class:`StateCollector`), read when scraped: settlements by network and status,
@@ -23,11 +22,18 @@ from collections.abc import Iterator
 from datetime import datetime
 
 from flask import Flask
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import REGISTRY, CollectorRegistry, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from backend import clock
+from backend.extensions import db
+from backend.queueing import DEFAULT_QUEUE, app_redis, queue, relayer_queue
+from backend.relaybudget.services import totals as relay_spending
+from backend.settlement.services import oldest_open_at, settlement_counts
+from backend.webhooks.models import DELIVERY_STATUSES
+from backend.webhooks.services import delivery_counts, oldest_due_at
+from backend.webhooks.tasks import WEBHOOK_QUEUE
 
 log = logging.getLogger(__name__)
 disable_created_metrics()  # no *_created series: Prometheus does not need them, and they double the output
@@ -40,26 +46,6 @@ REQUEST_DURATION = Histogram(
     # /pay waits for the chain up to PAY_WAIT_SECONDS (30 s by default).
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
-
-# Counted where the refusal happens: ``endpoint`` "pay" (a signed payment at /pay) or "prepare" (the public,
-# unauthenticated Solana transaction call, which anyone may make refuse: not a signal of an attack). By
-# network, not merchant: a merchant label would add series for every merchant that ever signs up (and put
-# merchant ids in the monitoring system); who is refused is in the api's warning log lines and the
-# relay_spending table.
-RELAY_BUDGET_REFUSALS = Counter(
-    "payintent_relay_budget_refusals",
-    "Payments refused with RELAY_BUDGET_EXHAUSTED (a merchant's relay budget on the network was used up, counting "
-    "what its open settlements may still cost), by network and endpoint (pay: a signed payment; prepare: the "
-    "public Solana transaction call)",
-    ["network", "endpoint"],
-)
-OPEN_SETTLEMENT_REFUSALS = Counter(
-    "payintent_open_settlement_refusals",
-    "Payments refused with TOO_MANY_OPEN_SETTLEMENTS (a merchant had MAX_OPEN_SETTLEMENTS payments on the network "
-    "still settling), by network and endpoint",
-    ["network", "endpoint"],
-)
-
 
 def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
@@ -101,12 +87,6 @@ class StateCollector:
         yield from self._gas()
 
     def _database(self) -> Iterator[Metric]:
-        from backend.extensions import db
-        from backend.relaybudget.services import totals as relay_spending
-        from backend.settlement.services import oldest_open_at, settlement_counts
-        from backend.webhooks.models import DELIVERY_STATUSES
-        from backend.webhooks.services import delivery_counts, oldest_due_at
-
         try:
             now = clock.now()
             settlements, oldest_settlement = settlement_counts(), oldest_open_at()
@@ -153,9 +133,6 @@ class StateCollector:
         )
 
     def _queues(self) -> Iterator[Metric]:
-        from backend.queueing import DEFAULT_QUEUE, app_redis, queue, relayer_queue
-        from backend.webhooks.tasks import WEBHOOK_QUEUE
-
         redis = app_redis(fast=True)
         if redis is None:
             raise RuntimeError("REDIS_URL is not set")

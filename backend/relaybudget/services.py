@@ -38,11 +38,12 @@ from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from backend import clock
+from backend.chains.evm import evm_chain
 from backend.chains.registry import Network
 from backend.config import Settings
 from backend.errors import APIError
 from backend.extensions import db
-from backend.observability.metrics import OPEN_SETTLEMENT_REFUSALS, RELAY_BUDGET_REFUSALS
+from backend.relaybudget.metrics import OPEN_SETTLEMENT_REFUSALS, RELAY_BUDGET_REFUSALS
 from backend.relaybudget.models import GAS, KINDS, RelaySpend
 from payintent import solana_tx as stx
 
@@ -142,8 +143,6 @@ def _evm_floor(network: Network) -> int:
     cached = _cost_cache.get(network.network)
     if cached is not None and time.monotonic() - cached[0] < COST_CACHE_SECONDS:
         return cached[1]
-    from backend.chains.evm import evm_chain
-
     try:
         price = int(evm_chain(network).w3.eth.gas_price)
     except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)

@@ -27,8 +27,8 @@ from backend.config import Settings
 from backend.errors import APIError, not_found
 from backend.extensions import db
 from backend.intents.models import Intent
+from backend.logs import current_request_id
 from backend.money import from_atomic
-from backend.observability.logs import current_request_id
 from backend.queueing import relayer_queue
 from backend.relaybudget import services as relaybudget
 from backend.settlement import models as st

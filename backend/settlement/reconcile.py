@@ -29,9 +29,13 @@ from backend.chains.evm import (
     evm_chain,
 )
 from backend.chains.registry import ChainRegistry, Network
+from backend.chains.solana import SolanaRpcError
 from backend.relaybudget import services as relaybudget
 from backend.settlement import services
+from backend.settlement.flow import enqueue_settlement, notify_settled
 from backend.settlement.models import Settlement
+from backend.settlement.solana import finish_from_chain as finish_solana
+from backend.settlement.solana import solana_chain
 
 log = logging.getLogger(__name__)
 
@@ -234,8 +238,6 @@ class ChainPass:
 
 def _unreachable(error: BaseException) -> bool:
     """A timeout or a connection that failed: the RPC, not this settlement, is in trouble."""
-    from backend.chains.solana import SolanaRpcError
-
     if isinstance(error, SolanaRpcError):
         return error.unreachable
     return isinstance(error, requests.Timeout | requests.ConnectionError)
@@ -320,8 +322,6 @@ def reconcile(
     Each chain gets ``chain_seconds`` of the pass (``ChainPass``): the settlements of a chain that is out of
     time or unreachable are ``deferred`` to the next pass, and the other chains are reconciled meanwhile.
     """
-    from backend.settlement.flow import enqueue_settlement, notify_settled
-
     chains = ChainPass(chain_seconds)
     counts = {"finished": 0, "resent": 0, "waiting": 0, "errors": 0, "deferred": 0}
     for settlement in chains.order(services.open_settlements(clock.now() - STALE_AFTER)):
@@ -364,9 +364,6 @@ def _reconcile_one(
     deadline: float | None = None,
 ) -> None:
     if network.kind == "solana":
-        from backend.settlement.solana import finish_from_chain as finish_solana
-        from backend.settlement.solana import solana_chain
-
         finished = finish_solana(solana_chain(network), settlement)
     else:
         outcome = settle_from_chain(evm_chain(network), settlement, deadline)

@@ -30,13 +30,13 @@ from sqlalchemy import select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from backend import clock
+from backend.chains.addresses import AddressError, normalize_solana_address
 from backend.chains.registry import ChainRegistry, Network
 from backend.chains.solana import SolanaChain, SolanaRpcError
 from backend.config import Settings
 from backend.errors import APIError
 from backend.extensions import db
 from backend.intents.models import Intent
-from backend.merchants.addresses import AddressError, normalize_solana_address
 from backend.money import from_atomic
 from backend.relaybudget import services as relaybudget
 from backend.relaybudget.models import FEE
@@ -316,8 +316,6 @@ def finish_from_chain(chain: SolanaChain, settlement: Any) -> bool:
     paid, with the chain's genesis hash read first: if that cannot be read, the settlement is left
     open (False) and the reconciler finishes it later.
     """
-    from backend.settlement import services
-
     height = chain.block_height("finalized")
     if settlement.tx_hash:
         status = chain.signature_status(settlement.tx_hash)

@@ -16,13 +16,13 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import bindparam, case, func, insert, or_, select, update
-from sqlalchemy import event as sa_event
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from backend import clock
 from backend.errors import APIError, not_found
 from backend.events.models import Event
+from backend.events.services import record_event
 from backend.extensions import UTCDateTime, db
 from backend.ids import prefixed_id
 from backend.jsonio import strict_loads
@@ -37,6 +37,7 @@ from backend.webhooks.claims import (  # noqa: F401  (LEASE_SECONDS, MAX_IN_FLIG
     due,
 )
 from backend.webhooks.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint
+from backend.webhooks.samples import sample_data
 from payintent.webhooks import new_secret, signature_headers
 
 log = logging.getLogger(__name__)
@@ -250,9 +251,6 @@ def replay_delivery(merchant_id: str, delivery_id: str) -> str:
 
 def send_test_event(merchant_id: str, webhook_id: str, event_type: str) -> tuple[str, str]:
     """Deliver a simulated event of ``event_type`` to one endpoint; returns (delivery_id, event_id)."""
-    from backend.events.services import record_event
-    from backend.webhooks.samples import sample_data
-
     get_endpoint(merchant_id, webhook_id)
     _check_on_demand_backlog(webhook_id, clock.now())
     event = record_event(
@@ -267,17 +265,10 @@ def send_test_event(merchant_id: str, webhook_id: str, event_type: str) -> tuple
     return delivery_id, event.id
 
 
-@sa_event.listens_for(Session, "after_commit")
-def _wake_after_commit(session: Session) -> None:
-    if session.info.pop(_WAKE_FLAG, False):
-        from backend.webhooks.tasks import wake_workers
-
-        wake_workers()
-
-
-@sa_event.listens_for(Session, "after_rollback")
-def _forget_wake(session: Session) -> None:
-    session.info.pop(_WAKE_FLAG, None)
+def wake_requested(session: Session) -> bool:
+    """Whether the transaction ``session`` just ended scheduled deliveries (and forget it): the after-commit
+    and after-rollback listeners that ``backend.webhooks.tasks.init_app`` registers on the app's session."""
+    return bool(session.info.pop(_WAKE_FLAG, False))
 
 
 # --- delivering ----------------------------------------------------------------------------------

@@ -16,7 +16,12 @@ from typing import Any, ClassVar
 
 from flask import Flask, current_app
 from rq import Queue
+from sqlalchemy import event as sa_event
+from sqlalchemy.orm import Session
 
+from backend.events import services as events
+from backend.events.models import Event
+from backend.extensions import db
 from backend.queueing import app_job, app_redis
 from backend.webhooks import services
 
@@ -25,6 +30,32 @@ log = logging.getLogger(__name__)
 WEBHOOK_QUEUE = "payintent-webhooks"
 WAKE_KEY = "payintent:webhooks:wake"
 _IDLE_POLL_SECONDS = 5.0
+
+
+def init_app(app: Flask) -> None:
+    """Wire webhooks into an app (``create_app`` calls it; nothing happens at import): every event recorded gets
+    its deliveries in the same transaction, and a commit that scheduled some wakes the senders. The listeners
+    go on the app's session (``db.session``), not on every SQLAlchemy session of the process; once however
+    many apps are made."""
+    events.subscribe(_schedule_deliveries)
+    session = db.session
+    if not sa_event.contains(session, "after_commit", _wake_after_commit):
+        sa_event.listen(session, "after_commit", _wake_after_commit)
+    if not sa_event.contains(session, "after_rollback", _forget_wake):
+        sa_event.listen(session, "after_rollback", _forget_wake)
+
+
+def _schedule_deliveries(event: Event, endpoint_id: str | None) -> None:
+    services.schedule_deliveries(event, endpoint_id=endpoint_id)
+
+
+def _wake_after_commit(session: Session) -> None:
+    if services.wake_requested(session):
+        wake_workers()
+
+
+def _forget_wake(session: Session) -> None:
+    services.wake_requested(session)
 
 
 def wake_workers() -> None:

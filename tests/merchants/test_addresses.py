@@ -1,10 +1,10 @@
-"""Address validation (``backend.merchants.addresses``): the one place an address is accepted."""
+"""Address validation (``backend.chains.addresses``): the one place an address is accepted."""
 
 from __future__ import annotations
 
 import pytest
 
-from backend.merchants.addresses import AddressError, normalize_address
+from backend.chains.addresses import AddressError, normalize_address
 
 EVM = "0x70997970C51812dc3A010C7d01b50e0d17dc79C8"
 SOLANA = "9WzDXwBbmkg8ZTbNMqUxvQRAyrZzDsGYdLVL9zYtAWWM"

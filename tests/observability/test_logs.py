@@ -12,7 +12,7 @@ import pytest
 from eth_account import Account
 from solders.keypair import Keypair
 
-from backend.observability.logs import configure_logging, redact, register_rpc_urls, register_secret
+from backend.logs import configure_logging, redact, register_rpc_urls, register_secret
 from tests.intents.helpers import URL
 
 API_LOGGER = logging.getLogger("backend.test_observability")
