@@ -4,9 +4,9 @@ Two kinds:
 
 - **Request latency** (:data:`REQUEST_DURATION`), observed by each api process as it answers, and
   relay-budget refusals (``backend.relaybudget.metrics``), counted where they happen. Under ``payintent serve``
-  gunicorn's workers write them to files in ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode, set up by ``backend.observability.gunicorn_conf``) and a
-  scrape, whichever worker answers it, sums them all. Without that variable (tests, a single
-  process) they live in the process.
+  gunicorn's workers write them to files in ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess
+  mode, set up by ``backend.observability.gunicorn_conf``) and a scrape, whichever worker answers it, sums them
+  all. Without that variable (tests, a single process) they live in the process.
 - **State** (:class:`StateCollector`), read when scraped: settlements by network and status,
   webhook deliveries by status and what the relay spent for merchants (database), queue depths
   (Redis), relay gas balances (each chain's RPC, cached). What the worker and relayer did is in
@@ -46,6 +46,7 @@ REQUEST_DURATION = Histogram(
     # /pay waits for the chain up to PAY_WAIT_SECONDS (30 s by default).
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
+
 
 def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
