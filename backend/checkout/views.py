@@ -15,9 +15,9 @@ from flask.views import MethodView
 from backend.checkout import services
 from backend.checkout.schemas import BalanceEnvelope, BalanceQuerySchema, CheckoutIntentEnvelope, CheckoutPaySchema
 from backend.http import ApiBlueprint, ok
+from backend.settlement.api import pay_intent, solana_transaction
 from backend.settlement.flow import load_payable_intent
 from backend.settlement.schemas import PayEnvelope, SolanaTransactionEnvelope, SolanaTransactionRequestSchema
-from backend.settlement.views import pay_intent, solana_transaction
 
 blp = ApiBlueprint(
     "checkout", __name__, url_prefix="/api/v1/checkout", description="Public checkout API for one intent (no key)"

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import current_app
 from flask.views import MethodView
 
-from backend.errors import APIError
 from backend.http import ApiBlueprint, ok
 from backend.merchants.auth import api_key_required, current_merchant_id
-from backend.queueing import app_redis
-from backend.settlement import solana
-from backend.settlement.flow import load_payable_intent, submit_payment
+from backend.settlement.api import pay_intent, solana_transaction
+from backend.settlement.flow import load_payable_intent
 from backend.settlement.schemas import (
     PayEnvelope,
     PaySchema,
@@ -21,38 +18,6 @@ from backend.settlement.schemas import (
 )
 
 blp = ApiBlueprint("payments", __name__, url_prefix="/api/v1/x402", description="Settle a signed authorization")
-
-
-def api_redis() -> Any:
-    redis = app_redis()
-    if redis is None:
-        raise APIError(503, "SETTLEMENT_UNAVAILABLE", "Settlement is not configured on this server (REDIS_URL)")
-    return redis
-
-
-def pay_intent(merchant_id: str | None, intent_id: str, signature: dict[str, Any]) -> dict[str, Any]:
-    """A parsed payment_signature through settlement (the keyed /pay and the public checkout share it).
-
-    Any form x402 clients send is accepted; ``settlement.x402`` reads it, inside the flow.
-    """
-    settings = current_app.config["PAYINTENT_SETTINGS"]
-    return submit_payment(
-        merchant_id,
-        intent_id,
-        signature,
-        current_app.extensions["payintent.chains"],
-        api_redis(),
-        wait_seconds=settings.pay_wait_seconds,
-        queue_name=settings.relayer_queue,
-        settings=settings,
-    )
-
-
-def solana_transaction(intent: Any, args: dict[str, Any]) -> dict[str, Any]:
-    """The unsigned Solana transaction for a parsed request (keyed and public endpoints share it)."""
-    settings = current_app.config["PAYINTENT_SETTINGS"]
-    registry = current_app.extensions["payintent.chains"]
-    return solana.prepare_transaction(intent, registry, args["payer"], args.get("network"), settings)
 
 
 @blp.route("/pay")
