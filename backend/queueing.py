@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from functools import wraps
 from typing import Any, TypeVar
 
@@ -144,7 +145,14 @@ class StoppableWorker(SimpleWorker):
     error lands in the job), waits for the job however long it takes, and ignores SIGHUP. Here: idle, the
     worker stops at once; busy, the job has STOP_GRACE_SECONDS to finish, then StopNow interrupts it
     (SIGALRM, as RQ's HerokuWorker does); a second signal a second or more later interrupts it at once.
+
+    The stop is our own flag (:attr:`stop_requested_at`), read by :meth:`heartbeat`, which RQ's loop calls after
+    every job: RQ's own flag and date are private attributes.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stop_requested_at: datetime | None = None
 
     def _install_signal_handlers(self) -> None:
         for sig in STOP_SIGNALS:
@@ -153,17 +161,16 @@ class StoppableWorker(SimpleWorker):
     def request_stop(self, signum: int, frame: Any) -> None:
         busy = self.get_state() == WorkerStatus.BUSY
         _stop_requested(signum, f" after the job in progress (up to {STOP_GRACE_SECONDS:.0f}s)" if busy else "")
-        self._shutdown_requested_date = rq_now()
+        self.stop_requested_at = rq_now()
         for sig in STOP_SIGNALS:
             signal.signal(sig, self.request_force_stop)
-        self._stop_requested = True  # RQ's loop stops after this job; heartbeat() makes sure of it
-        if not busy:
+        if not busy:  # busy: heartbeat() stops RQ's loop once the job is done
             raise _Stop()
         signal.signal(signal.SIGALRM, self._grace_over)  # replaces the job's timeout: it ends sooner
         signal.setitimer(signal.ITIMER_REAL, STOP_GRACE_SECONDS)
 
     def request_force_stop(self, signum: int, frame: Any) -> None:
-        if (rq_now() - self._shutdown_requested_date).total_seconds() < 1:
+        if self.stop_requested_at is not None and (rq_now() - self.stop_requested_at).total_seconds() < 1:
             return  # the same stop twice (the process group's signal and a parent's own, as make sends)
         if self.get_state() == WorkerStatus.BUSY:
             raise StopNow(f"{signal.Signals(signum).name} again: the job in progress is interrupted")
@@ -172,7 +179,7 @@ class StoppableWorker(SimpleWorker):
     def heartbeat(self, *args: Any, **kwargs: Any) -> None:
         """RQ beats at each turn of its loops, also while it retries a Redis that has gone: a stop requested
         while idle (whose _Stop a finalizer could have swallowed) or after a job ends here."""
-        if self._stop_requested and self.get_state() != WorkerStatus.BUSY:
+        if self.stop_requested_at is not None and self.get_state() != WorkerStatus.BUSY:
             raise _Stop()
         super().heartbeat(*args, **kwargs)
 
