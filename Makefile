@@ -77,6 +77,7 @@ drills: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 fmt: install
 	$(BIN)/ruff check --fix .
