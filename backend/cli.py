@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Each command imports what it uses inside itself, on purpose: importing the app (Flask, SQLAlchemy, web3, every
+# domain) costs seconds, which `payintent --help`, `serve` (it execs gunicorn), `dev` (it spawns the processes) and
+# the relayer pool's supervisor never pay. This module is an entry point: it may import anything.
+
 
 class CLIError(click.ClickException):
     def __init__(self, code: str, message: str, exit_code: int = 2) -> None:

@@ -40,6 +40,9 @@ import requests
 from backend.config import Settings, var_dir
 from devnet.anvil import describe_holder, port_is_free, tie_to_parent
 
+# An entry point (it may import anything). The app, web3 and the devnet are imported inside the functions that use
+# them, on purpose: the supervisor process of `payintent dev` never loads them (seconds of start-up).
+
 DEMO_EMAIL = "demo@payintent.local"
 DEMO_PASSWORD = "demo-password"
 DEMO_WALLETS = {

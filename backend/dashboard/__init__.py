@@ -11,6 +11,7 @@ def init_app(app: Flask) -> None:
     Sessions are used by the dashboard only: HttpOnly, SameSite=Lax, Secure on https requests,
     signed with SECRET_KEY, valid 12 hours after log-in.
     """
+    # Here, not at the top: importing backend.dashboard.models (alembic, backend.models) loads no views.
     from backend.dashboard.security import SESSION_MAX_AGE, DashboardSessionInterface
     from backend.dashboard.views import bp
 
