@@ -146,17 +146,19 @@ class StoppableWorker(SimpleWorker):
     worker stops at once; busy, the job has STOP_GRACE_SECONDS to finish, then StopNow interrupts it
     (SIGALRM, as RQ's HerokuWorker does); a second signal a second or more later interrupts it at once.
 
-    The stop is our own flag (:attr:`stop_requested_at`), read by :meth:`heartbeat`, which RQ's loop calls after
-    every job: RQ's own flag and date are private attributes.
+    Only RQ's public methods are overridden, and the stop is our own flag (:attr:`stop_requested_at`), read by
+    :meth:`heartbeat`, which RQ's loop calls after every job: RQ's own flag and date are private attributes.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stop_requested_at: datetime | None = None
 
-    def _install_signal_handlers(self) -> None:
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self.request_stop)
+    def bootstrap(self, *args: Any, **kwargs: Any) -> None:
+        """RQ's start of work, then SIGHUP too stops the worker (RQ then binds SIGINT and SIGTERM to
+        :meth:`request_stop`, ours; no private hook of RQ is overridden)."""
+        super().bootstrap(*args, **kwargs)
+        signal.signal(signal.SIGHUP, self.request_stop)
 
     def request_stop(self, signum: int, frame: Any) -> None:
         busy = self.get_state() == WorkerStatus.BUSY

@@ -165,10 +165,8 @@ def test_one_merchants_costly_settlement_is_not_every_merchants_estimate(app, me
     a day. Each merchant's estimate is now the gas bound, or its own charges up to EVM_HISTORY_CAP times that.
     (The gas price is the one RPC read: a stand-in here; the real devnet: tests/settlement/test_relay_budget_bound.py.)
     """
-    import backend.chains.evm as evm_module
-
     gwei = 10**9
-    monkeypatch.setattr(evm_module, "evm_chain", lambda network: SimpleNamespace(w3=SimpleNamespace(
+    monkeypatch.setattr(budget, "evm_chain", lambda network: SimpleNamespace(w3=SimpleNamespace(
         eth=SimpleNamespace(gas_price=gwei))))  # fmt: skip
     budget._cost_cache.clear()
     limits = settings()
