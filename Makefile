@@ -88,4 +88,4 @@ bench: install
 	$(BIN)/python bench/webhooks.py
 
 clean:
-	rm -rf $(VENV) node_modules checkout-ui/node_modules checkout-ui/dist backend/static/apidocs/swagger-ui var .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) node_modules checkout-ui/node_modules checkout-ui/dist backend/static/apidocs/swagger-ui var .pytest_cache .ruff_cache .import_linter_cache *.egg-info
