@@ -8,7 +8,6 @@ from typing import Any
 
 from flask_smorest import Api
 from flask_sqlalchemy import SQLAlchemy
-from flask_sqlalchemy.session import Session as FlaskSession
 from sqlalchemy import JSON, DateTime, MetaData, event
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Engine, make_url
@@ -70,12 +69,7 @@ class PayintentSQLAlchemy(SQLAlchemy):
             registry.clear()
 
 
-class PayintentSession(FlaskSession):
-    """The app's sessions (``db.session``): their own class, so listeners registered on ``db.session`` (webhooks'
-    after-commit wake-up) see these sessions only, not every SQLAlchemy session of the process."""
-
-
-db = PayintentSQLAlchemy(model_class=Base, session_options={"class_": PayintentSession})
+db = PayintentSQLAlchemy(model_class=Base)
 api = PayintentApi()
 
 

@@ -35,8 +35,8 @@ _IDLE_POLL_SECONDS = 5.0
 def init_app(app: Flask) -> None:
     """Wire webhooks into an app (``create_app`` calls it; nothing happens at import): every event recorded gets
     its deliveries in the same transaction, and a commit that scheduled some wakes the senders. The listeners
-    go on the app's session (``db.session``), not on every SQLAlchemy session of the process; once however
-    many apps are made."""
+    go on the app's session (``db.session``: SQLAlchemy binds them to the class its sessionmaker made for it), not
+    on every SQLAlchemy session of the process; once however many apps are made."""
     events.subscribe(_schedule_deliveries)
     session = db.session
     if not sa_event.contains(session, "after_commit", _wake_after_commit):
