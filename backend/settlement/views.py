@@ -7,7 +7,7 @@ from typing import Any
 from flask import current_app
 from flask.views import MethodView
 
-from backend.errors import APIError
+from backend.errors import DomainError
 from backend.http import ApiBlueprint, ok
 from backend.merchants.auth import api_key_required, current_merchant_id
 from backend.queueing import app_redis
@@ -26,7 +26,7 @@ blp = ApiBlueprint("payments", __name__, url_prefix="/api/v1/x402", description=
 def api_redis() -> Any:
     redis = app_redis()
     if redis is None:
-        raise APIError(503, "SETTLEMENT_UNAVAILABLE", "Settlement is not configured on this server (REDIS_URL)")
+        raise DomainError("SETTLEMENT_UNAVAILABLE", "Settlement is not configured on this server (REDIS_URL)")
     return redis
 
 
