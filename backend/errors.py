@@ -20,11 +20,13 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 class ErrorKind(NamedTuple):
     status: int  # the HTTP status the REST API answers with (the dashboard and the CLI use its class too)
     description: str  # what it means; the message when a raise site gives none
-    rest: bool = True  # answered by the REST API (README lists it); False: dashboard and CLI only
+    # "api": a REST API answer, listed in README's error tables; "http": the API's code for a plain HTTP error
+    # Flask/Werkzeug raises (no service raises it; not listed); "admin": dashboard and CLI only (not listed).
+    where: str = "api"
 
 
-def _kinds(status: int, description: str, *codes: str, rest: bool = True) -> dict[str, ErrorKind]:
-    return {code: ErrorKind(status, description, rest) for code in codes}
+def _kinds(status: int, description: str, *codes: str, where: str = "api") -> dict[str, ErrorKind]:
+    return {code: ErrorKind(status, description, where) for code in codes}
 
 
 # fmt: off
@@ -34,19 +36,19 @@ CATALOG: dict[str, ErrorKind] = {
     "INVALID_JSON": ErrorKind(400, "The body is not valid JSON (or is empty, too deep, or holds a NUL)"),
     "INVALID_REQUEST": ErrorKind(400, "The path or query contains a NUL character"),
     "INVALID_IDEMPOTENCY_KEY": ErrorKind(400, "The Idempotency-Key header is empty, too long or not ASCII"),
-    "BAD_REQUEST": ErrorKind(400, "The request cannot be read"),
+    "BAD_REQUEST": ErrorKind(400, "The request cannot be read", "http"),
     "UNAUTHORIZED": ErrorKind(401, "Missing, unknown or revoked API key"),
-    "FORBIDDEN": ErrorKind(403, "Not allowed"),
+    "FORBIDDEN": ErrorKind(403, "Not allowed", "http"),
     "NOT_FOUND": ErrorKind(404, "No such resource for this merchant, or no such route"),
     "METHOD_NOT_ALLOWED": ErrorKind(405, "Wrong method for the route"),
-    "CONFLICT": ErrorKind(409, "Conflict with the current state"),
+    "CONFLICT": ErrorKind(409, "Conflict with the current state", "http"),
     "PAYLOAD_TOO_LARGE": ErrorKind(413, "The body is over the size limit"),
     "UNSUPPORTED_MEDIA_TYPE": ErrorKind(415, "The body is not sent as application/json"),
     "IDEMPOTENCY_KEY_REUSED": ErrorKind(422, "The Idempotency-Key was used with a different request"),
     "RATE_LIMITED": ErrorKind(429, "Too many requests; Retry-After says when to retry"),
     "INTERNAL_ERROR": ErrorKind(500, "Internal server error"),
     "SERVICE_UNAVAILABLE": ErrorKind(503, "The database cannot be reached right now; try again"),
-    "SERVER_BUSY": ErrorKind(503, "Every password-hash slot is taken; Retry-After: 1"),
+    "SERVER_BUSY": ErrorKind(503, "Every password-hash slot is taken; Retry-After: 1", "admin"),
     # Intents and webhooks
     "INTENT_NOT_CANCELLABLE": ErrorKind(404, "Only pending intents can be cancelled; error.status says why"),
     "PAYMENT_IN_PROGRESS": ErrorKind(409, "A payment for the intent is being settled"),
@@ -91,9 +93,9 @@ CATALOG: dict[str, ErrorKind] = {
     **_kinds(504, "Accepted, still settling; read the intent", "SETTLEMENT_PENDING"),
     # Merchant administration (dashboard and CLI; backend.merchants.services.MerchantError)
     **_kinds(400, "Bad merchant input", "INVALID_EMAIL", "WEAK_PASSWORD", "INVALID_PASSWORD", "INVALID_NAME",
-             "EMAIL_TAKEN", "UNKNOWN_NETWORK", "INVALID_ADDRESS", "ADDRESS_NOT_ALLOWED", rest=False),
+             "EMAIL_TAKEN", "UNKNOWN_NETWORK", "INVALID_ADDRESS", "ADDRESS_NOT_ALLOWED", where="admin"),
     **_kinds(404, "No such merchant, key or wallet", "MERCHANT_NOT_FOUND", "KEY_NOT_FOUND", "WALLET_NOT_FOUND",
-             rest=False),
+             where="admin"),
 }
 # fmt: on
 
