@@ -12,9 +12,11 @@ and no domain package. README's error tables and the views' docstrings are teste
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from sqlalchemy.exc import DBAPIError, OperationalError
+
+Where = Literal["api", "http", "admin"]
 
 
 class ErrorKind(NamedTuple):
@@ -22,10 +24,10 @@ class ErrorKind(NamedTuple):
     description: str  # what it means; the message when a raise site gives none
     # "api": a REST API answer, listed in README's error tables; "http": the API's code for a plain HTTP error
     # Flask/Werkzeug raises (no service raises it; not listed); "admin": dashboard and CLI only (not listed).
-    where: str = "api"
+    where: Where = "api"
 
 
-def _kinds(status: int, description: str, *codes: str, where: str = "api") -> dict[str, ErrorKind]:
+def _kinds(status: int, description: str, *codes: str, where: Where = "api") -> dict[str, ErrorKind]:
     return {code: ErrorKind(status, description, where) for code in codes}
 
 
