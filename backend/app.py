@@ -14,9 +14,10 @@ from backend.checkout.pages import bp as checkout_page_bp
 from backend.checkout.views import blp as checkout_blp
 from backend.config import Settings
 from backend.dashboard import init_app as init_dashboard
-from backend.errors import APIError, register_error_handlers
+from backend.errors import DomainError
 from backend.extensions import api, connect_args, db
 from backend.http import JSONRequest
+from backend.http_errors import register_error_handlers
 from backend.intents.views import blp as intents_blp
 from backend.jsonio import ExactJSONProvider, dumps, stored_loads
 from backend.observability.hooks import init_app as init_observability
@@ -125,7 +126,7 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
     def refuse_nul_characters() -> None:
         # No identifier or filter contains NUL; PostgreSQL cannot even compare with one.
         if "\x00" in request.path or any("\x00" in k or "\x00" in v for k, v in request.args.items(multi=True)):
-            raise APIError(400, "INVALID_REQUEST", "The path and query must not contain NUL characters")
+            raise DomainError("INVALID_REQUEST", "The path and query must not contain NUL characters")
 
     @app.after_request
     def api_security_headers(response: Any) -> Any:

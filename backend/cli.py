@@ -439,6 +439,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
         click.echo(f"payintent: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)
     except Exception as exc:  # still one JSON object on stdout; the traceback goes to stderr
+        from backend.errors import DomainError
+
+        if isinstance(exc, DomainError):  # a service refused (backend.errors.CATALOG): no traceback
+            _emit({"success": False, "error": {"code": exc.code, "message": exc.message}})
+            click.echo(f"payintent: {exc.message}", err=True)
+            sys.exit(2 if exc.http_status < 500 else 1)  # bad input, like CLIError; else the service's trouble
         import traceback
 
         traceback.print_exc()

@@ -9,7 +9,7 @@ from flask import Request, Response, current_app
 from marshmallow import EXCLUDE
 from webargs.flaskparser import FlaskParser, is_json_request
 
-from backend.errors import APIError
+from backend.errors import DomainError
 from backend.jsonio import JSONParseError, JSONTooDeep, dumps, strict_loads
 from backend.schemas import ErrorEnvelopeSchema
 from payintent.jsonlimits import MAX_JSON_DEPTH, iter_strings
@@ -40,10 +40,10 @@ class StrictJSONParser(FlaskParser):
         body = req.get_data(cache=True)
         if not is_json_request(req):
             if body:
-                raise APIError(415, "UNSUPPORTED_MEDIA_TYPE", "Send the body as Content-Type: application/json")
+                raise DomainError("UNSUPPORTED_MEDIA_TYPE", "Send the body as Content-Type: application/json")
             return super()._raw_load_json(req)
         if not body:
-            raise APIError(400, "INVALID_JSON", "The request body is empty; send a JSON object")
+            raise DomainError("INVALID_JSON", "The request body is empty; send a JSON object")
         return parse_json_body(body)
 
 
@@ -53,11 +53,11 @@ def parse_json_body(body: bytes) -> Any:
     try:
         data = strict_loads(body)
     except JSONTooDeep:
-        raise APIError(400, "INVALID_JSON", TOO_DEEP_MESSAGE) from None
+        raise DomainError("INVALID_JSON", TOO_DEEP_MESSAGE) from None
     except JSONParseError as exc:
-        raise APIError(400, "INVALID_JSON", f"The request body is not valid JSON: {exc}") from None
+        raise DomainError("INVALID_JSON", f"The request body is not valid JSON: {exc}") from None
     if _has_nul(data):
-        raise APIError(400, "INVALID_JSON", "Strings must not contain the NUL character (\\u0000)")
+        raise DomainError("INVALID_JSON", "Strings must not contain the NUL character (\\u0000)")
     return data
 
 
@@ -73,8 +73,8 @@ class JSONRequest(Request):
         if e is None:  # not application/json: Flask's 415
             return super().on_json_loading_failed(e)
         if isinstance(e, JSONTooDeep):
-            raise APIError(400, "INVALID_JSON", TOO_DEEP_MESSAGE) from None
-        raise APIError(400, "INVALID_JSON", f"The request body is not valid JSON: {e}") from None
+            raise DomainError("INVALID_JSON", TOO_DEEP_MESSAGE) from None
+        raise DomainError("INVALID_JSON", f"The request body is not valid JSON: {e}") from None
 
 
 class ApiBlueprint(flask_smorest.Blueprint):

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from backend.errors import APIError
+from backend.errors import DomainError
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +41,11 @@ BUSY_MESSAGE = "The server is busy checking other passwords. Try again in a few 
 _POLL_SECONDS = (0.005, 0.05)  # the first retry's pause, and the longest one
 
 
-class PasswordCheckBusy(APIError):
+class PasswordCheckBusy(DomainError):
     """Every password-hash slot stayed taken for the whole wait: 503 SERVER_BUSY, ``Retry-After: 1``."""
 
     def __init__(self) -> None:
-        super().__init__(503, "SERVER_BUSY", BUSY_MESSAGE, headers={"Retry-After": "1"})
+        super().__init__("SERVER_BUSY", BUSY_MESSAGE, headers={"Retry-After": "1"})
 
 
 def default_slots_dir() -> Path:

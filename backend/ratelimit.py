@@ -17,7 +17,7 @@ import logging
 from flask import current_app, request
 
 from backend.ephemeral import store
-from backend.errors import APIError
+from backend.errors import DomainError
 
 log = logging.getLogger(__name__)
 IPV6_CLIENT_PREFIX = 64
@@ -75,6 +75,6 @@ def enforce(key: str, per_minute: int) -> None:
         return
     retry_after = hit(key, per_minute, 60)
     if retry_after is not None:
-        raise APIError(
-            429, "RATE_LIMITED", "Too many requests; try again shortly", headers={"Retry-After": str(retry_after)}
+        raise DomainError(
+            "RATE_LIMITED", "Too many requests; try again shortly", headers={"Retry-After": str(retry_after)}
         )

@@ -27,6 +27,7 @@ from redis import Redis
 from solders.keypair import Keypair
 
 from backend.chains.evm import EvmChain, evm_chain
+from backend.errors import DomainError
 from backend.extensions import db
 from backend.intents.models import PAID, Intent
 from backend.queueing import RedisNotConfigured, app_job, app_redis
@@ -106,7 +107,11 @@ def settle(settlement_id: str) -> str:
         if not held:
             return "already-being-settled"  # another relayer process is on it
         # An exception (an RPC hiccup) propagates: RQ retries the job and /pay keeps waiting.
-        outcome = _settle(settlement_id, redis)
+        try:
+            outcome = _settle(settlement_id, redis)
+        except DomainError as err:  # a catalog error: a 5xx kind (CHAIN_UNAVAILABLE) is transient, the job retried
+            (log.warning if err.http_status >= 500 else log.error)("settlement %s: %s %s", settlement_id, err.code, err)
+            raise
     log.info("settlement %s: %s", settlement_id, outcome)
     notify_settled(redis, settlement_id)
     return outcome

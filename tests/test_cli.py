@@ -318,6 +318,30 @@ def test_which_hosts_are_loopback(monkeypatch):
     cli._refuse_development_secret_key("0.0.0.0")  # the image, docker-compose.yml: a real key
 
 
+@pytest.mark.parametrize(("error", "exit_code"), [("SERVER_BUSY", 1), ("NOT_FOUND", 2)])
+def test_a_domain_error_is_a_json_error_and_an_exit_code_without_traceback(capsys, error, exit_code):
+    import click
+
+    from backend import cli
+    from backend.errors import CATALOG, DomainError
+
+    @click.command("refuse")
+    def refuse() -> None:
+        raise DomainError(error)  # what a service raises: the catalog's status class decides the exit code
+
+    cli.cli.add_command(refuse)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["refuse"])
+    finally:
+        cli.cli.commands.pop("refuse")
+    out, err = capsys.readouterr()
+    message = CATALOG[error].description
+    assert exited.value.code == exit_code
+    assert json.loads(out) == {"success": False, "error": {"code": error, "message": message}}
+    assert err == f"payintent: {message}\n"
+
+
 def _serve_until_healthy(env: dict[str, str], tmp_path: Path, host: str = "127.0.0.1") -> str:
     """Start `payintent serve` (2 workers) on ``host``, wait until it answers, stop it; what it logged."""
     port = free_port()

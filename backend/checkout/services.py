@@ -12,7 +12,7 @@ from backend import clock
 from backend.chains.addresses import AddressError, normalize_address
 from backend.chains.evm import evm_chain
 from backend.chains.registry import ChainRegistry
-from backend.errors import APIError, echo
+from backend.errors import ChainUnavailable, DomainError, echo
 from backend.extensions import db
 from backend.intents.models import Intent
 from backend.intents.services import effective_status
@@ -70,11 +70,11 @@ def buyer_balance(intent: Intent, network_id: str, address: str) -> dict[str, An
     requirement = next((r for r in intent.payment_requirements or [] if r["network"] == network_id), None)
     network = _registry().get(network_id) if requirement else None
     if requirement is None or network is None:
-        raise APIError(400, "UNSUPPORTED_NETWORK", f"This intent cannot be paid on {echo(network_id)}")
+        raise DomainError("UNSUPPORTED_NETWORK", f"This intent cannot be paid on {echo(network_id)}")
     try:
         address = normalize_address(network.kind, address)
     except AddressError as exc:
-        raise APIError(400, "VALIDATION_ERROR", f"address: {exc}", fields={"address": [str(exc)]}) from None
+        raise DomainError("VALIDATION_ERROR", f"address: {exc}", fields={"address": [str(exc)]}) from None
     try:
         if network.kind == "evm":
             atomic = evm_chain(network).balance_of(address)
@@ -83,11 +83,11 @@ def buyer_balance(intent: Intent, network_id: str, address: str) -> dict[str, An
                 Pubkey.from_string(address), Pubkey.from_string(network.usdc_address)
             )
             atomic = solana_chain(network).token_balance(str(account)) or 0
-    except APIError:
+    except DomainError:
         raise
     except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
         log.warning("balance read on %s failed (%s)", network.network, type(exc).__name__)
-        raise APIError(503, "CHAIN_UNAVAILABLE", f"{network.name} cannot be reached right now; try again") from None
+        raise ChainUnavailable(network.name) from None
     return {
         "network": network.network,
         "address": address,

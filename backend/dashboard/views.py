@@ -34,7 +34,7 @@ from backend import passwords, ratelimit
 from backend.chains.registry import ChainRegistry
 from backend.dashboard import display, forms, reveals, security, services
 from backend.dashboard.forms import Form
-from backend.errors import APIError, database_unavailable
+from backend.errors import DomainError, database_unavailable
 from backend.events.services import EVENT_TYPES
 from backend.extensions import db
 from backend.intents.models import STATUSES
@@ -191,16 +191,12 @@ def _http_error(exc: HTTPException) -> Response:
     return error_page(exc.code or 500)
 
 
-@bp.errorhandler(APIError)
-def _api_error(err: APIError) -> Response:
+@bp.errorhandler(DomainError)
+def _domain_error(err: DomainError) -> Response:
+    """The catalog's status as a page; its message too, unless a 404 (the page says it) or a 5xx."""
     if err.http_status == 404:
         return error_page(404)
     return error_page(err.http_status, err.message if err.http_status < 500 else None)
-
-
-@bp.errorhandler(merchants.MerchantError)
-def _merchant_error(err: merchants.MerchantError) -> Response:
-    return error_page(404) if err.code.endswith("_NOT_FOUND") else error_page(400, err.message)
 
 
 @bp.errorhandler(Exception)
@@ -441,7 +437,7 @@ def create_webhook() -> Any:
         return _webhooks_page(form, 400)
     try:
         endpoint, secret = webhooks.create_endpoint(_merchant_id(), form.values["url"], form.values["events"])
-    except APIError as err:
+    except DomainError as err:
         if err.http_status != 409:
             raise
         form.error("url", err.message + ".")

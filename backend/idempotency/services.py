@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import delete, select
 
 from backend import clock
-from backend.errors import APIError
+from backend.errors import DomainError
 from backend.extensions import db
 from backend.idempotency.models import IdempotencyRecord
 from backend.jsonio import dumps
@@ -29,8 +29,7 @@ def validate_key(raw: str | None) -> str | None:
         return None
     key = raw.strip()
     if not key or len(key) > MAX_KEY_LENGTH or not key.isascii() or not key.isprintable():
-        raise APIError(
-            400,
+        raise DomainError(
             "INVALID_IDEMPOTENCY_KEY",
             f"{HEADER} must be 1 to {MAX_KEY_LENGTH} printable ASCII characters",
         )
@@ -58,8 +57,7 @@ def find_response(merchant_id: str, endpoint: str, key: str, request_hash: str) 
         db.session.commit()
         return None
     if record.endpoint != endpoint or record.request_hash != request_hash:
-        raise APIError(
-            422,
+        raise DomainError(
             "IDEMPOTENCY_KEY_REUSED",
             f"This {HEADER} was already used with a different request; use a new key for a new request",
         )

@@ -16,7 +16,7 @@ from sqlalchemy import bindparam, func, insert, select, update
 
 from backend import clock
 from backend.chains.registry import ChainRegistry, Network
-from backend.errors import APIError, not_found
+from backend.errors import ChainUnavailable, DomainError, not_found
 from backend.events.services import record_event
 from backend.extensions import db
 from backend.ids import intent_id as new_intent_id
@@ -96,8 +96,8 @@ def _domain_name(registry: ChainRegistry, network: Network) -> str | None:
     try:
         return registry.domain_name(network)
     except Exception:  # the chains file names no domain and the chain cannot be asked right now
-        raise APIError(
-            503, "CHAIN_UNAVAILABLE", f"{network.name} cannot be reached to read its USDC domain name; try again"
+        raise ChainUnavailable(
+            network.name, f"{network.name} cannot be reached to read its USDC domain name; try again"
         ) from None
 
 
@@ -107,8 +107,7 @@ def create_intent(
     """Create a pending intent with one requirement per payable network; returns its row values."""
     networks = payable_networks(merchant_id, registry)
     if not networks:
-        raise APIError(
-            409,
+        raise DomainError(
             "NO_PAYOUT_WALLET",
             "The merchant has no wallet on any configured network; register one before creating intents",
             networks=registry.ids(),
@@ -287,12 +286,12 @@ def cancel_intent(merchant_id: str, intent_id: str) -> str:
     if result.rowcount != 1:
         current = get_intent(merchant_id, intent_id)
         if current["status"] == PENDING and current["settlement_id"] is not None:
-            raise APIError(
-                409, "PAYMENT_IN_PROGRESS", "A payment for this intent is being settled; it cannot be cancelled"
+            raise DomainError(
+                "PAYMENT_IN_PROGRESS", "A payment for this intent is being settled; it cannot be cancelled"
             )
         status = effective_status(current["status"], current["expires_at"], now)
-        raise APIError(
-            404, "INTENT_NOT_CANCELLABLE", f"Intent is {status}; only pending intents can be cancelled", status=status
+        raise DomainError(
+            "INTENT_NOT_CANCELLABLE", f"Intent is {status}; only pending intents can be cancelled", status=status
         )
     return row["id"]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from flask import current_app, g, request
 
-from backend.errors import APIError
+from backend.errors import DomainError
 from backend.merchants.services import authenticate
 from backend.ratelimit import client_key, enforce
 
@@ -28,13 +28,13 @@ def api_key_required(view: Callable[..., Any]) -> Callable[..., Any]:
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             enforce(f"api:auth-failures:{client}", settings.api_auth_failures_per_minute)
-            raise APIError(
-                401, "UNAUTHORIZED", "Missing API key: send 'Authorization: Bearer sk_test_...'", headers=_CHALLENGE
+            raise DomainError(
+                "UNAUTHORIZED", "Missing API key: send 'Authorization: Bearer sk_test_...'", headers=_CHALLENGE
             )
         merchant_id = authenticate(token)
         if merchant_id is None:
             enforce(f"api:auth-failures:{client}", settings.api_auth_failures_per_minute)  # key guessing
-            raise APIError(401, "UNAUTHORIZED", "Invalid or revoked API key", headers=_CHALLENGE)
+            raise DomainError("UNAUTHORIZED", "Invalid or revoked API key", headers=_CHALLENGE)
         digest = hashlib.sha256(token.encode()).hexdigest()[:32]  # never the key itself, even in Redis
         enforce(f"api:key:{digest}", settings.api_requests_per_minute_per_key)
         g.merchant_id = merchant_id

@@ -16,7 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from backend import clock, passwords
 from backend.chains.addresses import AddressError, normalize_address
 from backend.chains.registry import ChainRegistry
-from backend.errors import echo
+from backend.errors import DomainError, echo
 from backend.extensions import db
 from backend.ids import base62_secret
 from backend.merchants.models import ApiKey, Merchant, Wallet
@@ -30,13 +30,11 @@ MIN_PASSWORD_LENGTH = 8
 _hasher = PasswordHasher()
 
 
-class MerchantError(ValueError):
-    """Bad input for a merchant operation; the message is safe to show."""
+class MerchantError(DomainError, ValueError):
+    """Bad input for a merchant operation; the message is safe to show (a catalog code: backend.errors)."""
 
     def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        super().__init__(code, message)
 
 
 @dataclass(frozen=True)

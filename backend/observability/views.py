@@ -8,7 +8,7 @@ from typing import Any
 from flask import Blueprint, Response, current_app, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from backend.errors import APIError, not_found
+from backend.errors import DomainError, not_found
 from backend.observability.health import readiness
 
 bp = Blueprint("observability", __name__)
@@ -27,7 +27,7 @@ def metrics() -> Any:
         raise not_found()  # off unless configured: nothing about the service is shown
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise APIError(401, "UNAUTHORIZED", "Send Authorization: Bearer <METRICS_TOKEN>",
+        raise DomainError("UNAUTHORIZED", "Send Authorization: Bearer <METRICS_TOKEN>",
                        headers={"WWW-Authenticate": 'Bearer realm="metrics"'})  # fmt: skip
     registry = current_app.extensions["payintent.observability"].registry
     return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

@@ -41,7 +41,7 @@ from backend import clock
 from backend.chains.evm import evm_chain
 from backend.chains.registry import Network
 from backend.config import Settings
-from backend.errors import APIError
+from backend.errors import ChainUnavailable, DomainError
 from backend.extensions import db
 from backend.relaybudget.metrics import OPEN_SETTLEMENT_REFUSALS, RELAY_BUDGET_REFUSALS
 from backend.relaybudget.models import GAS, KINDS, RelaySpend
@@ -149,7 +149,7 @@ def _evm_floor(network: Network) -> int:
         log.warning("gas price of %s unreadable (%s)", network.network, type(exc).__name__)
         if cached is not None:
             return cached[1]
-        raise APIError(503, "CHAIN_UNAVAILABLE", f"{network.name} cannot be reached right now; try again") from None
+        raise ChainUnavailable(network.name) from None
     floor = EVM_SETTLEMENT_GAS * 2 * price
     _cost_cache[network.network] = (time.monotonic(), floor)
     return floor
@@ -177,8 +177,7 @@ def admit(
     if cap and open_settlements >= cap:
         OPEN_SETTLEMENT_REFUSALS.labels(network.network, endpoint).inc()
         log.warning("merchant %s: %d settlements open on %s (the cap)", merchant_id, open_settlements, network.network)
-        raise APIError(
-            429,
+        raise DomainError(
             "TOO_MANY_OPEN_SETTLEMENTS",
             f"This merchant has {open_settlements} payments on {network.name} still settling, the most allowed; "
             f"try again once they finish",
@@ -205,8 +204,7 @@ def admit(
         "budget %d; %s)",
         merchant_id, network.network, used, reserved, open_settlements, cost, budget, endpoint,
     )  # fmt: skip
-    raise APIError(
-        429,
+    raise DomainError(
         "RELAY_BUDGET_EXHAUSTED",
         f"This merchant cannot take more payments on {network.name} for now (the service's budget for network "
         f"fees on its behalf is used up); try again later or pay on another network",

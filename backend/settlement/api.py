@@ -7,7 +7,7 @@ from typing import Any
 
 from flask import current_app
 
-from backend.errors import APIError
+from backend.errors import DomainError
 from backend.queueing import app_redis
 from backend.settlement import solana
 from backend.settlement.flow import submit_payment
@@ -16,7 +16,7 @@ from backend.settlement.flow import submit_payment
 def api_redis() -> Any:
     redis = app_redis()
     if redis is None:
-        raise APIError(503, "SETTLEMENT_UNAVAILABLE", "Settlement is not configured on this server (REDIS_URL)")
+        raise DomainError("SETTLEMENT_UNAVAILABLE", "Settlement is not configured on this server (REDIS_URL)")
     return redis
 
 

@@ -24,7 +24,7 @@ from backend import clock
 from backend.chains.evm import evm_chain
 from backend.chains.registry import ChainRegistry
 from backend.config import Settings
-from backend.errors import APIError, not_found
+from backend.errors import ChainUnavailable, DomainError, not_found
 from backend.extensions import db
 from backend.intents.models import Intent
 from backend.logs import current_request_id
@@ -114,8 +114,7 @@ def submit_payment(
         # The payTo the buyer is asked to sign must still be the merchant's wallet (checked again in the claim).
         services.check_pay_to_current(intent, network.network, requirement["payTo"])
         if requirement["asset"].lower() != network.usdc_address.lower():
-            raise APIError(
-                409,
+            raise DomainError(
                 "REQUIREMENT_OUTDATED",
                 f"The USDC contract configured for {network.network} changed since this intent was created",
             )
@@ -132,7 +131,7 @@ def submit_payment(
             _budget(intent, network, auth, settings),
             max_open_per_payer=settings.max_open_settlements_per_payer,
         )
-    except APIError as err:
+    except DomainError as err:
         # A 5xx is the service's own trouble (a chain RPC down), not the payment failing: no payment.failed.
         if err.code not in _NO_FAILURE_EVENT and err.http_status < 500:
             db.session.rollback()
@@ -178,15 +177,14 @@ def _check_evm(submission: PaymentSubmission, requirement: dict[str, Any], netwo
         start_block, chain_time = chain.latest_block()
     except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
         log.warning("chain %s unreachable during /pay (%s)", network.network, type(exc).__name__)
-        raise APIError(503, "CHAIN_UNAVAILABLE", f"{network.name} cannot be reached right now; try again") from None
+        raise ChainUnavailable(network.name) from None
     if used:
-        raise APIError(409, "NONCE_ALREADY_USED", "This authorization's nonce was already used or cancelled")
+        raise DomainError("NONCE_ALREADY_USED", "This authorization's nonce was already used or cancelled")
     if auth.valid_after >= chain_time:
         # Past by our clock, not by the chain's: the token needs block.timestamp > validAfter, so the relay's
         # transaction would revert now (a chain's latest block may be seconds old). Try again shortly.
         wait = min(max(auth.valid_after - chain_time + 1, 1), NOT_YET_VALID_RETRY_MAX_SECONDS)
-        raise APIError(
-            400,
+        raise DomainError(
             "AUTHORIZATION_NOT_YET_VALID",
             f"validAfter has not passed on {network.name} yet (its latest block is from {chain_time}); "
             f"try again in {wait} s, or sign with validAfter 0",
@@ -196,15 +194,13 @@ def _check_evm(submission: PaymentSubmission, requirement: dict[str, Any], netwo
     if has_code:
         # The token would ask the payer's code whether the signature is valid, and code may answer one
         # way when the relay estimates and another when the transaction is mined (docs/security.md).
-        raise APIError(
-            400,
+        raise DomainError(
             "PAYER_HAS_CODE",
             "The paying address has contract code (a smart wallet or an EIP-7702 delegation); "
             "this service settles payments from plain addresses only: pay from another wallet",
         )
     if balance < auth.value:
-        raise APIError(
-            402,
+        raise DomainError(
             "SETTLEMENT_FAILED",
             "The buyer's USDC balance is too low for this payment",
             reason=f"insufficient balance: {from_atomic(balance)} USDC available, "
@@ -229,14 +225,12 @@ def settlement_result(settlement_id: str) -> dict[str, Any]:
             "buyer_address": settlement.payer,
         }
     if settlement.status == st.FAILED:
-        raise APIError(
-            402,
+        raise DomainError(
             "SETTLEMENT_FAILED",
             "The payment could not be settled on chain; the intent is still payable",
             reason=settlement.failure_reason,
         )
-    raise APIError(
-        504,
+    raise DomainError(
         "SETTLEMENT_PENDING",
         "The payment is accepted and still settling; read the intent for its outcome (it finishes in the background)",
         intent_id=settlement.intent_id,

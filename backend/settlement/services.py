@@ -22,7 +22,7 @@ from sqlalchemy.exc import IntegrityError
 
 from backend import clock
 from backend.chains.registry import ChainRegistry, Network
-from backend.errors import APIError, echo
+from backend.errors import DomainError, echo
 from backend.events.models import Event
 from backend.events.services import record_event
 from backend.extensions import db
@@ -66,17 +66,16 @@ def requirement_for(
     A v2 submission's ``accepted`` must also be that requirement (``x402.check_accepted``).
     """
     if submission.x402_version not in X402_VERSIONS:
-        raise APIError(400, "UNSUPPORTED_X402_VERSION", f"x402Version must be one of {list(X402_VERSIONS)}")
+        raise DomainError("UNSUPPORTED_X402_VERSION", f"x402Version must be one of {list(X402_VERSIONS)}")
     if submission.scheme != "exact":
-        raise APIError(400, "UNSUPPORTED_SCHEME", "Only the 'exact' scheme is supported")
+        raise DomainError("UNSUPPORTED_SCHEME", "Only the 'exact' scheme is supported")
     for requirement in intent.payment_requirements:
         if requirement["network"] == submission.network:
             if submission.accepted is not None:
                 check_accepted(submission.accepted, requirement, registry)
             return requirement
     offered = [r["network"] for r in intent.payment_requirements]
-    raise APIError(
-        400,
+    raise DomainError(
         "UNSUPPORTED_NETWORK",
         f"This intent cannot be paid on {submission.network!r}; it offers {', '.join(offered)}",
         networks=offered,
@@ -100,8 +99,7 @@ def check_pay_to_current(intent: Intent, network_id: str, pay_to: str, *, lock: 
     query = select(Wallet.address).where(Wallet.merchant_id == intent.merchant_id, Wallet.network == network_id)
     current = db.session.scalar(query.with_for_update() if lock else query)
     if current is None or not _same_payee(network_id, current, pay_to):
-        raise APIError(
-            409,
+        raise DomainError(
             "REQUIREMENT_OUTDATED",
             f"The merchant's payout wallet on {network_id} changed or was removed since this intent was created; "
             "nothing was paid. Ask the merchant for a new payment intent",
@@ -112,14 +110,14 @@ def check_pay_to_current(intent: Intent, network_id: str, pay_to: str, *, lock: 
 def check_payable(intent: Intent, now: datetime) -> None:
     """Refuse a payment for an intent that is not pending (or is held by a settlement in flight)."""
     if intent.status == PAID:
-        raise APIError(409, "ALREADY_PAID", "This intent is already paid", tx_hash=intent.tx_hash)
+        raise DomainError("ALREADY_PAID", "This intent is already paid", tx_hash=intent.tx_hash)
     if intent.status == PENDING and intent.settlement_id is not None:
-        raise APIError(409, "PAYMENT_IN_PROGRESS", "A payment for this intent is being settled; read the intent")
+        raise DomainError("PAYMENT_IN_PROGRESS", "A payment for this intent is being settled; read the intent")
     status = effective_status(intent.status, intent.expires_at, now, intent.settlement_id)
     if status == "cancelled":
-        raise APIError(409, "INTENT_CANCELLED", "This intent was cancelled and accepts no payment")
+        raise DomainError("INTENT_CANCELLED", "This intent was cancelled and accepts no payment")
     if status == "expired":
-        raise APIError(410, "INTENT_EXPIRED", "This intent expired and accepts no payment")
+        raise DomainError("INTENT_EXPIRED", "This intent expired and accepts no payment")
 
 
 # Anyone with an intent id can make payment attempts fail (the public checkout route needs no key), so the
@@ -201,10 +199,9 @@ def count_open_of_payer(payer: str) -> int:
     return int(db.session.scalar(select(func.count()).select_from(Settlement).where(*mine)) or 0)
 
 
-def _refuse_busy_payer(payer: str, open_of_payer: int) -> APIError:
+def _refuse_busy_payer(payer: str, open_of_payer: int) -> DomainError:
     log.warning("payer %s: %d payments open (the cap)", payer, open_of_payer)
-    return APIError(
-        429,
+    return DomainError(
         "PAYER_TOO_MANY_OPEN_PAYMENTS",
         f"This paying address already has {open_of_payer} payments settling, the most allowed at once; "
         "try again once they finish",
@@ -243,7 +240,7 @@ def claim(
     open_settlements = open_of_payer = 0
     try:
         check_pay_to_current(intent, network.network, auth.pay_to, lock=True)
-    except APIError:
+    except DomainError:
         db.session.rollback()
         raise
     if admit is not None:
@@ -277,9 +274,7 @@ def claim(
         db.session.flush()
     except IntegrityError:
         db.session.rollback()
-        raise APIError(
-            409, "NONCE_ALREADY_USED", "This authorization (payer and nonce) was already submitted"
-        ) from None
+        raise DomainError("NONCE_ALREADY_USED", "This authorization (payer and nonce) was already submitted") from None
     claimed = db.session.execute(
         update(Intent)
         .where(
@@ -294,7 +289,7 @@ def claim(
         db.session.rollback()
         db.session.refresh(intent)
         check_payable(intent, now)
-        raise APIError(409, "PAYMENT_IN_PROGRESS", "A payment for this intent is being settled; read the intent")
+        raise DomainError("PAYMENT_IN_PROGRESS", "A payment for this intent is being settled; read the intent")
     if max_open_per_payer and open_of_payer >= max_open_per_payer:
         db.session.rollback()  # after the claim: a payment already in progress is told so first
         raise _refuse_busy_payer(auth.payer, open_of_payer)
@@ -521,7 +516,7 @@ def open_settlements(older_than: datetime, limit: int = 200) -> list[Settlement]
 def network_of(registry: ChainRegistry, network_id: str) -> Network:
     network = registry.get(network_id)
     if network is None:
-        raise APIError(400, "UNSUPPORTED_NETWORK", f"Network {echo(network_id)} is not configured on this service")
+        raise DomainError("UNSUPPORTED_NETWORK", f"Network {echo(network_id)} is not configured on this service")
     return network
 
 

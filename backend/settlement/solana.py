@@ -34,7 +34,7 @@ from backend.chains.addresses import AddressError, normalize_solana_address
 from backend.chains.registry import ChainRegistry, Network
 from backend.chains.solana import SolanaChain, SolanaRpcError
 from backend.config import Settings
-from backend.errors import APIError
+from backend.errors import ChainUnavailable, DomainError
 from backend.extensions import db
 from backend.intents.models import Intent
 from backend.money import from_atomic
@@ -51,16 +51,16 @@ _chains: dict[str, SolanaChain] = {}
 
 def solana_chain(network: Network) -> SolanaChain:
     if not network.rpc_url:
-        raise APIError(503, "CHAIN_UNAVAILABLE", f"{network.name} has no RPC URL configured")
+        raise ChainUnavailable(network.name, f"{network.name} has no RPC URL configured")
     chain = _chains.get(network.rpc_url)
     if chain is None:
         chain = _chains[network.rpc_url] = SolanaChain(network.rpc_url)
     return chain
 
 
-def _unavailable(network: Network, exc: Exception) -> APIError:
+def _unavailable(network: Network, exc: Exception) -> DomainError:
     log.warning("Solana RPC for %s failed: %s", network.network, type(exc).__name__)
-    return APIError(503, "CHAIN_UNAVAILABLE", f"{network.name} cannot be reached right now; try again")
+    return ChainUnavailable(network.name)
 
 
 def solana_requirement(
@@ -73,12 +73,12 @@ def solana_requirement(
             continue
         if network_id is None or network_id == network.network:
             return requirement, network
-    raise APIError(400, "UNSUPPORTED_NETWORK", "This intent has no Solana payment requirement for that network")
+    raise DomainError("UNSUPPORTED_NETWORK", "This intent has no Solana payment requirement for that network")
 
 
 def _relay(network: Network) -> str:
     if not network.fee_payer:
-        raise APIError(503, "CHAIN_UNAVAILABLE", f"No relay (fee payer) is configured for {network.name}")
+        raise ChainUnavailable(network.name, f"No relay (fee payer) is configured for {network.name}")
     return network.fee_payer
 
 
@@ -101,12 +101,12 @@ def prepare_transaction(
     try:
         payer = normalize_solana_address(payer)
     except AddressError as exc:
-        raise APIError(400, "VALIDATION_ERROR", f"payer: {exc}", fields={"payer": [str(exc)]}) from None
+        raise DomainError("VALIDATION_ERROR", f"payer: {exc}", fields={"payer": [str(exc)]}) from None
     fee_payer = _relay(network)
     if payer == requirement["payTo"]:
-        raise APIError(400, "PAYER_IS_RECIPIENT", "The payer is the merchant's own wallet")
+        raise DomainError("PAYER_IS_RECIPIENT", "The payer is the merchant's own wallet")
     if payer == fee_payer:
-        raise APIError(400, "VALIDATION_ERROR", "payer: the relay cannot pay", fields={"payer": ["is the relay"]})
+        raise DomainError("VALIDATION_ERROR", "payer: the relay cannot pay", fields={"payer": ["is the relay"]})
     # Before any RPC (a refused merchant costs nothing), and with the least this transaction costs the relay:
     # advisory (no lock; /pay decides), it never refuses what /pay would admit.
     least = 2 * stx.LAMPORTS_PER_SIGNATURE + stx.priority_fee(stx.COMPUTE_UNIT_LIMIT, stx.COMPUTE_UNIT_PRICE)
@@ -129,8 +129,7 @@ def prepare_transaction(
     except SolanaRpcError as exc:
         raise _unavailable(network, exc) from None  # fmt: skip
     if (balance or 0) < amount:
-        raise APIError(
-            402,
+        raise DomainError(
             "SETTLEMENT_FAILED",
             "The buyer's USDC balance is too low for this payment",
             reason=f"insufficient balance: {from_atomic(balance or 0)} USDC available, {from_atomic(amount)} required",
@@ -143,8 +142,7 @@ def prepare_transaction(
         # What is left must be nothing, or enough for the payer's own account to stay rent-exempt.
         left = chain.lamports(payer) - rent if rent else 0
         if left < 0 or 0 < left < (chain.rent_exempt_minimum(0) if rent else 0):
-            raise APIError(
-                402,
+            raise DomainError(
                 "PAYER_NEEDS_SOL",
                 f"This is the first payment to the merchant's USDC account on {network.name}: it opens the account, "
                 f"and the payer pays its rent of {_sol(rent)} SOL, which the payer cannot spare; add SOL to the payer "
@@ -210,9 +208,8 @@ def payee_account_closed(chain: SolanaChain, network_id: str, owner: str, mint: 
     return found is not None
 
 
-def account_closed(network: Network) -> APIError:
-    return APIError(
-        409,
+def account_closed(network: Network) -> DomainError:
+    return DomainError(
         "PAYEE_ACCOUNT_CLOSED",
         f"The merchant closed its USDC account on {network.name} after it received payments there; the merchant "
         f"must open it again before it can be paid on {network.name} (a buyer does not pay to open it twice). "
@@ -267,15 +264,14 @@ def check_signed_transaction(
         tx = stx.decode(payload.get("transaction"))
         payment = stx.check_payment(tx, requirement, intent.id, fee_payer)
     except stx.SolanaTransactionError as exc:
-        raise APIError(400, exc.code, str(exc)) from None
+        raise DomainError(exc.code, str(exc)) from None
     chain = solana_chain(network)
     try:
         ready = payee_account_ready(chain, requirement)
         if not ready and payee_account_closed(chain, network.network, requirement["payTo"], requirement["asset"]):
             raise account_closed(network)
         if not payment.creates_payee_account and not ready:
-            raise APIError(
-                409,
+            raise DomainError(
                 "PAYEE_ACCOUNT_MISSING",
                 "The merchant's USDC account does not exist (any more); fetch a new transaction, which opens it",
             )
@@ -286,11 +282,11 @@ def check_signed_transaction(
     if simulation.err is not None:
         text = str(simulation.err)
         if "BlockhashNotFound" in text:
-            raise APIError(400, "BLOCKHASH_EXPIRED", "The transaction's blockhash expired; fetch a new transaction")
+            raise DomainError("BLOCKHASH_EXPIRED", "The transaction's blockhash expired; fetch a new transaction")
         if "AlreadyProcessed" in text:
-            raise APIError(409, "NONCE_ALREADY_USED", "This transaction was already processed")
+            raise DomainError("NONCE_ALREADY_USED", "This transaction was already processed")
         detail = next((line for line in reversed(simulation.logs) if "Error" in line or "failed" in line), text)
-        raise APIError(402, "SETTLEMENT_FAILED", "The payment would fail on chain", reason=f"simulation: {detail}")
+        raise DomainError("SETTLEMENT_FAILED", "The payment would fail on chain", reason=f"simulation: {detail}")
     return SolanaAuthorization(
         payer=payment.payer,
         pay_to=requirement["payTo"],

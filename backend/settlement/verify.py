@@ -11,7 +11,7 @@ from typing import Any
 
 from eth_utils import to_checksum_address
 
-from backend.errors import APIError
+from backend.errors import DomainError
 from payintent.eip3009 import domain_of, recover_authorizer
 
 # validBefore must leave at least this long for the transaction to be mined...
@@ -43,8 +43,8 @@ class EvmAuthorization:
         return "0x" + self.nonce.hex()
 
 
-def _invalid(message: str, field: str) -> APIError:
-    return APIError(400, "INVALID_PAYLOAD", message, field=f"payment_signature.payload.{field}")
+def _invalid(message: str, field: str) -> DomainError:
+    return DomainError("INVALID_PAYLOAD", message, field=f"payment_signature.payload.{field}")
 
 
 def _uint(payload: dict[str, Any], field: str) -> int:
@@ -92,32 +92,28 @@ def parse_evm_payload(payload: Any) -> EvmAuthorization:
 def verify_evm_authorization(auth: EvmAuthorization, requirement: dict[str, Any], now: int) -> None:
     """Refuse an authorization that does not pay exactly this requirement, now, signed by ``from``."""
     if auth.pay_to != to_checksum_address(requirement["payTo"]):
-        raise APIError(400, "RECIPIENT_MISMATCH", f"to must be the requirement's payTo {requirement['payTo']}")
+        raise DomainError("RECIPIENT_MISMATCH", f"to must be the requirement's payTo {requirement['payTo']}")
     if auth.value != int(requirement["maxAmountRequired"]):
-        raise APIError(
-            400, "AMOUNT_MISMATCH", f"value must equal maxAmountRequired ({requirement['maxAmountRequired']})"
-        )
+        raise DomainError("AMOUNT_MISMATCH", f"value must equal maxAmountRequired ({requirement['maxAmountRequired']})")
     if auth.payer == auth.pay_to:
-        raise APIError(400, "PAYER_IS_RECIPIENT", "from and to are the same address: nothing would be paid")
+        raise DomainError("PAYER_IS_RECIPIENT", "from and to are the same address: nothing would be paid")
     if auth.valid_after > now:
-        raise APIError(400, "AUTHORIZATION_NOT_YET_VALID", "validAfter is in the future")
+        raise DomainError("AUTHORIZATION_NOT_YET_VALID", "validAfter is in the future")
     if auth.valid_before <= now + VALIDITY_MARGIN_SECONDS:
-        raise APIError(
-            400,
+        raise DomainError(
             "AUTHORIZATION_EXPIRED",
             f"validBefore has passed or leaves under {VALIDITY_MARGIN_SECONDS} s to settle; sign a new authorization",
         )
     if auth.valid_before > now + MAX_VALIDITY_SECONDS:
-        raise APIError(
-            400,
+        raise DomainError(
             "AUTHORIZATION_TOO_LONG",
             f"validBefore may be at most {MAX_VALIDITY_SECONDS} s ahead (sign with validBefore = now + 900)",
         )
     try:
         signer = recover_authorizer(domain_of(requirement), auth.raw)
     except Exception as exc:  # any failure to recover (bad v, off-curve r) means an invalid signature
-        raise APIError(400, "INVALID_SIGNATURE", f"The signature cannot be checked: {exc}") from None
+        raise DomainError("INVALID_SIGNATURE", f"The signature cannot be checked: {exc}") from None
     if signer != auth.payer:
-        raise APIError(
-            400, "INVALID_SIGNATURE", "The signature does not match from for this requirement's EIP-712 domain"
+        raise DomainError(
+            "INVALID_SIGNATURE", "The signature does not match from for this requirement's EIP-712 domain"
         )

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backend.chains.registry import ChainRegistry, resolve_x402_network
-from backend.errors import APIError, echo
+from backend.errors import DomainError, echo
 
 X402_VERSIONS = (1, 2)
 AUTHORIZATION_FIELDS = ("from", "to", "value", "validAfter", "validBefore", "nonce")
@@ -57,10 +57,8 @@ class X402Payment:
     network_as_sent: str = ""  # what the client wrote (a v1 name, or the CAIP-2 id)
 
 
-def _invalid(message: str, field: str) -> APIError:
-    return APIError(
-        400, "INVALID_PAYLOAD", message, field=f"payment_signature.{field}" if field else "payment_signature"
-    )
+def _invalid(message: str, field: str) -> DomainError:
+    return DomainError("INVALID_PAYLOAD", message, field=f"payment_signature.{field}" if field else "payment_signature")
 
 
 def _name(container: Mapping[str, Any], key: str, where: str) -> str:
@@ -103,7 +101,7 @@ def flatten_payload(payload: Any) -> dict[str, Any]:
 def normalize_payment_signature(signature: Any, registry: ChainRegistry | None = None) -> X402Payment:
     """Any accepted x402 payment payload (a decoded JSON object) -> :class:`X402Payment`.
 
-    Raises :class:`~backend.errors.APIError` (400) for what cannot be read:
+    Raises :class:`~backend.errors.DomainError` (400) for what cannot be read:
     ``UNSUPPORTED_X402_VERSION`` for an ``x402Version`` other than 1 or 2, ``INVALID_PAYLOAD``
     (with ``error.field``) for a missing or malformed scheme, network, payload or v2 ``accepted``,
     or a v2 top-level scheme/network that contradicts ``accepted``. Unknown fields, ``resource``
@@ -114,8 +112,7 @@ def normalize_payment_signature(signature: Any, registry: ChainRegistry | None =
         raise _invalid("payment_signature must be an object", "")
     version = signature.get("x402Version")
     if type(version) is not int or version not in X402_VERSIONS:  # not True, not 1.0, not "1"
-        raise APIError(
-            400,
+        raise DomainError(
             "UNSUPPORTED_X402_VERSION",
             f"x402Version must be one of {list(X402_VERSIONS)}, not {echo(version)}",
         )
@@ -169,10 +166,10 @@ def check_accepted(
     """
     evm = str(requirement["network"]).startswith("eip155:")
     if accepted.get("scheme") != requirement["scheme"]:
-        raise APIError(400, "UNSUPPORTED_SCHEME", f"accepted.scheme must be {requirement['scheme']!r}")
+        raise DomainError("UNSUPPORTED_SCHEME", f"accepted.scheme must be {requirement['scheme']!r}")
     network = accepted.get("network")
     if not isinstance(network, str) or resolve_x402_network(network, registry) != requirement["network"]:
-        raise APIError(400, "UNSUPPORTED_NETWORK", f"accepted.network must be {requirement['network']}")
+        raise DomainError("UNSUPPORTED_NETWORK", f"accepted.network must be {requirement['network']}")
     amounts = {key: accepted[key] for key in ("amount", "maxAmountRequired") if key in accepted}
     if not amounts:
         raise _invalid("accepted.amount is required (the requirement's amount in atomic units)", "accepted.amount")
@@ -180,15 +177,14 @@ def check_accepted(
         if isinstance(value, bool) or not isinstance(value, str | int) or not _UINT_RE.match(str(value)):
             raise _invalid(f"accepted.{key} must be a decimal string of an unsigned integer", f"accepted.{key}")
         if int(str(value)) != int(requirement["maxAmountRequired"]):
-            raise APIError(
-                400,
+            raise DomainError(
                 "AMOUNT_MISMATCH",
                 f"accepted.{key} must equal the requirement's amount ({requirement['maxAmountRequired']})",
             )
     for key, code in (("asset", "ASSET_MISMATCH"), ("payTo", "RECIPIENT_MISMATCH")):
         value = accepted.get(key)
         if not isinstance(value, str) or not _same_address(value, str(requirement[key]), evm):
-            raise APIError(400, code, f"accepted.{key} must be the requirement's {key} {requirement[key]}")
+            raise DomainError(code, f"accepted.{key} must be the requirement's {key} {requirement[key]}")
 
 
 __all__ = [

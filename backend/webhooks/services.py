@@ -20,7 +20,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from backend import clock
-from backend.errors import APIError, not_found
+from backend.errors import DomainError, not_found
 from backend.events.models import Event
 from backend.events.services import record_event
 from backend.extensions import UTCDateTime, db
@@ -90,8 +90,8 @@ def create_endpoint(merchant_id: str, url: str, events: Sequence[str]) -> tuple[
         .where(_endpoints.c.merchant_id == merchant_id, _endpoints.c.deleted_at.is_(None))
     )
     if (count or 0) >= MAX_ENDPOINTS_PER_MERCHANT:
-        raise APIError(
-            409, "WEBHOOK_LIMIT_REACHED", f"A merchant can have at most {MAX_ENDPOINTS_PER_MERCHANT} webhook endpoints"
+        raise DomainError(
+            "WEBHOOK_LIMIT_REACHED", f"A merchant can have at most {MAX_ENDPOINTS_PER_MERCHANT} webhook endpoints"
         )
     now = clock.now()
     secret = new_secret()
@@ -227,8 +227,7 @@ def _check_on_demand_backlog(endpoint_id: str, now: datetime) -> None:
         )
     )
     if (pending or 0) >= MAX_PENDING_ON_DEMAND_PER_ENDPOINT:
-        raise APIError(
-            409,
+        raise DomainError(
             "TOO_MANY_PENDING_DELIVERIES",
             f"{MAX_PENDING_ON_DEMAND_PER_ENDPOINT} test or replayed deliveries to this endpoint are still pending; "
             "send more once they have been delivered or have failed",
@@ -240,7 +239,7 @@ def replay_delivery(merchant_id: str, delivery_id: str) -> str:
     original = get_delivery_row(merchant_id, delivery_id)
     endpoint = db.session.get(WebhookEndpoint, original.endpoint_id)
     if endpoint is None or endpoint.deleted_at is not None:
-        raise APIError(409, "WEBHOOK_DELETED", "The delivery's webhook endpoint was deleted; nothing to replay to")
+        raise DomainError("WEBHOOK_DELETED", "The delivery's webhook endpoint was deleted; nothing to replay to")
     _check_on_demand_backlog(original.endpoint_id, clock.now())
     new_id = _add_delivery(
         original.endpoint_id, merchant_id, original.event_id, original.event_type, clock.now(), replay_of=original.id

@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 
 from backend.chains.registry import Network
 from backend.config import Settings
-from backend.errors import APIError
+from backend.errors import DomainError
 from backend.extensions import db
 from backend.relaybudget import services as budget
 from backend.relaybudget.models import FEE, GAS, RelaySpend
@@ -83,7 +83,7 @@ def test_a_used_up_budget_refuses_until_the_window_rolls_on(app, merchant, other
     clock.advance(hours=2)
     budget.charge(merchant.id, BASE.network, GAS, 300, "0x2")
     admit(merchant.id, BASE, limited)  # 900 spent + at most 100 more: fits exactly
-    with pytest.raises(APIError) as refused:
+    with pytest.raises(DomainError) as refused:
         admit(merchant.id, BASE, limited, cost=101)
     err = refused.value
     assert (err.http_status, err.code, err.extra["network"]) == (429, "RELAY_BUDGET_EXHAUSTED", BASE.network)
@@ -102,22 +102,22 @@ def test_open_settlements_reserve_their_most_until_they_are_charged(app, merchan
     budget (the review's attack: eight accepted at a used-up budget while the relayer was stopped)."""
     limited = settings(relay_budget_evm=Decimal("0.000000000000001"))  # 1,000 wei
     admit(merchant.id, BASE, limited, cost=300, open_settlements=2, open_cost=350)  # 700 reserved + 300
-    with pytest.raises(APIError) as refused:
+    with pytest.raises(DomainError) as refused:
         admit(merchant.id, BASE, limited, cost=300, open_settlements=2, open_cost=351)
     # Nothing is spent yet: only the settlements in flight stand in the way, and they finish soon.
     assert refused.value.headers["Retry-After"] == str(budget.IN_FLIGHT_RETRY_SECONDS)
     budget.charge(merchant.id, BASE.network, GAS, 400, "0x1")
-    with pytest.raises(APIError):
+    with pytest.raises(DomainError):
         admit(merchant.id, BASE, limited, cost=300, open_settlements=1, open_cost=301)  # 400 + 301 + 300
     admit(merchant.id, BASE, limited, cost=300, open_settlements=1, open_cost=300)
-    with pytest.raises(APIError):  # a budget smaller than one settlement admits none
+    with pytest.raises(DomainError):  # a budget smaller than one settlement admits none
         admit(merchant.id, BASE, limited, cost=1_001)
 
 
 def test_open_settlements_are_capped_per_merchant_and_network_budget_or_not(app, merchant):
     capped = settings(max_open_settlements=3, relay_budget_evm=None)
     admit(merchant.id, BASE, capped, open_settlements=2)
-    with pytest.raises(APIError) as refused:
+    with pytest.raises(DomainError) as refused:
         admit(merchant.id, BASE, capped, open_settlements=3)
     err = refused.value
     assert (err.http_status, err.code, err.extra["network"]) == (429, "TOO_MANY_OPEN_SETTLEMENTS", BASE.network)
@@ -141,11 +141,11 @@ def test_spending_and_refusals_are_metrics(app, merchant, clock):
     budget.charge(merchant.id, BASE.network, GAS, 7 * 10**13, "0x1")
     budget.charge(merchant.id, BASE.network, GAS, 10**13, "0x2")
     budget.charge(merchant.id, SOLANA.network, FEE, 10_040, "sig1")
-    with pytest.raises(APIError):
+    with pytest.raises(DomainError):
         admit(merchant.id, BASE, settings(relay_budget_evm=Decimal("0.00001")))
-    with pytest.raises(APIError):  # the public Solana transaction call: counted apart (anyone can make it refuse)
+    with pytest.raises(DomainError):  # the public Solana transaction call: counted apart (anyone can make it refuse)
         admit(merchant.id, BASE, settings(relay_budget_evm=Decimal("0.00001")), endpoint=budget.PREPARE)
-    with pytest.raises(APIError):
+    with pytest.raises(DomainError):
         admit(merchant.id, BASE, settings(max_open_settlements=1), open_settlements=1)
     samples = scrape()
     assert value(samples, "payintent_relay_spent_total", network=BASE.network, kind="gas") == 8 * 10**13
@@ -183,7 +183,7 @@ def test_one_merchants_costly_settlement_is_not_every_merchants_estimate(app, me
     assert budget.max_settlement_cost(BASE, limits, other_merchant.id) == floor  # before: room + 1
     assert budget.max_settlement_cost(BASE, limits, merchant.id) == budget.EVM_HISTORY_CAP * floor
     pays(other_merchant.id)  # before: 429 RELAY_BUDGET_EXHAUSTED, though it spent nothing
-    with pytest.raises(APIError):
+    with pytest.raises(DomainError):
         pays(merchant.id)  # its own spending
     clock.advance(seconds=limits.relay_budget_window_seconds - 60)
     pays(other_merchant.id)

@@ -15,7 +15,7 @@ from eth_account import Account
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backend.errors import APIError
+from backend.errors import DomainError
 from backend.settlement.verify import PAYLOAD_FIELDS, parse_evm_payload, verify_evm_authorization
 from backend.settlement.x402 import check_accepted
 from payintent.eip3009 import SECP256K1_HALF_N, domain_of, recover_authorizer, sign_authorization
@@ -59,7 +59,7 @@ def verify(payload: dict, requirement: dict) -> None:
 def error_code(payload: dict, requirement: dict) -> str | None:
     try:
         verify(payload, requirement)
-    except APIError as err:
+    except DomainError as err:
         return err.code
     return None
 
@@ -164,12 +164,12 @@ def test_a_malformed_field_is_refused_never_another_error(field, data):
     )
     try:
         parsed = parse_evm_payload(payload)
-    except APIError as err:
+    except DomainError as err:
         assert err.code == "INVALID_PAYLOAD" and err.extra["field"].endswith(field)
         return
     if replace(parsed, raw={}) == replace(parse_evm_payload({**payload, field: valid}), raw={}):
         return  # another spelling of the same value (an integer for a uint string)
-    with pytest.raises(APIError):  # a well-formed other value: the checks or the signature refuse it
+    with pytest.raises(DomainError):  # a well-formed other value: the checks or the signature refuse it
         verify_evm_authorization(parsed, REQUIREMENT, NOW)
 
 
@@ -179,7 +179,7 @@ def test_a_trailing_newline_is_refused_not_a_crash_or_ignored(field):
     # pattern and then crashed the checksum (500), and "5000000\n" passed as a number.
     payload = signed(Account.from_key("0x" + "07" * 32), REQUIREMENT)
     payload[field] += "\n"
-    with pytest.raises(APIError) as raised:
+    with pytest.raises(DomainError) as raised:
         parse_evm_payload(payload)
     assert raised.value.code == "INVALID_PAYLOAD"
 
@@ -187,6 +187,6 @@ def test_a_trailing_newline_is_refused_not_a_crash_or_ignored(field):
 def test_a_v2_accepted_amount_with_a_trailing_newline_is_refused():
     accepted = {**REQUIREMENT, "amount": REQUIREMENT["maxAmountRequired"] + "\n"}
     del accepted["maxAmountRequired"]
-    with pytest.raises(APIError) as raised:
+    with pytest.raises(DomainError) as raised:
         check_accepted(accepted, REQUIREMENT)
     assert raised.value.code == "INVALID_PAYLOAD"

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from backend.chains.registry import ChainRegistry
-from backend.errors import APIError
+from backend.errors import DomainError
 from backend.settlement.x402 import X402Payment, check_accepted, flatten_payload, normalize_payment_signature
 
 AUTH = {
@@ -47,8 +47,8 @@ ACCEPTED = {
 SOLANA = "solana:EtWTRABZaYq6iMfeYKouRu166VU2xqa1"
 
 
-def refused(signature: Any, registry: ChainRegistry | None = None) -> APIError:
-    with pytest.raises(APIError) as info:
+def refused(signature: Any, registry: ChainRegistry | None = None) -> DomainError:
+    with pytest.raises(DomainError) as info:
         normalize_payment_signature(signature, registry)
     assert info.value.http_status == 400
     return info.value
@@ -178,7 +178,7 @@ def test_flatten_leaves_field_checks_to_the_verifier():
     from backend.settlement.verify import parse_evm_payload
 
     partial = {"signature": SIGNATURE, "authorization": {k: v for k, v in AUTH.items() if k != "nonce"}}
-    with pytest.raises(APIError) as info:
+    with pytest.raises(DomainError) as info:
         parse_evm_payload(flatten_payload(partial))
     assert info.value.code == "INVALID_PAYLOAD" and info.value.extra["field"] == "payment_signature.payload.nonce"
     assert parse_evm_payload(flatten_payload(NESTED)).raw == FLAT
@@ -204,7 +204,7 @@ def test_flatten_leaves_field_checks_to_the_verifier():
     ],
 )
 def test_check_accepted_compares_field_by_field(change, code):
-    with pytest.raises(APIError) as info:
+    with pytest.raises(DomainError) as info:
         check_accepted({**ACCEPTED, **change}, REQUIREMENT)
     assert info.value.http_status == 400 and info.value.code == code
 
@@ -222,6 +222,6 @@ def test_check_accepted_ignores_other_fields_and_address_case():
               "asset": "4zMMC9srt5Ri5X14GAgXhaHii3GnPAEERYPJgZJDncDU"}  # fmt: skip
     accepted = {**ACCEPTED, "network": "solana-devnet", "payTo": solana["payTo"], "asset": solana["asset"]}
     check_accepted(accepted, solana)
-    with pytest.raises(APIError) as info:  # base58 is case-sensitive
+    with pytest.raises(DomainError) as info:  # base58 is case-sensitive
         check_accepted({**accepted, "payTo": solana["payTo"].lower()}, solana)
     assert info.value.code == "RECIPIENT_MISMATCH"
