@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from backend import appstate
 from backend.config import DEVELOPMENT_SECRET_KEY, Settings
 from backend.jsonio import dumps
 
@@ -88,7 +89,7 @@ def _warn_about_development_settings(app: Flask, *, sessions: bool = False) -> N
     of SECRET_KEY."""
     from sqlalchemy.engine import make_url
 
-    settings: Settings = app.config["PAYINTENT_SETTINGS"]
+    settings: Settings = appstate.settings(app)
     if settings.default_database:
         log.warning(
             "DATABASE_URL is not set: using the SQLite file %s, for development only; "
@@ -106,7 +107,7 @@ def _warn_without_a_proxy(app: Flask, host: str) -> None:
     """``serve`` reachable from other machines with no proxy declared (TRUSTED_PROXY_HOPS=0): gunicorn's sync workers
     each hold one connection until its request is whole, so a few dozen clients sending a byte every few seconds
     (slowloris) hold them all. Warned, not refused: a proxy may be in front whose headers the api ignores."""
-    settings: Settings = app.config["PAYINTENT_SETTINGS"]
+    settings: Settings = appstate.settings(app)
     if settings.trusted_proxy_hops == 0 and not _loopback(host):
         log.warning(
             "serving on %s, reachable from other machines, with no proxy in front (TRUSTED_PROXY_HOPS=0): the api %s "
@@ -227,7 +228,7 @@ def wallet_set(merchant_id: str, network: str, address: str) -> None:
 
     app = _app()
     with app.app_context():
-        saved = _merchant_call(services.set_wallet, merchant_id, network, address, app.extensions["payintent.chains"])
+        saved = _merchant_call(services.set_wallet, merchant_id, network, address, appstate.chains(app))
         _emit({"wallet_id": saved.id, "merchant_id": merchant_id, "network": saved.network, "address": saved.address})
 
 
@@ -333,7 +334,7 @@ def relayer(burst: bool, processes: int) -> None:
         from relayer.keys import load_relay_accounts
 
         try:
-            load_relay_accounts(app.extensions["payintent.chains"])  # fail fast, once, on bad keys
+            load_relay_accounts(appstate.chains(app))  # fail fast, once, on bad keys
         except RelayKeyError as exc:
             raise CLIError("RELAY_KEYS", str(exc), exit_code=1) from None
         argv = [sys.argv[0], "relayer", *(["--burst"] if burst else [])]

@@ -37,6 +37,7 @@ from typing import IO, Any
 import psutil
 import requests
 
+from backend import appstate
 from backend.config import Settings, var_dir
 from devnet.anvil import describe_holder, port_is_free, tie_to_parent
 
@@ -165,7 +166,7 @@ def seed_demo_merchant() -> dict[str, Any]:
 
     app = create_app()
     with app.app_context():
-        registry = app.extensions["payintent.chains"]
+        registry = appstate.chains(app)
         merchant = db.session.scalar(select(Merchant).where(Merchant.email == DEMO_EMAIL))
         if merchant is None:
             merchant, issued = services.create_merchant(DEMO_EMAIL, DEMO_PASSWORD, "Demo Shop")

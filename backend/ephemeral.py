@@ -20,12 +20,13 @@ from flask import current_app
 from redis import Redis, RedisError
 
 from backend import clock
+from backend.appstate import AppSlot
 from backend.queueing import app_redis
 
 log = logging.getLogger(__name__)
 
 _PREFIX = "payintent:ephemeral:"
-_EXTENSION = "payintent.ephemeral.memory_store"
+_MEMORY_STORE: AppSlot[MemoryStore] = AppSlot("payintent.ephemeral.memory_store")
 # Decrement a live counter above 1 (its TTL stays); one that would fall to 0 is deleted (a window that counts
 # nothing holds nothing: refused log-ins with made-up emails must not leave keys behind); a missing (expired)
 # key stays missing.
@@ -166,9 +167,9 @@ class RedisStore:
 
 def memory_store() -> MemoryStore:
     """The current app's in-process store (one per app, so tests never share one)."""
-    store = current_app.extensions.get(_EXTENSION)
+    store = _MEMORY_STORE.peek()
     if store is None:
-        store = current_app.extensions[_EXTENSION] = MemoryStore()
+        store = _MEMORY_STORE.set(current_app, MemoryStore())
     return store
 
 

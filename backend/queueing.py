@@ -21,6 +21,9 @@ from rq.exceptions import StopRequested
 from rq.utils import now as rq_now
 from rq.worker import WorkerStatus
 
+from backend import appstate
+from backend.appstate import AppSlot
+
 log = logging.getLogger(__name__)
 
 DEFAULT_QUEUE = "payintent"
@@ -80,6 +83,10 @@ def app_job(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+_REDIS: AppSlot[Redis] = AppSlot("payintent.redis")
+_FAST_REDIS: AppSlot[Redis] = AppSlot("payintent.redis.fast")
+
+
 def app_redis(*, fast: bool = False) -> Redis | None:
     """The current app's Redis connection (made once per app), or None when REDIS_URL is not set.
 
@@ -90,14 +97,14 @@ def app_redis(*, fast: bool = False) -> Redis | None:
 
     if not has_app_context():
         return None
-    name = "payintent.redis.fast" if fast else "payintent.redis"
-    redis = current_app.extensions.get(name)
+    slot = _FAST_REDIS if fast else _REDIS
+    redis = slot.peek()
     if redis is None:
-        url = current_app.config["PAYINTENT_SETTINGS"].redis_url
+        url = appstate.settings().redis_url
         if not url:
             return None
         options = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5} if fast else {}
-        redis = current_app.extensions[name] = redis_from_url(url, **options)
+        redis = slot.set(current_app, redis_from_url(url, **options))
     return redis
 
 

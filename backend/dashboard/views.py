@@ -18,7 +18,6 @@ from typing import Any
 from flask import (
     Blueprint,
     Response,
-    current_app,
     flash,
     g,
     make_response,
@@ -30,8 +29,9 @@ from flask import (
 )
 from werkzeug.exceptions import HTTPException, NotFound
 
-from backend import passwords, ratelimit
+from backend import appstate, passwords, ratelimit
 from backend.chains.registry import ChainRegistry
+from backend.config import Settings
 from backend.dashboard import display, forms, reveals, security, services
 from backend.dashboard.forms import Form
 from backend.errors import APIError, database_unavailable
@@ -75,11 +75,11 @@ bp = Blueprint("dashboard", __name__, url_prefix="/dashboard", static_folder=STA
 
 
 def _registry() -> ChainRegistry:
-    return current_app.extensions["payintent.chains"]  # type: ignore[no-any-return]
+    return appstate.chains()
 
 
 def _checkout_host() -> str:
-    return current_app.config["PAYINTENT_SETTINGS"].checkout_host  # type: ignore[no-any-return]
+    return appstate.settings().checkout_host
 
 
 def _merchant_id() -> str:
@@ -240,12 +240,12 @@ def _throttled(template: str, form: Form, throttled: security.LoginThrottled, **
     return response
 
 
-def _settings() -> Any:
-    return current_app.config["PAYINTENT_SETTINGS"]
+def _settings() -> Settings:
+    return appstate.settings()
 
 
 def _signup_open() -> bool:
-    return _settings().dashboard_signup == "open"  # type: ignore[no-any-return]
+    return _settings().dashboard_signup == "open"
 
 
 def _signup_retry_after() -> int | None:
@@ -432,9 +432,7 @@ def create_webhook() -> Any:
     form = forms.webhook_form(request.form)
     if form.ok:
         try:
-            check_url_literal(
-                form.values["url"], current_app.config["PAYINTENT_SETTINGS"].webhook_allow_private_targets
-            )
+            check_url_literal(form.values["url"], appstate.settings().webhook_allow_private_targets)
         except TargetRefused as exc:
             form.error("url", f"This URL cannot receive webhooks: {exc}.")
     if not form.ok:

@@ -17,6 +17,7 @@ from typing import Any
 from flask import Flask, Response, g, request
 from prometheus_client import CollectorRegistry
 
+from backend import appstate
 from backend.observability.chains import ChainProbes
 from backend.observability.logs import (
     REQUEST_ID_HEADER,
@@ -40,12 +41,12 @@ class Observability:
 
 
 def init_app(app: Flask) -> None:
-    settings = app.config["PAYINTENT_SETTINGS"]
+    settings = appstate.settings(app)
     configure_logging(settings.log_level, settings.log_format)
-    chains = app.extensions["payintent.chains"]
+    chains = appstate.chains(app)
     register_rpc_urls(network.rpc_url for network in chains)
     register_secret(settings.secret_key, settings.metrics_token)
-    app.extensions["payintent.observability"] = Observability(ChainProbes(chains), scrape_registry(app))
+    appstate.set_observability(app, Observability(ChainProbes(chains), scrape_registry(app)))
     app.before_request(_start)
     # after_request functions run last-registered first: this one, registered first, sees the final answer.
     app.after_request(_finish)

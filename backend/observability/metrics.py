@@ -27,7 +27,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, d
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from backend import clock
+from backend import appstate, clock
 
 log = logging.getLogger(__name__)
 disable_created_metrics()  # no *_created series: Prometheus does not need them, and they double the output
@@ -159,8 +159,8 @@ class StateCollector:
         redis = app_redis(fast=True)
         if redis is None:
             raise RuntimeError("REDIS_URL is not set")
-        base = self.app.config["PAYINTENT_SETTINGS"].relayer_queue
-        relayer_queues = [relayer_queue(base, network.network) for network in self.app.extensions["payintent.chains"]]
+        base = appstate.settings(self.app).relayer_queue
+        relayer_queues = [relayer_queue(base, network.network) for network in appstate.chains(self.app)]
         family = GaugeMetricFamily(
             "payintent_queue_depth",
             f"Jobs waiting in each RQ queue ({base}:<network>: settlements for that network's relayers; "
@@ -172,7 +172,7 @@ class StateCollector:
         yield family
 
     def _gas(self) -> Iterator[Metric]:
-        probes = self.app.extensions["payintent.observability"].probes
+        probes = appstate.observability(self.app).probes
         balances = GaugeMetricFamily(
             "payintent_relay_gas_balance",
             "Native coin (ETH, SOL) held by each relay account to pay gas and fees, from the chains file's "
