@@ -30,8 +30,7 @@ SETTINGS_KEY = "PAYINTENT_SETTINGS"
 
 
 def _app(app: Flask | None) -> Flask:
-    # current_app is a proxy; the accessors only read from it, so it stands for the app itself.
-    return app if app is not None else cast(Flask, current_app)
+    return app if app is not None else current_app
 
 
 class AppSlot(Generic[T]):

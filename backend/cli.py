@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
@@ -27,14 +28,16 @@ class CLIError(click.ClickException):
     def __init__(self, code: str, message: str, exit_code: int = 2) -> None:
         super().__init__(message)
         self.code = code
-        self.exit_code = exit_code
+        # click declares exit_code a ClassVar (each exception class has one) but reads it from the instance;
+        # a CLIError carries the code of its failure.
+        self.exit_code = exit_code  # type: ignore[misc]
 
 
 def _emit(obj: dict[str, Any]) -> None:
     click.echo(dumps(obj))
 
 
-def _app():  # type: ignore[no-untyped-def]
+def _app() -> Flask:
     """The Flask app, with the schema checked (the default local SQLite is upgraded for you)."""
     from backend.app import create_app
     from backend.chains.registry import ChainConfigError
@@ -62,7 +65,7 @@ def _loopback(host: str) -> bool:
     except ValueError:
         pass
     try:
-        found = {info[4][0].split("%")[0] for info in socket.getaddrinfo(name, None)}
+        found = {str(info[4][0]).split("%")[0] for info in socket.getaddrinfo(name, None)}
     except (OSError, UnicodeError):
         return False
     return bool(found) and all(ipaddress.ip_address(address).is_loopback for address in found)
@@ -119,7 +122,7 @@ def _warn_without_a_proxy(app: Flask, host: str) -> None:
         )
 
 
-def _merchant_call(fn, *args: Any) -> Any:  # type: ignore[no-untyped-def]
+def _merchant_call(fn: Callable[..., Any], *args: Any) -> Any:
     from backend.merchants.services import MerchantError
 
     try:
@@ -361,7 +364,7 @@ def devnet() -> None:
     pass
 
 
-def _devnet_call(fn, *args: Any) -> Any:  # type: ignore[no-untyped-def]
+def _devnet_call(fn: Callable[..., Any], *args: Any) -> Any:
     from devnet import DevnetError
 
     try:

@@ -228,12 +228,12 @@ def wait_registered(proc: subprocess.Popen[Any], redis_url: str, timeout: float 
                 if any(w.pid == proc.pid for w in Worker.all(connection=connection)):
                     return
             if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args} exited during start-up; see its output above")
+                raise RuntimeError(f"{proc.args!r} exited during start-up; see its output above")
             _stopper.check()
             time.sleep(0.1)
     finally:
         connection.close()
-    raise RuntimeError(f"{proc.args} did not register with Redis within {timeout:.0f}s")
+    raise RuntimeError(f"{proc.args!r} did not register with Redis within {timeout:.0f}s")
 
 
 def _devnet_banner(devnet_info: dict[str, Any] | None, started: bool) -> str:

@@ -95,7 +95,7 @@ _HTTP_CODES = {
 
 
 def error_response(err: APIError) -> Response:
-    response = current_app.json.response(err.body())
+    response = current_app.response_class(current_app.json.dumps(err.body()), mimetype="application/json")
     response.status_code = err.http_status
     response.headers.update(err.headers)
     return response
@@ -119,8 +119,8 @@ def _handle_http_exception(exc: HTTPException) -> Response:
     code = _HTTP_CODES.get(status, "HTTP_ERROR" if status < 500 else "INTERNAL_ERROR")
     message = exc.description if status < 500 else "Internal server error"
     response = error_response(APIError(status, code, message or code))
-    if status == 405 and hasattr(exc, "valid_methods") and exc.valid_methods:  # type: ignore[attr-defined]
-        response.headers["Allow"] = ", ".join(exc.valid_methods)  # type: ignore[attr-defined]
+    if status == 405 and hasattr(exc, "valid_methods") and exc.valid_methods:
+        response.headers["Allow"] = ", ".join(exc.valid_methods)
     return response
 
 

@@ -174,7 +174,8 @@ class StoppableWorker(SimpleWorker):
         signal.setitimer(signal.ITIMER_REAL, STOP_GRACE_SECONDS)
 
     def request_force_stop(self, signum: int, frame: Any) -> None:
-        if (rq_now() - self._shutdown_requested_date).total_seconds() < 1:
+        started = self._shutdown_requested_date  # set by request_stop, which installs this handler
+        if started is not None and (rq_now() - started).total_seconds() < 1:
             return  # the same stop twice (the process group's signal and a parent's own, as make sends)
         if self.get_state() == WorkerStatus.BUSY:
             raise StopNow(f"{signal.Signals(signum).name} again: the job in progress is interrupted")

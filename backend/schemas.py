@@ -23,7 +23,7 @@ class StrictSchema(Schema):
         unknown = "raise"
 
 
-class UsdcAmount(fields.Field):
+class UsdcAmount(fields.Field[Decimal]):
     """A USDC amount: a JSON number > 0 with at most 6 decimals (see backend.money)."""
 
     def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> Decimal:

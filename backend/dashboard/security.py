@@ -278,7 +278,10 @@ def count_password_check(ip: str) -> None:
 
 
 def _device_serializer() -> URLSafeTimedSerializer:
-    return URLSafeTimedSerializer(current_app.secret_key, salt="payintent.dashboard.login-device")  # type: ignore[arg-type]
+    secret_key = current_app.secret_key
+    if secret_key is None:  # create_app always sets it (SECRET_KEY)
+        raise RuntimeError("the app has no SECRET_KEY")
+    return URLSafeTimedSerializer(secret_key, salt="payintent.dashboard.login-device")
 
 
 def _email_tag(email: str) -> str:

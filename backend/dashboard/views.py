@@ -285,9 +285,9 @@ def signup() -> Any:
     security.start_session(issued.key.merchant_id)
     _reveal(issued.key.merchant_id, "api_key", issued.secret, "your first API key")
     flash("Your account is ready. Next: register a wallet so intents can be paid.", "success")
-    response = redirect(url_for(".overview"))
-    security.remember_device(response, form.values["email"])
-    return response
+    redirected = redirect(url_for(".overview"))
+    security.remember_device(redirected, form.values["email"])
+    return redirected
 
 
 @bp.route("/login", methods=["GET", "POST"])

@@ -57,13 +57,14 @@ def init_app(app: Flask) -> None:
 
 
 def _start() -> None:
-    ctx = g._get_current_object()  # type: ignore[attr-defined]
+    ctx = g._get_current_object()
     ctx.request_started = time.perf_counter()
     ctx.request_id = valid_request_id(request.headers.get(REQUEST_ID_HEADER)) or uuid.uuid4().hex
 
 
 def _finish(response: Response) -> Response:
-    ctx = g._get_current_object()  # type: ignore[attr-defined]
+    ctx = g._get_current_object()
+    # A LocalProxy method: Flask types `request` as the Request it stands for.
     req = request._get_current_object()  # type: ignore[attr-defined]
     elapsed = time.perf_counter() - getattr(ctx, "request_started", time.perf_counter())
     request_id = getattr(ctx, "request_id", None)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import datetime
 
 from flask import Flask
@@ -71,7 +71,7 @@ class _Collected:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterable[Metric]:
         return self.registry.collect()
 
 
@@ -136,15 +136,15 @@ class StateCollector:
         for status in DELIVERY_STATUSES:
             family.add_metric([status], deliveries.get(status, 0))
         yield family
-        family = CounterMetricFamily(
+        spent = CounterMetricFamily(
             "payintent_relay_spent",
             "What the relay paid to settle merchants' payments, by network and kind (gas: EVM gas; fee: Solana "
             "transaction fees), in the network's smallest native unit (wei, lamports); from the relay_spending ledger",
             labels=["network", "kind"],
         )
         for (network, kind), total in sorted(spending.items()):
-            family.add_metric([network, kind], total)
-        yield family
+            spent.add_metric([network, kind], total)
+        yield spent
         yield _age(
             "payintent_webhook_oldest_due_seconds",
             "How long the longest-waiting due webhook delivery has been due (0: none is waiting)",

@@ -135,7 +135,7 @@ def check_url_literal(url: str, allow_private: bool) -> None:
 
 def _system_lookup(host: str) -> list[str]:
     """Every address the system resolver gives for ``host`` (blocking; cannot be cancelled)."""
-    return [info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
+    return [str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
 
 
 class _Lookup:
