@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import wraps
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from flask import Flask
 from redis import Redis
@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 DEFAULT_QUEUE = "payintent"
 REDIS_RETRY_MAX_SECONDS = 10.0
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 _job_app: Flask | None = None
 
 
@@ -72,15 +73,15 @@ def job_app() -> Flask:
     return _job_app
 
 
-def app_job(func: F) -> F:
+def app_job(func: Callable[P, R]) -> Callable[P, R]:
     """Run an RQ job function inside a fresh app context (its own DB session)."""
 
     @wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         with job_app().app_context():
             return func(*args, **kwargs)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 _REDIS: AppSlot[Redis] = AppSlot("payintent.redis")

@@ -83,7 +83,8 @@ def _checkout_host() -> str:
 
 
 def _merchant_id() -> str:
-    return g.merchant.id  # type: ignore[no-any-return]
+    merchant: Merchant = g.merchant  # set by login_required
+    return merchant.id
 
 
 def _take_reveal(http_status: int) -> reveals.Reveal | None:

@@ -45,4 +45,5 @@ def api_key_required(view: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def current_merchant_id() -> str:
-    return g.merchant_id  # type: ignore[no-any-return]
+    merchant_id: str = g.merchant_id  # set by api_key_required
+    return merchant_id

@@ -268,7 +268,7 @@ class _PinnedHTTPSConnection(http.client.HTTPSConnection):
 
     def connect(self) -> None:
         http.client.HTTPConnection.connect(self)
-        self.sock = self._context.wrap_socket(self.sock, server_hostname=self._server_hostname)  # type: ignore[attr-defined]
+        self.sock = _tls().wrap_socket(self.sock, server_hostname=self._server_hostname)  # the context given above
 
 
 class _Alarm:
