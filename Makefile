@@ -74,9 +74,11 @@ test-db: install nginx
 drills: install
 	$(BIN)/python drills/run.py $(DRILLS_ARGS)
 
+# mypy reads its files and settings from [tool.mypy] in pyproject.toml (docs/architecture.md, "Type checking").
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 fmt: install
 	$(BIN)/ruff check --fix .
