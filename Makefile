@@ -74,10 +74,12 @@ test-db: install nginx
 drills: install
 	$(BIN)/python drills/run.py $(DRILLS_ARGS)
 
+# mypy reads its files and settings from [tool.mypy] in pyproject.toml (docs/architecture.md, "App state and type checking").
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 fmt: install
 	$(BIN)/ruff check --fix .
@@ -88,4 +90,4 @@ bench: install
 	$(BIN)/python bench/webhooks.py
 
 clean:
-	rm -rf $(VENV) node_modules checkout-ui/node_modules checkout-ui/dist backend/static/apidocs/swagger-ui var .pytest_cache .ruff_cache .import_linter_cache *.egg-info
+	rm -rf $(VENV) node_modules checkout-ui/node_modules checkout-ui/dist backend/static/apidocs/swagger-ui var .pytest_cache .ruff_cache .import_linter_cache .mypy_cache *.egg-info

@@ -7,7 +7,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from flask import Flask, request
 
-from backend import passwords
+from backend import appstate, passwords
 from backend.apidocs import bp as apidocs_bp
 from backend.chains.registry import ChainRegistry
 from backend.checkout.pages import bp as checkout_page_bp
@@ -77,7 +77,6 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
     app.json = ExactJSONProvider(app)
     app.request_class = JSONRequest  # request.get_json(): depth-capped, and 400 INVALID_JSON like the API's parser
     app.config.update(
-        PAYINTENT_SETTINGS=settings,
         SECRET_KEY=settings.secret_key,
         MAX_CONTENT_LENGTH=MAX_REQUEST_BYTES,
         SQLALCHEMY_DATABASE_URI=settings.database_url,
@@ -97,7 +96,7 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
             "security": [{"bearerAuth": []}],
         },
     )
-    app.extensions["payintent.chains"] = chains or ChainRegistry.load(settings.chains_file)
+    appstate.init_app(app, settings, chains or ChainRegistry.load(settings.chains_file))
     passwords.configure(
         settings.login_hash_concurrency, settings.login_hash_wait_seconds, settings.login_hash_slots_dir
     )

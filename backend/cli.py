@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from backend import appstate
 from backend.config import DEVELOPMENT_SECRET_KEY, Settings
 from backend.jsonio import dumps
 
@@ -30,14 +32,16 @@ class CLIError(click.ClickException):
     def __init__(self, code: str, message: str, exit_code: int = 2) -> None:
         super().__init__(message)
         self.code = code
-        self.exit_code = exit_code
+        # click declares exit_code a ClassVar (each exception class has one) but reads it from the instance;
+        # a CLIError carries the code of its failure.
+        self.exit_code = exit_code  # type: ignore[misc]
 
 
 def _emit(obj: dict[str, Any]) -> None:
     click.echo(dumps(obj))
 
 
-def _app():  # type: ignore[no-untyped-def]
+def _app() -> Flask:
     """The Flask app, with the schema checked (the default local SQLite is upgraded for you)."""
     from backend.app import create_app
     from backend.chains.registry import ChainConfigError
@@ -65,7 +69,7 @@ def _loopback(host: str) -> bool:
     except ValueError:
         pass
     try:
-        found = {info[4][0].split("%")[0] for info in socket.getaddrinfo(name, None)}
+        found = {str(info[4][0]).split("%")[0] for info in socket.getaddrinfo(name, None)}
     except (OSError, UnicodeError):
         return False
     return bool(found) and all(ipaddress.ip_address(address).is_loopback for address in found)
@@ -92,7 +96,7 @@ def _warn_about_development_settings(app: Flask, *, sessions: bool = False) -> N
     of SECRET_KEY."""
     from sqlalchemy.engine import make_url
 
-    settings: Settings = app.config["PAYINTENT_SETTINGS"]
+    settings: Settings = appstate.settings(app)
     if settings.default_database:
         log.warning(
             "DATABASE_URL is not set: using the SQLite file %s, for development only; "
@@ -110,7 +114,7 @@ def _warn_without_a_proxy(app: Flask, host: str) -> None:
     """``serve`` reachable from other machines with no proxy declared (TRUSTED_PROXY_HOPS=0): gunicorn's sync workers
     each hold one connection until its request is whole, so a few dozen clients sending a byte every few seconds
     (slowloris) hold them all. Warned, not refused: a proxy may be in front whose headers the api ignores."""
-    settings: Settings = app.config["PAYINTENT_SETTINGS"]
+    settings: Settings = appstate.settings(app)
     if settings.trusted_proxy_hops == 0 and not _loopback(host):
         log.warning(
             "serving on %s, reachable from other machines, with no proxy in front (TRUSTED_PROXY_HOPS=0): the api %s "
@@ -122,7 +126,7 @@ def _warn_without_a_proxy(app: Flask, host: str) -> None:
         )
 
 
-def _merchant_call(fn, *args: Any) -> Any:  # type: ignore[no-untyped-def]
+def _merchant_call(fn: Callable[..., Any], *args: Any) -> Any:
     from backend.merchants.services import MerchantError
 
     try:
@@ -231,7 +235,7 @@ def wallet_set(merchant_id: str, network: str, address: str) -> None:
 
     app = _app()
     with app.app_context():
-        saved = _merchant_call(services.set_wallet, merchant_id, network, address, app.extensions["payintent.chains"])
+        saved = _merchant_call(services.set_wallet, merchant_id, network, address, appstate.chains(app))
         _emit({"wallet_id": saved.id, "merchant_id": merchant_id, "network": saved.network, "address": saved.address})
 
 
@@ -337,7 +341,7 @@ def relayer(burst: bool, processes: int) -> None:
         from relayer.keys import load_relay_accounts
 
         try:
-            load_relay_accounts(app.extensions["payintent.chains"])  # fail fast, once, on bad keys
+            load_relay_accounts(appstate.chains(app))  # fail fast, once, on bad keys
         except RelayKeyError as exc:
             raise CLIError("RELAY_KEYS", str(exc), exit_code=1) from None
         argv = [sys.argv[0], "relayer", *(["--burst"] if burst else [])]
@@ -364,7 +368,7 @@ def devnet() -> None:
     pass
 
 
-def _devnet_call(fn, *args: Any) -> Any:  # type: ignore[no-untyped-def]
+def _devnet_call(fn: Callable[..., Any], *args: Any) -> Any:
     from devnet import DevnetError
 
     try:

@@ -37,6 +37,7 @@ from typing import IO, Any
 import psutil
 import requests
 
+from backend import appstate
 from backend.config import Settings, var_dir
 from devnet.anvil import describe_holder, port_is_free, tie_to_parent
 
@@ -168,7 +169,7 @@ def seed_demo_merchant() -> dict[str, Any]:
 
     app = create_app()
     with app.app_context():
-        registry = app.extensions["payintent.chains"]
+        registry = appstate.chains(app)
         merchant = db.session.scalar(select(Merchant).where(Merchant.email == DEMO_EMAIL))
         if merchant is None:
             merchant, issued = services.create_merchant(DEMO_EMAIL, DEMO_PASSWORD, "Demo Shop")
@@ -230,12 +231,12 @@ def wait_registered(proc: subprocess.Popen[Any], redis_url: str, timeout: float 
                 if any(w.pid == proc.pid for w in Worker.all(connection=connection)):
                     return
             if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args} exited during start-up; see its output above")
+                raise RuntimeError(f"{proc.args!r} exited during start-up; see its output above")
             _stopper.check()
             time.sleep(0.1)
     finally:
         connection.close()
-    raise RuntimeError(f"{proc.args} did not register with Redis within {timeout:.0f}s")
+    raise RuntimeError(f"{proc.args!r} did not register with Redis within {timeout:.0f}s")
 
 
 def _devnet_banner(devnet_info: dict[str, Any] | None, started: bool) -> str:

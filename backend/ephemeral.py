@@ -14,18 +14,20 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 from flask import current_app
 from redis import Redis, RedisError
 
 from backend import clock
+from backend.appstate import AppSlot
 from backend.queueing import app_redis
 
 log = logging.getLogger(__name__)
 
 _PREFIX = "payintent:ephemeral:"
-_EXTENSION = "payintent.ephemeral.memory_store"
+_MEMORY_STORE: AppSlot[MemoryStore] = AppSlot("payintent.ephemeral.memory_store")
 # Decrement a live counter above 1 (its TTL stays); one that would fall to 0 is deleted (a window that counts
 # nothing holds nothing: refused log-ins with made-up emails must not leave keys behind); a missing (expired)
 # key stays missing.
@@ -164,11 +166,14 @@ class RedisStore:
         return bool(self._redis.exists(_PREFIX + key))
 
 
+T = TypeVar("T")
+
+
 def memory_store() -> MemoryStore:
     """The current app's in-process store (one per app, so tests never share one)."""
-    store = current_app.extensions.get(_EXTENSION)
+    store = _MEMORY_STORE.peek()
     if store is None:
-        store = current_app.extensions[_EXTENSION] = MemoryStore()
+        store = _MEMORY_STORE.set(current_app, MemoryStore())
     return store
 
 
@@ -178,31 +183,31 @@ class _FallbackStore:
     def __init__(self, redis: Redis | None) -> None:
         self._primary = RedisStore(redis) if redis is not None else None
 
-    def _call(self, name: str, *args: object) -> object:
+    def _call(self, operation: Callable[[EphemeralStore], T]) -> T:
         if self._primary is not None:
             try:
-                return getattr(self._primary, name)(*args)
+                return operation(self._primary)
             except RedisError as exc:
                 log.warning("ephemeral store: Redis failed (%s); using the in-process store", type(exc).__name__)
-        return getattr(memory_store(), name)(*args)
+        return operation(memory_store())
 
     def incr(self, key: str, ttl_seconds: int) -> int:
-        return self._call("incr", key, ttl_seconds)  # type: ignore[return-value]
+        return self._call(lambda store: store.incr(key, ttl_seconds))
 
     def release(self, key: str) -> None:
-        self._call("release", key)
+        self._call(lambda store: store.release(key))
 
     def count(self, key: str) -> tuple[int, int]:
-        return self._call("count", key)  # type: ignore[return-value]
+        return self._call(lambda store: store.count(key))
 
     def delete(self, key: str) -> None:
-        self._call("delete", key)
+        self._call(lambda store: store.delete(key))
 
     def set_flag(self, key: str, ttl_seconds: int) -> None:
-        self._call("set_flag", key, ttl_seconds)
+        self._call(lambda store: store.set_flag(key, ttl_seconds))
 
     def has_flag(self, key: str) -> bool:
-        return bool(self._call("has_flag", key))
+        return bool(self._call(lambda store: store.has_flag(key)))
 
 
 def store() -> EphemeralStore:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from flask_smorest import Api
 from flask_sqlalchemy import SQLAlchemy
-from sqlalchemy import JSON, DateTime, MetaData, event
+from sqlalchemy import JSON, DateTime, MetaData, Table, event
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import CursorResult, Engine, Result, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.types import TypeDecorator
@@ -26,6 +26,8 @@ NAMING_CONVENTION = {
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    # Every model maps one Table (none maps a join or a select), which Core statements take (insert(X.__table__)).
+    __table__: ClassVar[Table]
 
 
 class PayintentApi(Api):
@@ -71,6 +73,22 @@ class PayintentSQLAlchemy(SQLAlchemy):
 
 db = PayintentSQLAlchemy(model_class=Base)
 api = PayintentApi()
+
+if TYPE_CHECKING:
+    # The models' base class as the type checker sees it: Flask-SQLAlchemy builds db.Model from Base at run time,
+    # and a class held in an attribute cannot be a base class to mypy.
+    Model = Base
+else:
+    Model = db.Model
+
+
+def rowcount(result: Result[Any]) -> int:
+    """How many rows an INSERT, UPDATE or DELETE run by ``db.session.execute`` matched.
+
+    ``Session.execute`` is typed to return a Result; for those statements it is a CursorResult, which has the count."""
+    if not isinstance(result, CursorResult):
+        raise TypeError(f"{type(result).__name__} has no rowcount: not the result of an INSERT, UPDATE or DELETE")
+    return result.rowcount
 
 
 class UTCDateTime(TypeDecorator[datetime]):

@@ -34,7 +34,7 @@ _HTTP_CODES = {
 
 
 def _response(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
-    response = current_app.json.response(body)
+    response = current_app.response_class(current_app.json.dumps(body), mimetype="application/json")
     response.status_code = status
     response.headers.update(headers or {})
     return response
@@ -58,8 +58,8 @@ def _handle_http_exception(exc: HTTPException) -> Response:
     code = _HTTP_CODES.get(status, "HTTP_ERROR" if status < 500 else "INTERNAL_ERROR")
     message = exc.description if status < 500 else CATALOG["INTERNAL_ERROR"].description
     response = _response(status, {"success": False, "error": {"code": code, "message": message or code}})
-    if status == 405 and hasattr(exc, "valid_methods") and exc.valid_methods:  # type: ignore[attr-defined]
-        response.headers["Allow"] = ", ".join(exc.valid_methods)  # type: ignore[attr-defined]
+    if status == 405 and hasattr(exc, "valid_methods") and exc.valid_methods:
+        response.headers["Allow"] = ", ".join(exc.valid_methods)
     return response
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import simplejson
 from flask.json.provider import JSONProvider
+from werkzeug.sansio.response import Response
 
 from backend.clock import isoformat
 from payintent.jsonlimits import MAX_JSON_DEPTH, LoneSurrogate, exceeds_depth, has_lone_surrogate
@@ -82,6 +83,6 @@ class ExactJSONProvider(JSONProvider):
     def loads(self, s: str | bytes, **kwargs: Any) -> Any:
         return strict_loads(s)
 
-    def response(self, *args: Any, **kwargs: Any):  # type: ignore[no-untyped-def]
+    def response(self, *args: Any, **kwargs: Any) -> Response:
         obj = self._prepare_response_obj(args, kwargs)
         return self._app.response_class(self.dumps(obj), mimetype=self.mimetype)

@@ -200,10 +200,12 @@ class TextFormatter(logging.Formatter):
 # --- the handler ---------------------------------------------------------------------------------
 
 
-class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class StderrHandler(logging.StreamHandler[Any]):
     """Writes to whatever ``sys.stderr`` is at the time (gunicorn and pytest replace it)."""
 
-    @property  # type: ignore[override]
+    _payintent = False  # True on the handler configure_logging installs
+
+    @property
     def stream(self) -> Any:
         return sys.stderr
 
@@ -220,7 +222,7 @@ def make_handler(fmt: str = "json") -> logging.Handler:
     handler.addFilter(QuietRQFilter())
     handler.addFilter(ContextFilter())
     handler.addFilter(RedactionFilter())
-    handler._payintent = True  # type: ignore[attr-defined]
+    handler._payintent = True
     return handler
 
 

@@ -142,8 +142,9 @@ class HashGate:
         pause = _POLL_SECONDS[0]
         fd = None
         while self.directory is not None and (fd := self._try_slot_or_recover()) is None:
+            # _try_slot_or_recover may give the directory up; mypy keeps the loop condition's narrowing of it.
             if self.directory is None:
-                break
+                break  # type: ignore[unreachable]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise PasswordCheckBusy()

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from functools import wraps
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from flask import Flask, current_app, has_app_context
 from redis import Redis
@@ -22,12 +22,16 @@ from rq.exceptions import StopRequested
 from rq.utils import now as rq_now
 from rq.worker import WorkerStatus
 
+from backend import appstate
+from backend.appstate import AppSlot
+
 log = logging.getLogger(__name__)
 
 DEFAULT_QUEUE = "payintent"
 REDIS_RETRY_MAX_SECONDS = 10.0
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 _job_app: Flask | None = None
 
 
@@ -68,15 +72,19 @@ def job_app() -> Flask:
     return _job_app
 
 
-def app_job(func: F) -> F:
+def app_job(func: Callable[P, R]) -> Callable[P, R]:
     """Run an RQ job function inside a fresh app context (its own DB session)."""
 
     @wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         with job_app().app_context():
             return func(*args, **kwargs)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
+
+
+_REDIS: AppSlot[Redis] = AppSlot("payintent.redis")
+_FAST_REDIS: AppSlot[Redis] = AppSlot("payintent.redis.fast")
 
 
 def app_redis(*, fast: bool = False) -> Redis | None:
@@ -87,14 +95,14 @@ def app_redis(*, fast: bool = False) -> Redis | None:
     """
     if not has_app_context():
         return None
-    name = "payintent.redis.fast" if fast else "payintent.redis"
-    redis = current_app.extensions.get(name)
+    slot = _FAST_REDIS if fast else _REDIS
+    redis = slot.peek()
     if redis is None:
-        url = current_app.config["PAYINTENT_SETTINGS"].redis_url
+        url = appstate.settings().redis_url
         if not url:
             return None
         options = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5} if fast else {}
-        redis = current_app.extensions[name] = redis_from_url(url, **options)
+        redis = slot.set(current_app, redis_from_url(url, **options))
     return redis
 
 

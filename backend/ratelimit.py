@@ -14,8 +14,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 
-from flask import current_app, request
+from flask import request
 
+from backend import appstate
 from backend.ephemeral import store
 from backend.errors import DomainError
 
@@ -50,7 +51,7 @@ def _warn_if_proxied_unconfigured() -> None:
     global _warned_about_forwarded_for
     if _warned_about_forwarded_for or "X-Forwarded-For" not in request.headers:
         return
-    if current_app.config["PAYINTENT_SETTINGS"].trusted_proxy_hops == 0:
+    if appstate.settings().trusted_proxy_hops == 0:
         _warned_about_forwarded_for = True
         log.warning(
             "a request came through a proxy (X-Forwarded-For) but TRUSTED_PROXY_HOPS is 0: rate limits count "

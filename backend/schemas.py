@@ -5,9 +5,9 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
-from flask import current_app
 from marshmallow import Schema, ValidationError, fields, validate
 
+from backend import appstate
 from backend.errors import echo
 from backend.money import AmountError, parse_usdc_amount
 
@@ -23,12 +23,12 @@ class StrictSchema(Schema):
         unknown = "raise"
 
 
-class UsdcAmount(fields.Field):
+class UsdcAmount(fields.Field[Decimal]):
     """A USDC amount: a JSON number > 0 with at most 6 decimals (see backend.money)."""
 
     def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> Decimal:
         try:
-            return parse_usdc_amount(value, maximum=current_app.config["PAYINTENT_SETTINGS"].max_amount_usdc)
+            return parse_usdc_amount(value, maximum=appstate.settings().max_amount_usdc)
         except AmountError as exc:
             raise ValidationError(str(exc)) from None
 

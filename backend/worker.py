@@ -15,6 +15,7 @@ from typing import Any
 
 from redis import Redis
 
+from backend import appstate
 from backend.dashboard.tasks import purge_expired_reveals
 from backend.idempotency.tasks import purge_idempotency_keys
 from backend.intents.tasks import expire_intents
@@ -71,11 +72,11 @@ def run_worker(
     dispatcher = None
     if not burst:
         app = job_app()
-        dispatcher = Dispatcher(app, app.config["PAYINTENT_SETTINGS"].webhook_concurrency).start()
+        dispatcher = Dispatcher(app, appstate.settings(app).webhook_concurrency).start()
         ticker = threading.Thread(target=_ticker, args=(connection, stop), name="periodic", daemon=True)
         ticker.start()
     try:
-        work(list(queues), connection, burst=burst, logging_level=job_app().config["PAYINTENT_SETTINGS"].log_level)
+        work(list(queues), connection, burst=burst, logging_level=appstate.settings(job_app()).log_level)
     finally:
         stop.set()
         if ticker is not None:

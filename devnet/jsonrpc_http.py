@@ -140,6 +140,6 @@ class JsonRpcServer(ThreadingHTTPServer):
 
 
 def make_server(dispatch: Dispatch, host: str, port: int, *, name: str = "jsonrpc") -> JsonRpcServer:
-    handler = type("BoundHandler", (Handler,), {"dispatch": staticmethod(dispatch), "name": name})
-    handler.server_version = f"payintent-{name}"
+    attributes = {"dispatch": staticmethod(dispatch), "name": name, "server_version": f"payintent-{name}"}
+    handler = type("BoundHandler", (Handler,), attributes)
     return JsonRpcServer((host, port), handler)

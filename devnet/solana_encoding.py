@@ -10,6 +10,7 @@ import binascii
 from typing import Any
 
 from solders.account import Account
+from solders.message import MessageV0
 from solders.transaction import VersionedTransaction
 
 from devnet.base58 import b58decode, b58encode
@@ -173,7 +174,7 @@ def encode_transaction(tx: VersionedTransaction, encoding: str) -> Any:
         ],
         "recentBlockhash": str(message.recent_blockhash),
     }
-    if isinstance(tx.version(), int):
+    if isinstance(message, MessageV0):
         body["addressTableLookups"] = [
             {
                 "accountKey": str(lookup.account_key),

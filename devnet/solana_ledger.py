@@ -317,7 +317,7 @@ class Ledger:
         for index, key in enumerate(keys):
             account = self._svm.get_account(key)
             parsed = parse_token_account(account.owner, bytes(account.data)) if account else None
-            if parsed is None:
+            if parsed is None or account is None:
                 continue
             mint = self._svm.get_account(parsed.mint)
             mint_info = parse_mint(mint.owner, bytes(mint.data)) if mint else None

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from solders.message import from_bytes_versioned
+from solders.message import Message, from_bytes_versioned
 from solders.pubkey import Pubkey
 from solders.signature import Signature
 from solders.transaction import VersionedTransaction
@@ -316,7 +316,8 @@ def get_fee_for_message(ledger: Ledger, params: Params) -> Any:
     check_commitment(ledger, params.config(1))
     try:
         message = from_bytes_versioned(base64.b64decode(encoded, validate=True))
-        message.sanitize()
+        if not isinstance(message, Message):  # a legacy message has no sanitize(); real RPCs price it too
+            message.sanitize()
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
@@ -345,7 +346,7 @@ def message_fee(message: Any) -> int:
         limit = DEFAULT_COMPUTE_UNITS_PER_INSTRUCTION * other_instructions
     limit = min(limit, MAX_COMPUTE_UNITS)
     priority = (price * limit + 999_999) // 1_000_000
-    return LAMPORTS_PER_SIGNATURE * message.header.num_required_signatures + priority
+    return LAMPORTS_PER_SIGNATURE * int(message.header.num_required_signatures) + priority
 
 
 @method("getRecentPrioritizationFees")
@@ -436,7 +437,7 @@ def simulation_value(
     }
     if execution.err is None:
         keys = list(tx.message.account_keys)
-        value["preBalances"] = [(ledger.account(k).lamports if ledger.account(k) else 0) for k in keys]
+        value["preBalances"] = [(account.lamports if (account := ledger.account(k)) else 0) for k in keys]
         value["postBalances"] = [
             (execution.post_accounts[k].lamports if k in execution.post_accounts else value["preBalances"][i])
             for i, k in enumerate(keys)

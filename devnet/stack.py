@@ -376,11 +376,12 @@ def _deploy_and_fund(
 ) -> str:
     """Give the deployer and relays ETH, deploy TestUSDC (owner: the deployer), mint to every buyer."""
     from web3 import Web3
+    from web3.types import RPCEndpoint
 
     w3 = Web3(Web3.HTTPProvider(rpc_url, request_kwargs={"timeout": 10}, exception_retry_configuration=None))
-    w3.provider.make_request("anvil_setBalance", [deployer.address, hex(DEPLOYER_ETH)])
+    w3.provider.make_request(RPCEndpoint("anvil_setBalance"), [deployer.address, hex(DEPLOYER_ETH)])
     for relay in relays:
-        w3.provider.make_request("anvil_setBalance", [relay.address, hex(RELAY_ETH)])
+        w3.provider.make_request(RPCEndpoint("anvil_setBalance"), [relay.address, hex(RELAY_ETH)])
     artifact = json.loads(ARTIFACT.read_text())
     factory = w3.eth.contract(abi=artifact["abi"], bytecode=artifact["bytecode"])
     receipt = _send(w3, deployer, factory.constructor(deployer.address), chain_id, nonce=0)
@@ -498,10 +499,9 @@ def _read_state(workdir: Path) -> dict[str, Any] | None:
         return None
     except (OSError, json.JSONDecodeError) as exc:
         raise DevnetError("INVALID_STATE", f"cannot read {path}: {exc}; stop any anvil by hand and delete it") from None
-    valid = (
+    if not (
         isinstance(state, dict) and state.get("version") == STATE_VERSION and isinstance(state.get("networks"), dict)
-    )
-    if not valid:
+    ):
         raise DevnetError("INVALID_STATE", f"{path} is not a devnet state file; stop any anvil by hand and delete it")
     return state
 

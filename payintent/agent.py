@@ -186,6 +186,7 @@ class PayingAgent:
         response = self.session.request(
             method, url, headers={**headers, x402.PAYMENT_ACCESS: token} if token else headers, **kwargs
         )
+        # requests.Response has no `payment`: this client documents it as an extra attribute of its answers.
         response.payment = None  # type: ignore[attr-defined]
         if response.status_code != 402:
             return response
@@ -214,6 +215,7 @@ class PayingAgent:
         if taken and (paid is None or paid.status_code == 402):  # paid, but the answer was lost
             proof = self._prover(requirement, payload, intent_id)
             paid = self._recover(method, url, headers, pay_headers, proof, kwargs)
+        assert paid is not None  # None only with taken: then recovered above
         if paid.status_code == 402:  # still counted: a refusal is the server's word, not the chain's
             raise PaymentRequiredError(f"the server refused the payment: {_error_of(paid)}", paid)
         receipt_header = paid.headers.get(x402.PAYMENT_RESPONSE) or paid.headers.get(x402.V2_PAYMENT_RESPONSE)
@@ -221,7 +223,7 @@ class PayingAgent:
             receipt = x402.decode_header(receipt_header) if receipt_header else None
         except x402.HeaderError:
             receipt = None
-        paid.payment = receipt  # type: ignore[attr-defined]
+        paid.payment = receipt  # type: ignore[attr-defined]  # as above
         if receipt is not None:
             with self._lock:  # settled: spent for good
                 if sent in self._open:

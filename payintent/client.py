@@ -211,8 +211,8 @@ class PayIntentClient:
         params: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
         timeout: float | None = None,
-    ) -> Any:
-        """One API call; returns the envelope's ``data`` or raises :class:`PayIntentError`."""
+    ) -> dict[str, Any]:
+        """One API call: the envelope's ``data`` (an object on every endpoint), or :class:`PayIntentError`."""
         sent_headers = dict(headers or {})
         data = None
         if body is not None:
@@ -233,8 +233,9 @@ class PayIntentClient:
             decoded = None if exceeds_depth(response.content) else simplejson.loads(response.text, use_decimal=True)
         except ValueError:
             decoded = None
-        if isinstance(decoded, dict) and decoded.get("success") is True and response.ok:
-            return decoded.get("data")
+        data = decoded.get("data") if isinstance(decoded, dict) and decoded.get("success") is True else None
+        if isinstance(data, dict) and response.ok:
+            return data
         error = decoded.get("error") if isinstance(decoded, dict) else None
         if isinstance(error, dict) and error.get("code"):
             raise PayIntentError(response.status_code, str(error["code"]), str(error.get("message", "")), decoded)

@@ -80,7 +80,7 @@ def recover_authorizer(domain: Mapping[str, Any], payload: Mapping[str, Any]) ->
     signable = encode_typed_data(
         domain_data=dict(domain), message_types=MESSAGE_TYPES, message_data=message_of(payload)
     )
-    return Account.recover_message(signable, signature=signature)
+    return str(Account.recover_message(signable, signature=signature))
 
 
 def sign_authorization(

@@ -111,8 +111,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def has_lone_surrogate(text: str | bytes, value: Any) -> bool:
     """Whether ``value``, decoded from JSON ``text``, holds a lone surrogate (json pairs the valid ones)."""
-    escape = _SURROGATE_ESCAPE_BYTES if isinstance(text, bytes) else _SURROGATE_ESCAPE
-    return bool(escape.search(text)) and any(_SURROGATE.search(s) for s in iter_strings(value))  # type: ignore[arg-type]
+    escaped = _SURROGATE_ESCAPE_BYTES.search(text) if isinstance(text, bytes) else _SURROGATE_ESCAPE.search(text)
+    return bool(escaped) and any(_SURROGATE.search(s) for s in iter_strings(value))
 
 
 def loads(data: str | bytes, limit: int = MAX_JSON_DEPTH, **kwargs: Any) -> Any:

@@ -22,7 +22,9 @@ class PaywallMiddleware:
     (``/report/``, ``//report`` and ``/x/../report`` are ``/report``), HEAD as GET; its price and its
     key are the configured route's, whatever the request's Host or spelling."""
 
-    def __init__(self, app: Callable[..., Any], paywall: Paywall, routes: Mapping[str, Decimal | str | int]) -> None:
+    def __init__(
+        self, app: Callable[..., Iterable[bytes]], paywall: Paywall, routes: Mapping[str, Decimal | str | int]
+    ) -> None:
         self.app = app
         self.paywall = paywall
         self.routes: dict[tuple[str, str], Decimal] = {}
@@ -37,7 +39,7 @@ class PaywallMiddleware:
         path = route_path(canonical_path(str(environ.get("PATH_INFO") or "")))
         price = self.routes.get((method, path))
         if price is None:
-            return self.app(environ, start_response)  # type: ignore[no-any-return]
+            return self.app(environ, start_response)
         outcome = self.paywall.check_environ(environ, price, route=path, route_target=path)
         if not outcome.paid:
             body = outcome.body_bytes()
@@ -51,4 +53,4 @@ class PaywallMiddleware:
         def start_paid(status: str, response_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
             return start_response(status, [*response_headers, *outcome.headers.items()], exc_info)
 
-        return self.app(environ, start_paid)  # type: ignore[no-any-return]
+        return self.app(environ, start_paid)

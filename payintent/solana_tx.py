@@ -31,7 +31,7 @@ from typing import Any
 from solders.compute_budget import set_compute_unit_limit, set_compute_unit_price
 from solders.hash import Hash
 from solders.instruction import AccountMeta, Instruction
-from solders.message import MessageV0, to_bytes_versioned
+from solders.message import Message, MessageV0, MessageV1, to_bytes_versioned
 from solders.pubkey import Pubkey
 from solders.signature import Signature
 from solders.transaction import VersionedTransaction
@@ -193,7 +193,7 @@ def priority_fee(unit_limit: int, unit_price: int) -> int:
     return (unit_price * unit_limit + 999_999) // 1_000_000
 
 
-def transaction_fee(message: MessageV0) -> int:
+def transaction_fee(message: Message | MessageV0 | MessageV1) -> int:
     """The fee the fee payer pays for ``message`` once it lands (successful or not), in lamports:
     LAMPORTS_PER_SIGNATURE per signature plus the priority fee of its compute-budget instructions."""
     keys = list(message.account_keys)
@@ -305,8 +305,8 @@ def check_payment(
         raise SolanaTransactionError("INVALID_TRANSACTION", "the memo must be the intent id, with no accounts")
     if create_ix:
         # Exactly CreateIdempotent of the destination (the merchant's account of this mint), funded by the buyer.
-        wanted = [payer, destination, Pubkey.from_string(requirement["payTo"]), asset, SYSTEM_PROGRAM, TOKEN_PROGRAM]
-        if bytes(create_ix[0].data) != _CREATE_IDEMPOTENT or [keys[i] for i in bytes(create_ix[0].accounts)] != wanted:
+        needed = [payer, destination, Pubkey.from_string(requirement["payTo"]), asset, SYSTEM_PROGRAM, TOKEN_PROGRAM]
+        if bytes(create_ix[0].data) != _CREATE_IDEMPOTENT or [keys[i] for i in bytes(create_ix[0].accounts)] != needed:
             raise SolanaTransactionError(
                 "DISALLOWED_INSTRUCTION",
                 "the only account instruction allowed is CreateIdempotent of the merchant's USDC account, "

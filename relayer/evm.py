@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from eth_account.signers.local import LocalAccount
+from eth_typing import HexStr
+from eth_utils import to_checksum_address
 from redis import Redis
 from web3.exceptions import ContractLogicError, Web3RPCError
 
@@ -100,7 +102,7 @@ def relay_cost(fee_fields: dict[str, int]) -> int:
 
 
 def short_of_funds(chain: EvmChain, sender: str, fee_fields: dict[str, int]) -> bool:
-    return int(chain.w3.eth.get_balance(sender)) < relay_cost(fee_fields)
+    return int(chain.w3.eth.get_balance(to_checksum_address(sender))) < relay_cost(fee_fields)
 
 
 @contextlib.contextmanager
@@ -140,7 +142,7 @@ def _next_nonce(redis: Redis, chain: EvmChain, account: LocalAccount) -> int:
     pending = int(chain.w3.eth.get_transaction_count(account.address, "pending"))
     last = redis.get(NONCE_KEY.format(chain.network.network, account.address))
     if last:
-        last_nonce, _, last_hash = last.decode().partition(":")
+        last_nonce, _, last_hash = (last.decode() if isinstance(last, bytes) else str(last)).partition(":")
         if int(last_nonce) >= pending and is_pending(chain, last_hash):
             return int(last_nonce) + 1
     return pending
@@ -151,7 +153,7 @@ def is_pending(chain: EvmChain, tx_hash: str) -> bool:
     from web3.exceptions import TransactionNotFound
 
     try:
-        tx = chain.w3.eth.get_transaction(tx_hash)
+        tx = chain.w3.eth.get_transaction(HexStr(tx_hash))
     except TransactionNotFound:
         return False
     return tx.get("blockNumber") is None
@@ -298,6 +300,6 @@ def wait_receipt(chain: EvmChain, tx_hash: str, timeout: float) -> dict[str, Any
     from web3.exceptions import TimeExhausted
 
     try:
-        return dict(chain.w3.eth.wait_for_transaction_receipt(tx_hash, timeout=timeout, poll_latency=0.05))
+        return dict(chain.w3.eth.wait_for_transaction_receipt(HexStr(tx_hash), timeout=timeout, poll_latency=0.05))
     except TimeExhausted:
         return None

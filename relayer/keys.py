@@ -27,7 +27,7 @@ def _parse(document: object, source: str) -> dict[str, list[str]]:
         isinstance(v, list) and all(isinstance(k, str) for k in v) for v in document.values()
     ):
         raise RelayKeyError(f"{source}: expected a JSON object of network -> list of hex private keys")
-    return document  # type: ignore[return-value]
+    return document
 
 
 def _read_keys(registry: ChainRegistry) -> dict[str, list[str]]:

@@ -22,10 +22,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from eth_account.signers.local import LocalAccount
-from flask import current_app
 from redis import Redis
 from solders.keypair import Keypair
 
+from backend import appstate
 from backend.chains.evm import EvmChain, evm_chain
 from backend.errors import DomainError
 from backend.extensions import db
@@ -121,7 +121,7 @@ def _settle(settlement_id: str, redis: Redis) -> str:
     settlement = services.get_settlement(settlement_id)
     if settlement is None or settlement.status not in st.OPEN:
         return "finished"
-    network = current_app.extensions["payintent.chains"].get(settlement.network)
+    network = appstate.chains().get(settlement.network)
     if network is not None and network.kind == "solana":
         relay = SOLANA_RELAYS.get(settlement.network)
         if relay is None:

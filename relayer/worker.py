@@ -12,6 +12,7 @@ import logging
 from flask import Flask
 from redis import Redis
 
+from backend import appstate
 from backend.chains.evm import evm_chain
 from backend.chains.registry import Network
 from backend.logs import register_secret
@@ -23,8 +24,8 @@ log = logging.getLogger(__name__)
 
 
 def run_relayer(app: Flask, connection: Redis, *, burst: bool = False) -> None:
-    settings = app.config["PAYINTENT_SETTINGS"]
-    registry = app.extensions["payintent.chains"]
+    settings = appstate.settings(app)
+    registry = appstate.chains(app)
     chosen = set(settings.relayer_networks)
     unknown = sorted(n for n in chosen if registry.get(n) is None)
     if unknown:

@@ -8,11 +8,12 @@ import time
 from typing import Any
 
 import requests
+from eth_typing import HexStr
 from eth_utils import keccak, to_checksum_address
 from web3 import Web3
 from web3.exceptions import Web3RPCError
 from web3.providers.rpc.utils import ExceptionRetryConfiguration
-from web3.types import RPCEndpoint
+from web3.types import BlockIdentifier, RPCEndpoint
 
 from backend.chains.registry import Network
 
@@ -65,7 +66,9 @@ _UINT = {"type": "uint256"}
 _BYTES32 = {"type": "bytes32"}
 
 
-def _fn(name: str, inputs: list[tuple[str, dict[str, str]]], outputs: list[dict[str, str]], mutability: str) -> dict:
+def _fn(
+    name: str, inputs: list[tuple[str, dict[str, str]]], outputs: list[dict[str, str]], mutability: str
+) -> dict[str, Any]:
     return {
         "type": "function",
         "name": name,
@@ -177,13 +180,13 @@ class EvmChain:
     def balance_of(self, address: str) -> int:
         return int(self.token.functions.balanceOf(to_checksum_address(address)).call())
 
-    def authorization_state(self, authorizer: str, nonce: bytes, block: int | str = "latest") -> bool:
+    def authorization_state(self, authorizer: str, nonce: bytes, block: BlockIdentifier = "latest") -> bool:
         """Whether the nonce is used or cancelled, at ``block`` (a height read before: a lagging node
         behind a load balancer then fails the call instead of answering from an older state)."""
         call = self.token.functions.authorizationState(to_checksum_address(authorizer), nonce)
         return bool(call.call(block_identifier=block))
 
-    def has_code(self, address: str, block: int | str = "latest") -> bool:
+    def has_code(self, address: str, block: BlockIdentifier = "latest") -> bool:
         """Whether ``address`` holds code: a contract (an ERC-1271 smart wallet) or an EOA with an EIP-7702
         delegation designator (``0xef0100`` + the delegate's address). EIP-3009 then asks that code whether
         the signature is valid, and code can answer differently at each call (docs/security.md)."""
@@ -200,7 +203,7 @@ class EvmChain:
         block = self.w3.eth.get_block("latest")
         return int(block["number"]), int(block["timestamp"])
 
-    def block_timestamp(self, block: int | str = "latest") -> int:
+    def block_timestamp(self, block: BlockIdentifier = "latest") -> int:
         return int(self.w3.eth.get_block(block)["timestamp"])
 
     def is_final(self, block_number: int, head: int | None = None) -> bool:
@@ -305,7 +308,7 @@ class EvmChain:
         from web3.exceptions import TransactionNotFound
 
         try:
-            return dict(self.w3.eth.get_transaction_receipt(tx_hash))
+            return dict(self.w3.eth.get_transaction_receipt(HexStr(tx_hash)))
         except TransactionNotFound:
             return None
 

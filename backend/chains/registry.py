@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -229,7 +230,7 @@ class ChainRegistry:
     def __contains__(self, network_id: object) -> bool:
         return network_id in self._by_id
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Network]:
         return iter(self._by_id.values())
 
     def ids(self) -> list[str]:

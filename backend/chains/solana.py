@@ -64,7 +64,10 @@ class SolanaChain:
             raise SolanaRpcError(f"{method}: malformed answer")
         if answer.get("error"):
             error = answer["error"] if isinstance(answer["error"], dict) else {"message": str(answer["error"])}
-            raise SolanaRpcError(f"{method}: {error.get('message')}", error.get("code"), error.get("data"))
+            code = error.get("code")  # an integer, per JSON-RPC; anything else is no code
+            raise SolanaRpcError(
+                f"{method}: {error.get('message')}", code if isinstance(code, int) else None, error.get("data")
+            )
         return answer.get("result")
 
     GENESIS_CACHE_SECONDS = 60.0

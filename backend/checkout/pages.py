@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flask import Blueprint, Response, abort, current_app, send_from_directory
+from flask import Blueprint, Response, abort, send_from_directory
+
+from backend import appstate
 
 bp = Blueprint("checkout_page", __name__)
 
@@ -25,7 +27,7 @@ NOT_BUILT = (
 
 
 def _dist() -> Path:
-    return Path(current_app.config["PAYINTENT_SETTINGS"].checkout_dist_dir)
+    return Path(appstate.settings().checkout_dist_dir)
 
 
 def _secure(response: Response) -> Response:

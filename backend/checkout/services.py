@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from flask import current_app
 from solders.pubkey import Pubkey
 
-from backend import clock
+from backend import appstate, clock
 from backend.chains.addresses import AddressError, normalize_address
 from backend.chains.evm import evm_chain
 from backend.chains.registry import ChainRegistry
@@ -36,7 +35,7 @@ def limit(kind: str) -> None:
 
 
 def _registry() -> ChainRegistry:
-    return current_app.extensions["payintent.chains"]  # type: ignore[no-any-return]
+    return appstate.chains()
 
 
 def public_view(intent: Intent) -> dict[str, Any]:

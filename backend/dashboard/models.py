@@ -7,10 +7,10 @@ from datetime import datetime
 from sqlalchemy import ForeignKey, LargeBinary, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
-from backend.extensions import UTCDateTime, db
+from backend.extensions import Model, UTCDateTime
 
 
-class PendingReveal(db.Model):
+class PendingReveal(Model):
     """A new API key or webhook secret between the POST that made it and the page that shows it.
 
     Neither the handle (in the merchant's session cookie) nor the secret is stored: the id is a hash of

@@ -34,7 +34,7 @@ from sqlalchemy import delete
 
 from backend import clock
 from backend.dashboard.models import PendingReveal
-from backend.extensions import db
+from backend.extensions import db, rowcount
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,6 @@ def forget_session(session_id: str) -> None:
 
 def purge_expired() -> int:
     """The worker's sweep: delete every secret whose time to be shown has passed; returns how many."""
-    deleted = db.session.execute(delete(PendingReveal).where(PendingReveal.expires_at <= clock.now())).rowcount
+    deleted = rowcount(db.session.execute(delete(PendingReveal).where(PendingReveal.expires_at <= clock.now())))
     db.session.commit()
     return int(deleted or 0)

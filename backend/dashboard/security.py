@@ -55,7 +55,6 @@ import re
 import secrets
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 from urllib.parse import urlsplit
 
 from flask import Flask, current_app, request, session
@@ -63,7 +62,8 @@ from flask.sessions import SecureCookieSessionInterface
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 from werkzeug.wrappers import Response
 
-from backend import clock, ratelimit
+from backend import appstate, clock, ratelimit
+from backend.config import Settings
 from backend.ephemeral import store
 
 SESSION_MAX_AGE = timedelta(hours=12)
@@ -229,8 +229,8 @@ def _address_key(ip: str) -> str:
 _GLOBAL_KEY = "login-failures-everywhere"
 
 
-def _settings() -> Any:
-    return current_app.config["PAYINTENT_SETTINGS"]
+def _settings() -> Settings:
+    return appstate.settings()
 
 
 def _shared_limits(email: str, ip: str) -> list[tuple[str, int, int, str]]:
@@ -278,7 +278,10 @@ def count_password_check(ip: str) -> None:
 
 
 def _device_serializer() -> URLSafeTimedSerializer:
-    return URLSafeTimedSerializer(current_app.secret_key, salt="payintent.dashboard.login-device")  # type: ignore[arg-type]
+    secret_key = current_app.secret_key
+    if secret_key is None:  # create_app always sets it (SECRET_KEY)
+        raise RuntimeError("the app has no SECRET_KEY")
+    return URLSafeTimedSerializer(secret_key, salt="payintent.dashboard.login-device")
 
 
 def _email_tag(email: str) -> str:

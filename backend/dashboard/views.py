@@ -18,7 +18,6 @@ from typing import Any
 from flask import (
     Blueprint,
     Response,
-    current_app,
     flash,
     g,
     make_response,
@@ -30,8 +29,9 @@ from flask import (
 )
 from werkzeug.exceptions import HTTPException, NotFound
 
-from backend import passwords, ratelimit
+from backend import appstate, passwords, ratelimit
 from backend.chains.registry import ChainRegistry
+from backend.config import Settings
 from backend.dashboard import display, forms, reveals, security, services
 from backend.dashboard.forms import Form
 from backend.errors import DomainError, database_unavailable
@@ -75,15 +75,16 @@ bp = Blueprint("dashboard", __name__, url_prefix="/dashboard", static_folder=STA
 
 
 def _registry() -> ChainRegistry:
-    return current_app.extensions["payintent.chains"]  # type: ignore[no-any-return]
+    return appstate.chains()
 
 
 def _checkout_host() -> str:
-    return current_app.config["PAYINTENT_SETTINGS"].checkout_host  # type: ignore[no-any-return]
+    return appstate.settings().checkout_host
 
 
 def _merchant_id() -> str:
-    return g.merchant.id  # type: ignore[no-any-return]
+    merchant: Merchant = g.merchant  # set by login_required
+    return merchant.id
 
 
 def _take_reveal(http_status: int) -> reveals.Reveal | None:
@@ -236,12 +237,12 @@ def _throttled(template: str, form: Form, throttled: security.LoginThrottled, **
     return response
 
 
-def _settings() -> Any:
-    return current_app.config["PAYINTENT_SETTINGS"]
+def _settings() -> Settings:
+    return appstate.settings()
 
 
 def _signup_open() -> bool:
-    return _settings().dashboard_signup == "open"  # type: ignore[no-any-return]
+    return _settings().dashboard_signup == "open"
 
 
 def _signup_retry_after() -> int | None:
@@ -281,9 +282,9 @@ def signup() -> Any:
     security.start_session(issued.key.merchant_id)
     _reveal(issued.key.merchant_id, "api_key", issued.secret, "your first API key")
     flash("Your account is ready. Next: register a wallet so intents can be paid.", "success")
-    response = redirect(url_for(".overview"))
-    security.remember_device(response, form.values["email"])
-    return response
+    redirected = redirect(url_for(".overview"))
+    security.remember_device(redirected, form.values["email"])
+    return redirected
 
 
 @bp.route("/login", methods=["GET", "POST"])
@@ -428,9 +429,7 @@ def create_webhook() -> Any:
     form = forms.webhook_form(request.form)
     if form.ok:
         try:
-            check_url_literal(
-                form.values["url"], current_app.config["PAYINTENT_SETTINGS"].webhook_allow_private_targets
-            )
+            check_url_literal(form.values["url"], appstate.settings().webhook_allow_private_targets)
         except TargetRefused as exc:
             form.error("url", f"This URL cannot receive webhooks: {exc}.")
     if not form.ok:

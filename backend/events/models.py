@@ -5,10 +5,10 @@ from datetime import datetime
 from sqlalchemy import Boolean, ForeignKey, Index, String, Text, false
 from sqlalchemy.orm import Mapped, mapped_column
 
-from backend.extensions import UTCDateTime, db
+from backend.extensions import Model, UTCDateTime
 
 
-class Event(db.Model):
+class Event(Model):
     """One event, stored as the exact envelope bytes that webhooks will deliver and sign."""
 
     __tablename__ = "events"

@@ -5,11 +5,11 @@ from datetime import datetime
 from sqlalchemy import ForeignKey, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
-from backend.extensions import UTCDateTime, db
+from backend.extensions import Model, UTCDateTime
 from backend.ids import prefixed_id
 
 
-class IdempotencyRecord(db.Model):
+class IdempotencyRecord(Model):
     """The first response to a request made with an ``Idempotency-Key``, replayed on retries."""
 
     __tablename__ = "idempotency_keys"

@@ -15,7 +15,7 @@ from sqlalchemy import delete, select
 
 from backend import clock
 from backend.errors import DomainError
-from backend.extensions import db
+from backend.extensions import db, rowcount
 from backend.idempotency.models import IdempotencyRecord
 from backend.jsonio import dumps
 
@@ -82,4 +82,4 @@ def remember_response(merchant_id: str, endpoint: str, key: str, request_hash: s
 def purge_expired() -> int:
     result = db.session.execute(delete(IdempotencyRecord).where(IdempotencyRecord.created_at < clock.now() - TTL))
     db.session.commit()
-    return result.rowcount or 0
+    return rowcount(result) or 0

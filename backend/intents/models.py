@@ -6,7 +6,7 @@ from typing import Any
 from sqlalchemy import BigInteger, ForeignKey, Index, String
 from sqlalchemy.orm import Mapped, mapped_column
 
-from backend.extensions import JSONType, UTCDateTime, db
+from backend.extensions import JSONType, Model, UTCDateTime
 
 PENDING = "pending"
 PAID = "paid"
@@ -15,7 +15,7 @@ CANCELLED = "cancelled"
 STATUSES = (PENDING, PAID, EXPIRED, CANCELLED)
 
 
-class Intent(db.Model):
+class Intent(Model):
     __tablename__ = "intents"
     __table_args__ = (
         Index("ix_intents_merchant_created", "merchant_id", "created_at"),

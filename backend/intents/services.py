@@ -12,13 +12,13 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert, select, update
+from sqlalchemy import RowMapping, bindparam, func, insert, select, update
 
 from backend import clock
 from backend.chains.registry import ChainRegistry, Network
 from backend.errors import ChainUnavailable, DomainError, not_found
 from backend.events.services import record_event
-from backend.extensions import db
+from backend.extensions import db, rowcount
 from backend.ids import intent_id as new_intent_id
 from backend.intents.models import CANCELLED, EXPIRED, PENDING, Intent
 from backend.merchants.models import Wallet
@@ -183,7 +183,7 @@ def expire_intents(candidates: list[tuple[str, str, str | None, datetime]], now:
             )
             .values(status=EXPIRED, expired_at=expires_at, updated_at=now)
         )
-        if result.rowcount == 1:
+        if rowcount(result) == 1:
             record_event(
                 merchant_id,
                 "payment.expired",
@@ -207,7 +207,7 @@ def expire_overdue() -> int:
     total = 0
     while True:
         rows = [tuple(r) for r in db.session.execute(overdue)]
-        total += expire_intents(rows, now)  # type: ignore[arg-type]
+        total += expire_intents(rows, now)
         if len(rows) < SWEEP_BATCH:
             return total
 
@@ -222,7 +222,7 @@ def _looks_like_uuid(value: str) -> bool:
     return True
 
 
-def get_intent(merchant_id: str, intent_id: str) -> Mapping[str, Any]:
+def get_intent(merchant_id: str, intent_id: str) -> RowMapping:
     """The merchant's intent as a row mapping; another merchant's or an unknown id is 404."""
     row = (
         db.session.execute(_GET, {"intent_id": intent_id, "merchant_id": merchant_id}).first()
@@ -236,7 +236,7 @@ def get_intent(merchant_id: str, intent_id: str) -> Mapping[str, Any]:
 
 def list_intents(
     merchant_id: str, *, status: str | None, order_id: str | None, limit: int, offset: int
-) -> tuple[list[Mapping[str, Any]], int]:
+) -> tuple[list[RowMapping], int]:
     """A page of the merchant's intents, newest first, and the total matching the filters.
 
     The total is an uncorrelated count subquery in the page's statement (one round trip, one
@@ -283,7 +283,7 @@ def cancel_intent(merchant_id: str, intent_id: str) -> str:
         .values(status=CANCELLED, cancelled_at=now, updated_at=now)
     )
     db.session.commit()
-    if result.rowcount != 1:
+    if rowcount(result) != 1:
         current = get_intent(merchant_id, intent_id)
         if current["status"] == PENDING and current["settlement_id"] is not None:
             raise DomainError(
@@ -293,10 +293,10 @@ def cancel_intent(merchant_id: str, intent_id: str) -> str:
         raise DomainError(
             "INTENT_NOT_CANCELLABLE", f"Intent is {status}; only pending intents can be cancelled", status=status
         )
-    return row["id"]
+    return str(row["id"])
 
 
-def intent_to_dict(row: Mapping[str, Any], checkout_host: str, now: datetime | None = None) -> dict[str, Any]:
+def intent_to_dict(row: Mapping[Any, Any], checkout_host: str, now: datetime | None = None) -> dict[str, Any]:
     """The intent object as the API shows it (``amount_usdc`` is an exact JSON number)."""
     isoformat = clock.isoformat
     return {

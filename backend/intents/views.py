@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import current_app, request
+from flask import request
 from flask.views import MethodView
 from sqlalchemy.exc import IntegrityError
 
-from backend import clock
+from backend import appstate, clock
+from backend.config import Settings
 from backend.extensions import db
 from backend.http import ApiBlueprint, ok, raw_json_response
 from backend.idempotency import services as idempotency
@@ -35,8 +36,8 @@ _IDEMPOTENCY_HEADER = {
 }
 
 
-def _settings() -> Any:
-    return current_app.config["PAYINTENT_SETTINGS"]
+def _settings() -> Settings:
+    return appstate.settings()
 
 
 def _replay(stored: tuple[int, str]) -> Any:
@@ -67,9 +68,7 @@ class IntentCollection(MethodView):
                 return _replay(stored)
         params = services.NewIntent(**{k: v for k, v in args.items() if v is not None})
         host = _settings().checkout_host
-        row = services.create_intent(
-            merchant_id, params, current_app.extensions["payintent.chains"], host, commit=False
-        )
+        row = services.create_intent(merchant_id, params, appstate.chains(), host, commit=False)
         body = dumps({"success": True, "data": services.intent_to_dict(row, host, row["created_at"])})
         if key is None:
             db.session.commit()

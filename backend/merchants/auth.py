@@ -7,8 +7,9 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
-from flask import current_app, g, request
+from flask import g, request
 
+from backend import appstate
 from backend.errors import DomainError
 from backend.merchants.services import authenticate
 from backend.ratelimit import client_key, enforce
@@ -21,7 +22,7 @@ def api_key_required(view: Callable[..., Any]) -> Callable[..., Any]:
 
     @wraps(view)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        settings = current_app.config["PAYINTENT_SETTINGS"]
+        settings = appstate.settings()
         client = client_key()
         enforce(f"api:ip:{client}", settings.api_requests_per_minute_per_ip)
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
@@ -44,4 +45,5 @@ def api_key_required(view: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def current_merchant_id() -> str:
-    return g.merchant_id  # type: ignore[no-any-return]
+    merchant_id: str = g.merchant_id  # set by api_key_required
+    return merchant_id

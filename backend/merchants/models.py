@@ -6,11 +6,11 @@ from sqlalchemy import ForeignKey, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from backend import clock
-from backend.extensions import UTCDateTime, db
+from backend.extensions import Model, UTCDateTime
 from backend.ids import prefixed_id
 
 
-class Merchant(db.Model):
+class Merchant(Model):
     __tablename__ = "merchants"
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: prefixed_id("mer"))
@@ -20,7 +20,7 @@ class Merchant(db.Model):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=clock.now)
 
 
-class ApiKey(db.Model):
+class ApiKey(Model):
     """A secret API key. Only its SHA-256 is stored; ``display_prefix`` lets people tell keys apart."""
 
     __tablename__ = "api_keys"
@@ -34,7 +34,7 @@ class ApiKey(db.Model):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
-class Wallet(db.Model):
+class Wallet(Model):
     """Where a merchant is paid on one network (at most one wallet per network)."""
 
     __tablename__ = "wallets"

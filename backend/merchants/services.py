@@ -154,7 +154,7 @@ def authenticate(secret: str) -> str | None:
     if row.last_used_at is None or now - row.last_used_at >= LAST_USED_PRECISION:
         db.session.execute(_TOUCH_KEY, {"key_id": row.id, "now": now})
         db.session.commit()
-    return row.merchant_id
+    return str(row.merchant_id)
 
 
 def set_wallet(merchant_id: str, network_id: str, address: str, registry: ChainRegistry) -> Wallet:

@@ -12,6 +12,7 @@ from typing import Any
 from flask import Flask
 from sqlalchemy import text
 
+from backend import appstate
 from backend.extensions import db
 from backend.observability.chains import Outcome, ProbeError, timed
 from backend.queueing import app_redis
@@ -32,7 +33,7 @@ def _redis() -> None:
 def readiness(app: Flask) -> tuple[bool, dict[str, Any]]:
     """(all ready, the checks as JSON: database, redis, chains by network)."""
     checks = {"database": timed(_database)[0], "redis": timed(_redis)[0]}
-    chains = app.extensions["payintent.observability"].probes.readiness()
+    chains = appstate.observability(app).probes.readiness()
     ready = all(c.ok for c in checks.values()) and all(c.ok for c in chains.values())
     body = {name: _public(outcome) for name, outcome in checks.items()}
     body["chains"] = {network: _public(outcome) for network, outcome in sorted(chains.items())}

@@ -17,6 +17,7 @@ from typing import Any
 from flask import Flask, Response, g, request
 from prometheus_client import CollectorRegistry
 
+from backend import appstate
 from backend.logs import (
     REQUEST_ID_HEADER,
     configure_logging,
@@ -41,12 +42,12 @@ class Observability:
 
 
 def init_app(app: Flask) -> None:
-    settings = app.config["PAYINTENT_SETTINGS"]
+    settings = appstate.settings(app)
     configure_logging(settings.log_level, settings.log_format)
-    chains = app.extensions["payintent.chains"]
+    chains = appstate.chains(app)
     register_rpc_urls(network.rpc_url for network in chains)
     register_secret(settings.secret_key, settings.metrics_token)
-    app.extensions["payintent.observability"] = Observability(ChainProbes(chains), scrape_registry(app))
+    appstate.set_observability(app, Observability(ChainProbes(chains), scrape_registry(app)))
     app.before_request(_start)
     # after_request functions run last-registered first: this one, registered first, sees the final answer.
     app.after_request(_finish)
@@ -54,13 +55,14 @@ def init_app(app: Flask) -> None:
 
 
 def _start() -> None:
-    ctx = g._get_current_object()  # type: ignore[attr-defined]
+    ctx = g._get_current_object()
     ctx.request_started = time.perf_counter()
     ctx.request_id = valid_request_id(request.headers.get(REQUEST_ID_HEADER)) or uuid.uuid4().hex
 
 
 def _finish(response: Response) -> Response:
-    ctx = g._get_current_object()  # type: ignore[attr-defined]
+    ctx = g._get_current_object()
+    # A LocalProxy method: Flask types `request` as the Request it stands for.
     req = request._get_current_object()  # type: ignore[attr-defined]
     elapsed = time.perf_counter() - getattr(ctx, "request_started", time.perf_counter())
     request_id = getattr(ctx, "request_id", None)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import datetime
 
 from flask import Flask
@@ -26,7 +26,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Histogram, disable_cr
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from backend import clock
+from backend import appstate, clock
 from backend.extensions import db
 from backend.queueing import DEFAULT_QUEUE, app_redis, queue, relayer_queue
 from backend.relaybudget.services import totals as relay_spending
@@ -58,7 +58,7 @@ class _Collected:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterable[Metric]:
         return self.registry.collect()
 
 
@@ -117,15 +117,15 @@ class StateCollector:
         for status in DELIVERY_STATUSES:
             family.add_metric([status], deliveries.get(status, 0))
         yield family
-        family = CounterMetricFamily(
+        spent = CounterMetricFamily(
             "payintent_relay_spent",
             "What the relay paid to settle merchants' payments, by network and kind (gas: EVM gas; fee: Solana "
             "transaction fees), in the network's smallest native unit (wei, lamports); from the relay_spending ledger",
             labels=["network", "kind"],
         )
         for (network, kind), total in sorted(spending.items()):
-            family.add_metric([network, kind], total)
-        yield family
+            spent.add_metric([network, kind], total)
+        yield spent
         yield _age(
             "payintent_webhook_oldest_due_seconds",
             "How long the longest-waiting due webhook delivery has been due (0: none is waiting)",
@@ -137,8 +137,8 @@ class StateCollector:
         redis = app_redis(fast=True)
         if redis is None:
             raise RuntimeError("REDIS_URL is not set")
-        base = self.app.config["PAYINTENT_SETTINGS"].relayer_queue
-        relayer_queues = [relayer_queue(base, network.network) for network in self.app.extensions["payintent.chains"]]
+        base = appstate.settings(self.app).relayer_queue
+        relayer_queues = [relayer_queue(base, network.network) for network in appstate.chains(self.app)]
         family = GaugeMetricFamily(
             "payintent_queue_depth",
             f"Jobs waiting in each RQ queue ({base}:<network>: settlements for that network's relayers; "
@@ -150,7 +150,7 @@ class StateCollector:
         yield family
 
     def _gas(self) -> Iterator[Metric]:
-        probes = self.app.extensions["payintent.observability"].probes
+        probes = appstate.observability(self.app).probes
         balances = GaugeMetricFamily(
             "payintent_relay_gas_balance",
             "Native coin (ETH, SOL) held by each relay account to pay gas and fees, from the chains file's "

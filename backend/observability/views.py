@@ -8,6 +8,7 @@ from typing import Any
 from flask import Blueprint, Response, current_app, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from backend import appstate
 from backend.errors import DomainError, not_found
 from backend.observability.health import readiness
 
@@ -22,12 +23,12 @@ def readyz() -> Any:
 
 @bp.get("/metrics")
 def metrics() -> Any:
-    token = current_app.config["PAYINTENT_SETTINGS"].metrics_token
+    token = appstate.settings().metrics_token
     if not token:
         raise not_found()  # off unless configured: nothing about the service is shown
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
         raise DomainError("UNAUTHORIZED", "Send Authorization: Bearer <METRICS_TOKEN>",
                        headers={"WWW-Authenticate": 'Bearer realm="metrics"'})  # fmt: skip
-    registry = current_app.extensions["payintent.observability"].registry
+    registry = appstate.observability().registry
     return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

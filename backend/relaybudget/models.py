@@ -5,7 +5,7 @@ from datetime import datetime
 from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
-from backend.extensions import UTCDateTime, db
+from backend.extensions import Model, UTCDateTime
 
 # What the relay paid for: EVM gas (wei), a Solana transaction fee (lamports), an account's rent
 # (lamports; the relay opens no accounts today, see payintent.solana_tx, but the kind is kept).
@@ -15,7 +15,7 @@ RENT = "rent"
 KINDS = (GAS, FEE, RENT)
 
 
-class RelaySpend(db.Model):
+class RelaySpend(Model):
     """One payment the relay made on a merchant's behalf (append-only).
 
     ``reference`` is the transaction (EVM hash, Solana signature) that cost it: a transaction is

@@ -42,7 +42,7 @@ from backend.chains.evm import evm_chain
 from backend.chains.registry import Network
 from backend.config import Settings
 from backend.errors import ChainUnavailable, DomainError
-from backend.extensions import db
+from backend.extensions import db, rowcount
 from backend.relaybudget.metrics import OPEN_SETTLEMENT_REFUSALS, RELAY_BUDGET_REFUSALS
 from backend.relaybudget.models import GAS, KINDS, RelaySpend
 from payintent import solana_tx as stx
@@ -264,7 +264,7 @@ def charge(
         .values(**values)
         .on_conflict_do_nothing(index_elements=["network", "reference", "kind"])
     )
-    recorded = db.session.execute(statement).rowcount == 1
+    recorded = rowcount(db.session.execute(statement)) == 1
     db.session.commit()
     return recorded
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import current_app
-
+from backend import appstate
 from backend.errors import DomainError
 from backend.queueing import app_redis
 from backend.settlement import solana
@@ -25,12 +24,12 @@ def pay_intent(merchant_id: str | None, intent_id: str, signature: dict[str, Any
 
     Any form x402 clients send is accepted; ``settlement.x402`` reads it, inside the flow.
     """
-    settings = current_app.config["PAYINTENT_SETTINGS"]
+    settings = appstate.settings()
     return submit_payment(
         merchant_id,
         intent_id,
         signature,
-        current_app.extensions["payintent.chains"],
+        appstate.chains(),
         api_redis(),
         wait_seconds=settings.pay_wait_seconds,
         queue_name=settings.relayer_queue,
@@ -40,6 +39,6 @@ def pay_intent(merchant_id: str | None, intent_id: str, signature: dict[str, Any
 
 def solana_transaction(intent: Any, args: dict[str, Any]) -> dict[str, Any]:
     """The unsigned Solana transaction for a parsed request (keyed and public endpoints share it)."""
-    settings = current_app.config["PAYINTENT_SETTINGS"]
-    registry = current_app.extensions["payintent.chains"]
+    settings = appstate.settings()
+    registry = appstate.chains()
     return solana.prepare_transaction(intent, registry, args["payer"], args.get("network"), settings)

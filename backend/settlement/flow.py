@@ -15,12 +15,11 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from flask import current_app
 from redis import Redis
 from redis.exceptions import RedisError
 from rq import Queue
 
-from backend import clock
+from backend import appstate, clock
 from backend.chains.evm import evm_chain
 from backend.chains.registry import ChainRegistry
 from backend.config import Settings
@@ -97,7 +96,7 @@ def submit_payment(
 
     ``settings`` (the app's by default) bound what the relay may spend for the merchant
     (``relaybudget.admit``, inside the claim)."""
-    settings = settings or current_app.config["PAYINTENT_SETTINGS"]
+    settings = settings or appstate.settings()
     intent = load_payable_intent(merchant_id, intent_id)
     now = clock.now()
     try:

@@ -5,7 +5,7 @@ from datetime import datetime
 from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
-from backend.extensions import UTCDateTime, db
+from backend.extensions import Model, UTCDateTime
 
 # A settlement's life: pending (the intent is claimed for it) -> submitted (a transaction with
 # tx_hash was signed and sent) -> confirmed (the authorization executed on chain) | failed.
@@ -16,7 +16,7 @@ FAILED = "failed"
 OPEN = (PENDING, SUBMITTED)
 
 
-class Settlement(db.Model):
+class Settlement(Model):
     """One buyer authorization that passed verification and claimed its intent."""
 
     __tablename__ = "settlements"
@@ -57,7 +57,7 @@ class Settlement(db.Model):
     watch_done_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
-class PayeeAccount(db.Model):
+class PayeeAccount(Model):
     """A merchant's Solana USDC account (of ``owner``, for the token ``mint``) that a payment of ours landed in, on
     the chain whose genesis hash is ``genesis_hash``.
 

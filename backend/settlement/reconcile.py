@@ -19,7 +19,7 @@ from flask import current_app, has_app_context
 from redis import Redis
 from rq.timeouts import JobTimeoutException
 
-from backend import clock
+from backend import appstate, clock
 from backend.chains.evm import (
     AUTHORIZATION_USED_TOPIC,
     DEFAULT_LOG_BLOCK_RANGE,
@@ -84,10 +84,8 @@ def _paid_this(chain: EvmChain, settlement: Settlement, receipt: dict[str, Any],
 
 def log_block_range() -> int:
     """RECONCILE_LOG_BLOCK_RANGE of the app in context (the worker's, the relayer's), else the default."""
-    if has_app_context():
-        settings = current_app.config.get("PAYINTENT_SETTINGS")
-        if settings is not None:
-            return int(settings.reconcile_log_block_range)
+    if has_app_context() and appstate.SETTINGS_KEY in current_app.config:
+        return int(appstate.settings().reconcile_log_block_range)
     return DEFAULT_LOG_BLOCK_RANGE
 
 

@@ -25,7 +25,7 @@ from backend.chains.registry import ChainRegistry, Network
 from backend.errors import DomainError, echo
 from backend.events.models import Event
 from backend.events.services import record_event
-from backend.extensions import db
+from backend.extensions import db, rowcount
 from backend.ids import prefixed_id
 from backend.intents.models import PAID, PENDING, Intent
 from backend.intents.services import effective_status
@@ -285,7 +285,7 @@ def claim(
         )
         .values(settlement_id=settlement_id, updated_at=now)
     )
-    if claimed.rowcount != 1:
+    if rowcount(claimed) != 1:
         db.session.rollback()
         db.session.refresh(intent)
         check_payable(intent, now)
@@ -351,7 +351,7 @@ def complete_settlement(settlement_id: str, tx_hash: str) -> bool:
         .values(status=st.CONFIRMED, tx_hash=tx_hash, finished_at=now, updated_at=now,
                 failure_code=None, failure_reason=None)
     )  # fmt: skip
-    if done.rowcount != 1:  # another process completed it in the meantime (and wrote its event)
+    if rowcount(done) != 1:  # another process completed it in the meantime (and wrote its event)
         db.session.rollback()
         return True
     paid = db.session.execute(
@@ -360,7 +360,7 @@ def complete_settlement(settlement_id: str, tx_hash: str) -> bool:
         .values(status=PAID, settlement_id=settlement_id, tx_hash=tx_hash, buyer_address=settlement.payer,
                 chain=settlement.network, paid_at=now, updated_at=now)
     )  # fmt: skip
-    if paid.rowcount == 1:
+    if rowcount(paid) == 1:
         intent = db.session.get(Intent, settlement.intent_id, populate_existing=True)
         assert intent is not None
         record_event(
@@ -440,7 +440,7 @@ def fail_settlement(settlement_id: str, code: str, reason: str) -> bool:
         .values(status=st.FAILED, failure_code=code, failure_reason=reason[:500], finished_at=now, updated_at=now,
                 **watch)
     )  # fmt: skip
-    if done.rowcount != 1:
+    if rowcount(done) != 1:
         db.session.rollback()
         return False
     db.session.execute(

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from flask import current_app
-
+from backend import appstate
 from backend.queueing import app_job, app_redis
 from backend.settlement.reconcile import reconcile
 
@@ -11,9 +10,9 @@ from backend.settlement.reconcile import reconcile
 @app_job
 def reconcile_settlements() -> dict[str, int]:
     """Periodic: finish settlements left open by crashes, timeouts or lost jobs."""
-    settings = current_app.config["PAYINTENT_SETTINGS"]
+    settings = appstate.settings()
     return reconcile(
-        current_app.extensions["payintent.chains"],
+        appstate.chains(),
         app_redis(),
         settings.relayer_queue,
         chain_seconds=settings.reconcile_chain_seconds,

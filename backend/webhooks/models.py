@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import Boolean, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
-from backend.extensions import JSONType, UTCDateTime, db
+from backend.extensions import JSONType, Model, UTCDateTime
 
 # A delivery's life: pending (waiting for its next attempt) -> succeeded | failed (5 attempts
 # failed) | cancelled (its endpoint was deleted before it succeeded).
@@ -23,7 +23,7 @@ CANCELLED = "cancelled"
 DELIVERY_STATUSES = (PENDING, SUCCEEDED, FAILED, CANCELLED)
 
 
-class WebhookEndpoint(db.Model):
+class WebhookEndpoint(Model):
     __tablename__ = "webhook_endpoints"
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -38,7 +38,7 @@ class WebhookEndpoint(db.Model):
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
-class WebhookDelivery(db.Model):
+class WebhookDelivery(Model):
     __tablename__ = "webhook_deliveries"
     __table_args__ = (
         Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
@@ -66,7 +66,7 @@ class WebhookDelivery(db.Model):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
-class WebhookAttempt(db.Model):
+class WebhookAttempt(Model):
     __tablename__ = "webhook_attempts"
     # One row per attempt number: a second worker can never record the same attempt twice.
     __table_args__ = (UniqueConstraint("delivery_id", "number"),)

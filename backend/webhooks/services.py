@@ -23,7 +23,7 @@ from backend import clock
 from backend.errors import DomainError, not_found
 from backend.events.models import Event
 from backend.events.services import record_event
-from backend.extensions import UTCDateTime, db
+from backend.extensions import UTCDateTime, db, rowcount
 from backend.ids import prefixed_id
 from backend.jsonio import strict_loads
 from backend.webhooks import models as wm
@@ -317,7 +317,7 @@ def record_attempt(claimed: ClaimedDelivery, attempted_at: datetime, result: tra
         {"delivery_id": claimed.id, "token": claimed.lease_token, "number": number, "code": result.status_code,
          "error": error, "now": now, "new_status": status, "next_at": next_at, "finished": finished},
     )  # fmt: skip
-    if updated.rowcount != 1:
+    if rowcount(updated) != 1:
         db.session.rollback()
         log.warning("webhook delivery %s: lease lost before attempt %d was recorded", claimed.id, number)
         return False
@@ -390,9 +390,9 @@ def deliver_due(
 ) -> int:
     """Deliver due deliveries one after another until none is due; returns how many were attempted."""
     sent = 0
-    options = {"allow_private": allow_private, "deadline": deadline, "merchant_cap": merchant_cap,
-               "dns_timeout": dns_timeout}  # fmt: skip
-    while sent < limit and deliver_one(**options):
+    while sent < limit and deliver_one(
+        allow_private=allow_private, deadline=deadline, merchant_cap=merchant_cap, dns_timeout=dns_timeout
+    ):
         sent += 1
     return sent
 
@@ -420,7 +420,7 @@ def get_delivery_row(merchant_id: str, delivery_id: str) -> Any:
     return row
 
 
-def delivery_to_dict(row: Mapping[str, Any]) -> dict[str, Any]:
+def delivery_to_dict(row: Mapping[Any, Any]) -> dict[str, Any]:
     iso = clock.isoformat
     return {
         "delivery_id": row["id"],

@@ -14,11 +14,12 @@ import logging
 import threading
 from typing import Any, ClassVar
 
-from flask import Flask, current_app
+from flask import Flask
 from rq import Queue
 from sqlalchemy import event as sa_event
 from sqlalchemy.orm import Session
 
+from backend import appstate
 from backend.events import services as events
 from backend.events.models import Event
 from backend.extensions import db
@@ -78,7 +79,7 @@ def deliver_webhooks() -> int:
         dispatcher.poke()  # its senders clear the wake flag when they run out of work
         return 0
     clear_wake_flag()
-    return services.deliver_due(**delivery_options(current_app.config["PAYINTENT_SETTINGS"]))
+    return services.deliver_due(**delivery_options(appstate.settings()))
 
 
 def delivery_options(settings: Any) -> dict[str, Any]:
@@ -119,7 +120,7 @@ class Dispatcher:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> Dispatcher:
-        cap = self.app.config["PAYINTENT_SETTINGS"].webhook_max_in_flight_per_merchant
+        cap = appstate.settings(self.app).webhook_max_in_flight_per_merchant
         if cap >= self.size:
             log.warning(
                 "WEBHOOK_MAX_IN_FLIGHT_PER_MERCHANT=%d is not below WEBHOOK_CONCURRENCY=%d: one merchant's slow "
@@ -160,7 +161,7 @@ class Dispatcher:
             return not self._stopping
 
     def _drain(self) -> None:
-        options = {**delivery_options(self.app.config["PAYINTENT_SETTINGS"]), "on_claim": self.poke}
+        options = {**delivery_options(appstate.settings(self.app)), "on_claim": self.poke}
         with self.app.app_context():
             while not self._stopping:
                 if services.deliver_one(**options):

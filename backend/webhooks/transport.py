@@ -135,7 +135,7 @@ def check_url_literal(url: str, allow_private: bool) -> None:
 
 def _system_lookup(host: str) -> list[str]:
     """Every address the system resolver gives for ``host`` (blocking; cannot be cancelled)."""
-    return [info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
+    return [str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
 
 
 class _Lookup:
@@ -268,7 +268,7 @@ class _PinnedHTTPSConnection(http.client.HTTPSConnection):
 
     def connect(self) -> None:
         http.client.HTTPConnection.connect(self)
-        self.sock = self._context.wrap_socket(self.sock, server_hostname=self._server_hostname)  # type: ignore[attr-defined]
+        self.sock = _tls().wrap_socket(self.sock, server_hostname=self._server_hostname)  # the context given above
 
 
 class _Alarm:

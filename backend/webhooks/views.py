@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import current_app
 from flask.views import MethodView
 
+from backend import appstate
 from backend.errors import validation_error
 from backend.http import ApiBlueprint, ok
 from backend.merchants.auth import api_key_required, current_merchant_id
@@ -53,7 +53,7 @@ class WebhookCollection(MethodView):
         The response is the only place the signing secret is shown. Loopback, private and
         link-local targets are refused unless the server sets WEBHOOK_ALLOW_PRIVATE_TARGETS.
         """
-        allow_private = current_app.config["PAYINTENT_SETTINGS"].webhook_allow_private_targets
+        allow_private = appstate.settings().webhook_allow_private_targets
         try:
             check_url_literal(args["url"], allow_private)
         except TargetRefused as exc:
