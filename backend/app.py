@@ -73,6 +73,7 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
 
         # X-Forwarded-Host is never trusted (x_host=0): nothing may take the host it names for ours.
         hops = settings.trusted_proxy_hops
+        # Flask's documented way to put WSGI middleware in front; mypy refuses any assignment to a method.
         app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops, x_host=0)  # type: ignore[method-assign]
     app.json = ExactJSONProvider(app)
     app.request_class = JSONRequest  # request.get_json(): depth-capped, and 400 INVALID_JSON like the API's parser
