@@ -62,12 +62,17 @@ contracts: $(NODE_STAMP)
 run: install
 	$(BIN)/payintent dev
 
+# The suite runs in parallel (pytest-xdist): it mostly waits (chains, processes, timeouts), so 4 workers pay off
+# even on 2 cores. Each worker has its own databases, Redis, devnets and ports; tests of one xdist_group (e2e/,
+# tests/test_devstack_stop.py) stay on one worker. `make test PYTEST_XDIST=` runs it in one process.
+PYTEST_XDIST ?= -n 4 --dist loadgroup
+
 test: install browser nginx
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # Only the tests that touch a database or Redis (.ci/run points them at the machine's servers).
 test-db: install nginx
-	$(BIN)/python -m pytest -m "db or redis" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "db or redis" $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # Reliability drills: faults against the full local stack (docs/drills.md); fails on a double charge,
 # a charge the service did not record, a payment left unsettled or a lost webhook event.

@@ -56,6 +56,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if E2E_DIR in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.e2e)
+            # pytest-xdist (--dist loadgroup): every e2e test on one worker, so one `payintent dev` and one
+            # Chromium serve them all.
+            item.add_marker(pytest.mark.xdist_group("e2e"))
 
 
 # --- the stack -----------------------------------------------------------------------------------

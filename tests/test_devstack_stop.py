@@ -36,6 +36,10 @@ STOPPED_WITHIN = 10.0  # seconds from the signal until every process is gone and
 BANNER_END = "Ctrl-C stops everything"
 MAKE = shutil.which("make")
 
+# pytest-xdist (--dist loadgroup): these tests run one after another on one worker, as they always did; each
+# starts a whole stack, and STOPPED_WITHIN is measured against the clock.
+pytestmark = pytest.mark.xdist_group("devstack_stop")
+
 
 @dataclass
 class DevRun:

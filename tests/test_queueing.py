@@ -117,7 +117,7 @@ def test_a_stop_signal_stops_worker_and_relayer_while_redis_is_gone(
         code = proc.wait(timeout=STOP_DEADLINE_SECONDS + 10)
         took = time.monotonic() - started
         assert code == 0, stderr.read_text()[-3000:]  # a clean stop, not the deadline's forced exit
-        assert took < 5, took
+        assert took < 10, took  # seconds, not minutes; the margin is for a loaded machine (4 xdist workers)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -170,7 +170,8 @@ def test_a_stop_signal_interrupts_a_long_job_after_the_grace_period(short_dir: P
         worker.send_signal(signal.SIGTERM)
         started = time.monotonic()
         assert worker.wait(timeout=STOP_DEADLINE_SECONDS + 10) == 0, (short_dir / "stderr").read_text()[-3000:]
-        assert STOP_GRACE_SECONDS - 0.5 < time.monotonic() - started < STOP_GRACE_SECONDS + 4
+        # the grace, not the deadline (STOP_DEADLINE_SECONDS, 15 s); the margin is for a loaded machine
+        assert STOP_GRACE_SECONDS - 0.5 < time.monotonic() - started < STOP_GRACE_SECONDS + 8
         if not redis_gone:
             assert job.get_status(refresh=True) == JobStatus.FAILED
             assert "StopNow" in (job.latest_result().exc_string or "")

@@ -27,6 +27,16 @@ def _from(address: str) -> dict[str, Any]:
     return {"REMOTE_ADDR": address}
 
 
+@pytest.fixture(autouse=True)
+def _real_password_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """argon2 with its real cost here (the suite's is the cheapest, tests/conftest.py): the races need its time."""
+    from argon2 import PasswordHasher
+
+    from backend.merchants import services as merchants
+
+    monkeypatch.setattr(merchants, "_hasher", PasswordHasher())
+
+
 @pytest.fixture
 def two_processes(db_url: str, chains: Any, redis_url: str) -> Any:
     """Two apps on one Redis stand for two API processes; ``merchant`` is created through the first."""

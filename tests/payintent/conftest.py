@@ -3,7 +3,8 @@
 The settlement fixtures are reused by import. Imported into this folder they are registered
 again, so a session running tests/settlement too starts a second devnet and relayer for this
 folder; ``redis_server_url`` is overridden here so that this folder's relayer and API use their
-own Redis, and the two relayers never take each other's jobs.
+own Redis (the external one: the worker's second database), and the two relayers never take each
+other's jobs.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pytest
 from werkzeug.serving import WSGIRequestHandler, make_server
 
+from tests.conftest import worker_redis_url
 from tests.settlement.conftest import devnet, pay_app, relayer, shop  # noqa: F401
 
 
@@ -26,7 +27,7 @@ def redis_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     external = os.environ.get("PAYINTENT_TEST_REDIS_URL")
     if external:
-        yield _other_database(external)
+        yield worker_redis_url(external, shift=1)
         return
     from backend.devstack import start_private_redis
 
@@ -34,17 +35,6 @@ def redis_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield url
     proc.terminate()
     proc.wait(timeout=10)
-
-
-def _other_database(url: str) -> str:
-    """The same Redis server, the database before the URL's (CI uses /15: this folder gets /14)."""
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        query = dict(parse_qsl(parts.query))
-        query["db"] = str((int(query.get("db", 0)) + 15) % 16)
-        return urlunsplit(parts._replace(query=urlencode(query)))
-    db = int(parts.path.strip("/") or 0)
-    return urlunsplit(parts._replace(path=f"/{(db + 15) % 16}"))
 
 
 class _QuietHandler(WSGIRequestHandler):

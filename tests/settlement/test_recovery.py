@@ -76,14 +76,16 @@ class Isolated:
         finally:
             clock_module.set_clock(None)
 
-    def wait_settlement(self, intent_id: str, status: str, timeout: float = 30) -> Settlement:
+    # The waits' deadlines are generous: a loaded machine (the suite runs on 4 xdist workers) may take tens of
+    # seconds to start a relayer; a deadline only bounds how long a failing test takes.
+    def wait_settlement(self, intent_id: str, status: str, timeout: float = 90) -> Settlement:
         deadline = time.monotonic() + timeout
         while (settlement := self.settlement(intent_id)).status != status:
             assert time.monotonic() < deadline, f"settlement is {settlement.status}, not {status}"
             time.sleep(0.1)
         return settlement
 
-    def wait_paid(self, intent_id: str, timeout: float = 30) -> Intent:
+    def wait_paid(self, intent_id: str, timeout: float = 90) -> Intent:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             row = self.intent_row(intent_id)

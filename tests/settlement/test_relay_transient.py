@@ -75,7 +75,7 @@ def test_drained_relay_accounts_are_left_aside_and_a_funded_one_settles(iso, dra
             # before the fix: 402, "exceeds allowance"; 504 only when the settlement outlasts the 3 s PAY_WAIT
             # of this app (a loaded machine): it is then awaited below like any other
             assert response.status_code in (200, 504), response.get_json()
-            paid = iso.wait_paid(intent["intent_id"], timeout=60)
+            paid = iso.wait_paid(intent["intent_id"], timeout=120)
             assert w3.eth.get_transaction(paid.tx_hash)["from"] == relays[-1]  # the funded account sent it
             assert iso.devnet.balance(NETWORK, buyer.address) == 0
             assert events("payment.failed", intent["intent_id"]) == []

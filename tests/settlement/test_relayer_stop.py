@@ -49,7 +49,8 @@ def test_relayer_stopped_while_waiting_for_a_receipt_stops_at_once_and_the_payme
         relayer.send_signal(sig)  # the relayer is waiting for the receipt (RECEIPT_TIMEOUT_SECONDS: 120 s)
         started = time.monotonic()
         assert relayer.wait(timeout=60) == 0
-        assert time.monotonic() - started < STOP_GRACE_SECONDS + 5
+        # Seconds, not the receipt's 120 s; the margin covers a loaded machine (the suite runs on 4 xdist workers).
+        assert time.monotonic() - started < STOP_GRACE_SECONDS + 15
     finally:
         stop_process(relayer)
     assert iso.devnet.balance(NETWORK, iso.payout) == 0  # nothing mined yet
