@@ -27,6 +27,7 @@ from solders.keypair import Keypair
 
 from backend import appstate
 from backend.chains.evm import EvmChain, evm_chain
+from backend.chains.solana import solana_chain
 from backend.errors import DomainError
 from backend.extensions import db
 from backend.intents.models import PAID, Intent
@@ -37,7 +38,6 @@ from backend.settlement import models as st
 from backend.settlement import services
 from backend.settlement.flow import notify_settled
 from backend.settlement.reconcile import FINISHED, Outcome, settle_from_chain
-from backend.settlement.solana import solana_chain
 from relayer import evm, solana
 from relayer.faults import crash_point
 

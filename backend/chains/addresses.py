@@ -41,11 +41,3 @@ def normalize_solana_address(address: str) -> str:
     if key == Pubkey.default():
         raise AddressError("must not be the all-zero key (the System Program)")
     return str(key)
-
-
-def normalize_address(kind: str, address: str) -> str:
-    if kind == "evm":
-        return normalize_evm_address(address)
-    if kind == "solana":
-        return normalize_solana_address(address)
-    raise AddressError(f"unsupported network kind {kind!r}")

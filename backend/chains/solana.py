@@ -9,11 +9,15 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
 
+from backend.errors import ChainUnavailable
 from payintent import jsonlimits
+
+if TYPE_CHECKING:
+    from backend.chains.registry import Network
 
 _ids = itertools.count(1)
 
@@ -130,3 +134,16 @@ class SolanaChain:
         """The node's status of a transaction signature (``err``, ``confirmationStatus``), or None if unknown."""
         statuses = self.call("getSignatureStatuses", [[signature], {"searchTransactionHistory": True}])["value"]
         return statuses[0] if statuses else None
+
+
+_chains: dict[str, SolanaChain] = {}
+
+
+def solana_chain(network: Network) -> SolanaChain:
+    """A cached client per RPC URL; 503 CHAIN_UNAVAILABLE when the network has none."""
+    if not network.rpc_url:
+        raise ChainUnavailable(network.name, f"{network.name} has no RPC URL configured")
+    chain = _chains.get(network.rpc_url)
+    if chain is None:
+        chain = _chains[network.rpc_url] = SolanaChain(network.rpc_url)
+    return chain

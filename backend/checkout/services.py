@@ -5,11 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from solders.pubkey import Pubkey
-
 from backend import appstate, clock
-from backend.chains.addresses import AddressError, normalize_address
-from backend.chains.evm import evm_chain
+from backend.chains.addresses import AddressError
 from backend.chains.registry import ChainRegistry
 from backend.errors import ChainUnavailable, DomainError, echo
 from backend.extensions import db
@@ -17,9 +14,8 @@ from backend.intents.models import Intent
 from backend.intents.services import effective_status
 from backend.merchants.models import Merchant
 from backend.money import from_atomic
+from backend.rails.registry import rail_for
 from backend.ratelimit import client_key, enforce
-from backend.settlement.solana import solana_chain
-from payintent import solana_tx as stx
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +66,13 @@ def buyer_balance(intent: Intent, network_id: str, address: str) -> dict[str, An
     network = _registry().get(network_id) if requirement else None
     if requirement is None or network is None:
         raise DomainError("UNSUPPORTED_NETWORK", f"This intent cannot be paid on {echo(network_id)}")
+    rail = rail_for(network)
     try:
-        address = normalize_address(network.kind, address)
+        address = rail.normalize_address(address)
     except AddressError as exc:
         raise DomainError("VALIDATION_ERROR", f"address: {exc}", fields={"address": [str(exc)]}) from None
     try:
-        if network.kind == "evm":
-            atomic = evm_chain(network).balance_of(address)
-        else:
-            account = stx.associated_token_address(
-                Pubkey.from_string(address), Pubkey.from_string(network.usdc_address)
-            )
-            atomic = solana_chain(network).token_balance(str(account)) or 0
+        atomic = rail.token_balance(network, address)
     except DomainError:
         raise
     except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)

@@ -22,6 +22,8 @@ from backend.intents.models import STATUSES
 from backend.merchants import services as merchants
 from backend.merchants.models import ApiKey, Merchant, Wallet
 from backend.money import from_atomic
+from backend.rails.base import Rail
+from backend.rails.registry import rail_for
 from backend.settlement import services as settlement
 from backend.webhooks import services as webhooks
 
@@ -110,6 +112,11 @@ def api_keys(merchant_id: str) -> list[ApiKey]:
 class WalletRow:
     network: Network
     wallet: Wallet | None
+
+    @property
+    def rail(self) -> Rail:
+        """The network's rail: its label and what an address looks like, for the form."""
+        return rail_for(self.network)
 
 
 def wallet_rows(merchant_id: str, registry: ChainRegistry) -> list[WalletRow]:

@@ -23,6 +23,7 @@ from backend.ids import intent_id as new_intent_id
 from backend.intents.models import CANCELLED, EXPIRED, PENDING, Intent
 from backend.merchants.models import Wallet
 from backend.money import from_atomic, to_atomic
+from backend.rails.registry import rail_for
 
 INTENT_TTL = timedelta(minutes=30)
 # How long the buyer's signed authorization may take to settle (x402 maxTimeoutSeconds).
@@ -73,14 +74,7 @@ def build_requirement(
         "maxTimeoutSeconds": MAX_TIMEOUT_SECONDS,
         "asset": network.usdc_address,
     }
-    if network.kind == "evm":
-        requirement["usdcDomainName"] = domain_name
-        requirement["extra"] = {"name": domain_name, "version": network.usdc_domain_version}
-    else:
-        extra: dict[str, Any] = {"decimals": network.decimals}
-        if network.fee_payer:
-            extra["feePayer"] = network.fee_payer
-        requirement["extra"] = extra
+    requirement.update(rail_for(network).requirement_fields(network, domain_name))
     return requirement
 
 
@@ -91,7 +85,7 @@ def payable_networks(merchant_id: str, registry: ChainRegistry) -> list[tuple[Ne
 
 
 def _domain_name(registry: ChainRegistry, network: Network) -> str | None:
-    if network.kind != "evm":
+    if not rail_for(network).needs_domain_name():
         return None
     try:
         return registry.domain_name(network)

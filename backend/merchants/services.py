@@ -14,12 +14,14 @@ from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import IntegrityError
 
 from backend import clock, passwords
-from backend.chains.addresses import AddressError, normalize_address
+from backend.chains.addresses import AddressError
 from backend.chains.registry import ChainRegistry
 from backend.errors import DomainError, echo
 from backend.extensions import db
 from backend.ids import base62_secret
 from backend.merchants.models import ApiKey, Merchant, Wallet
+from backend.rails.base import Rail
+from backend.rails.registry import rail_for
 
 KEY_PREFIX = "sk_test_"
 KEY_DISPLAY_CHARS = 6  # characters after the prefix shown in listings
@@ -168,11 +170,12 @@ def set_wallet(merchant_id: str, network_id: str, address: str, registry: ChainR
     if network is None:
         known = ", ".join(registry.ids())
         raise MerchantError("UNKNOWN_NETWORK", f"network {echo(network_id)} is not configured; known: {known}")
+    rail = rail_for(network)
     try:
-        normalized = normalize_address(network.kind, address)
+        normalized = rail.normalize_address(address)
     except AddressError as exc:
         raise MerchantError("INVALID_ADDRESS", f"address {exc}") from None
-    reserved = service_addresses(registry, network.kind).get(normalized)
+    reserved = service_addresses(registry, rail).get(normalized)
     if reserved:
         raise MerchantError("ADDRESS_NOT_ALLOWED", f"address {normalized} is {reserved}, not a wallet that can be paid")
     wallet = db.session.scalar(select(Wallet).where(Wallet.merchant_id == merchant_id, Wallet.network == network_id))
@@ -185,17 +188,8 @@ def set_wallet(merchant_id: str, network_id: str, address: str, registry: ChainR
     return wallet
 
 
-# Programs a Solana payment calls: no one holds their keys, so USDC sent to their accounts would be lost.
-_SOLANA_PROGRAMS = {
-    "TokenkegQfeZyiNwAJbNbGKPFXCWuBvf9Ss623VQ5DA": "the SPL Token program",
-    "ATokenGPvbdGVxr1b2hvZbsiqW5xWH25efTNsLJA8knL": "the Associated Token Account program",
-    "ComputeBudget111111111111111111111111111111": "the Compute Budget program",
-    "MemoSq4gqABAXKb96qnH8TysNcWxMyWCqXgDLGmfcHr": "the Memo program",
-}
-
-
-def service_addresses(registry: ChainRegistry, kind: str) -> dict[str, str]:
-    """Addresses of networks of ``kind`` that are the service's or the asset's, never a merchant's wallet, with
+def service_addresses(registry: ChainRegistry, rail: Rail) -> dict[str, str]:
+    """Addresses of networks of ``rail``'s kind that are the service's or the asset's, never a merchant's wallet, with
     what each is: the USDC contract (EVM) or mint (Solana), the relay accounts (EVM ``relay_addresses``, the
     Solana ``fee_payer``), and on Solana the programs a payment calls. Across every configured network of that
     kind: a relay key or token address is often the same on several chains.
@@ -204,14 +198,14 @@ def service_addresses(registry: ChainRegistry, kind: str) -> dict[str, str]:
     account (and, on Solana, make the relay appear in the payment), and a payout to the token contract or mint
     sends USDC where nobody can take it out.
     """
-    reserved: dict[str, str] = dict(_SOLANA_PROGRAMS) if kind == "solana" else {}
+    reserved = rail.reserved_addresses()  # Solana: the programs a payment calls
     for network in registry:
-        if network.kind != kind:
+        if rail_for(network) is not rail:
             continue
-        reserved[network.usdc_address] = f"the USDC {'contract' if kind == 'evm' else 'mint'} on {network.name}"
+        reserved[network.usdc_address] = f"the USDC {rail.asset_noun} on {network.name}"
         for relay in (*network.relay_addresses, *([network.fee_payer] if network.fee_payer else [])):
             try:
-                reserved[normalize_address(kind, relay)] = f"a relay account of this service on {network.name}"
+                reserved[rail.normalize_address(relay)] = f"a relay account of this service on {network.name}"
             except AddressError:
                 continue
     return reserved

@@ -17,16 +17,15 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-import requests
-from web3 import Web3
-
 from backend.chains.registry import ChainRegistry, Network
-from backend.chains.solana import SolanaChain, SolanaRpcError
+from backend.chains.solana import SolanaRpcError
+from backend.rails.base import Probe
+from backend.rails.base import ProbeError as ProbeError  # health.py raises it too
+from backend.rails.registry import rail_for
 
 RPC_TIMEOUT_SECONDS = 2.0
 CHECK_TTL_SECONDS = 5.0
 GAS_TTL_SECONDS = 30.0
-_NATIVE_DECIMALS = {"evm": 18, "solana": 9}  # wei per ETH, lamports per SOL
 
 
 @dataclass(frozen=True)
@@ -36,52 +35,10 @@ class Outcome:
     error: str | None = None
 
 
-class _Client:
-    """One network's RPC with a short timeout: the EVM chain id and balances, or Solana's health and balances.
-
-    Not ``chains.evm.evm_chain``: its 10 s timeout suits settlement, and its provider caches
-    ``eth_chainId``, which would answer a readiness probe without asking the RPC.
-    """
-
-    def __init__(self, network: Network) -> None:
-        self.network = network
-        if network.kind == "evm":
-            session = requests.Session()
-            session.proxies = requests.utils.get_environ_proxies(network.rpc_url or "")
-            session.trust_env = False
-            provider = Web3.HTTPProvider(
-                network.rpc_url, request_kwargs={"timeout": RPC_TIMEOUT_SECONDS}, session=session
-            )
-            self.w3 = Web3(provider)
-        else:
-            self.solana = SolanaChain(network.rpc_url or "", timeout=RPC_TIMEOUT_SECONDS)
-
-    def check(self) -> None:
-        """Raises unless the RPC answers as this network (EVM: its chain id; Solana: getHealth says ok)."""
-        if self.network.kind == "evm":
-            answered = int(self.w3.eth.chain_id)
-            if answered != self.network.chain_id:
-                raise ProbeError(f"answers chain id {answered}, not {self.network.chain_id}")
-        else:
-            health = self.solana.call("getHealth")
-            if health != "ok":
-                raise ProbeError("getHealth did not answer ok")
-
-    def balances(self) -> dict[str, Decimal]:
-        """Native-coin balances (ETH, SOL) of the network's relay accounts, from the chains file."""
-        scale = Decimal(10) ** _NATIVE_DECIMALS[self.network.kind]
-        if self.network.kind == "evm":
-            raw = {a: self.w3.eth.get_balance(Web3.to_checksum_address(a)) for a in self.network.relay_addresses}
-        else:
-            payer = self.network.fee_payer
-            raw = (
-                {payer: self.solana.call("getBalance", [payer, {"commitment": "confirmed"}])["value"]} if payer else {}
-            )
-        return {address: Decimal(int(value)) / scale for address, value in raw.items()}
-
-
-class ProbeError(RuntimeError):
-    """A probe's answer was wrong or it could not run (its message names no URL and is shown as is)."""
+def _client(network: Network) -> Probe:
+    """One network's RPC with a short timeout (its rail's probe: the EVM chain id and balances, or Solana's health
+    and balances)."""
+    return rail_for(network).probe(network, RPC_TIMEOUT_SECONDS)
 
 
 def _describe(exc: BaseException) -> str:
@@ -91,7 +48,7 @@ def _describe(exc: BaseException) -> str:
 
 
 def relay_accounts(network: Network) -> tuple[str, ...]:
-    return network.relay_addresses if network.kind == "evm" else ((network.fee_payer,) if network.fee_payer else ())
+    return rail_for(network).relay_accounts(network)
 
 
 class ChainProbes:
@@ -99,7 +56,7 @@ class ChainProbes:
 
     def __init__(self, registry: ChainRegistry) -> None:
         self.networks = [n for n in registry if n.rpc_url]
-        self._clients: dict[str, _Client] = {}  # made on first use, not with every app
+        self._clients: dict[str, Probe] = {}  # made on first use, not with every app
         self._cache: dict[tuple[str, str], tuple[float, Any]] = {}
         self._lock = threading.Lock()
 
@@ -112,16 +69,16 @@ class ChainProbes:
         """Each network with relay accounts: (whether the RPC answered, balance per relay account)."""
         return self._each("balances", [n for n in self.networks if relay_accounts(n)], GAS_TTL_SECONDS)
 
-    def _client(self, network_id: str) -> _Client:
+    def _client(self, network_id: str) -> Probe:
         with self._lock:
             client = self._clients.get(network_id)
             if client is None:
                 network = next(n for n in self.networks if n.network == network_id)
-                client = self._clients[network_id] = _Client(network)
+                client = self._clients[network_id] = _client(network)
             return client
 
     def _each(self, method: str, networks: list[Network], ttl: float) -> dict[str, tuple[Outcome, Any]]:
-        """``_Client.<method>`` of each network, from the cache while fresh, else probed in parallel."""
+        """``Probe.<method>`` of each network, from the cache while fresh, else probed in parallel."""
         now = time.monotonic()
         results: dict[str, tuple[Outcome, Any]] = {}
         stale = []

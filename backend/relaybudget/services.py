@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 from decimal import ROUND_FLOOR
@@ -38,23 +37,22 @@ from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from backend import clock
-from backend.chains.evm import evm_chain
 from backend.chains.registry import Network
 from backend.config import Settings
-from backend.errors import ChainUnavailable, DomainError
+from backend.errors import DomainError
 from backend.extensions import db, rowcount
+from backend.rails.evm.rail import EVM_SETTLEMENT_GAS as EVM_SETTLEMENT_GAS
+from backend.rails.registry import rail_for
 from backend.relaybudget.metrics import OPEN_SETTLEMENT_REFUSALS, RELAY_BUDGET_REFUSALS
 from backend.relaybudget.models import GAS, KINDS, RelaySpend
-from payintent import solana_tx as stx
 
 log = logging.getLogger(__name__)
 
-SOLANA_DECIMALS = 9  # lamports per SOL: 10**9
 _RETRY_SCAN_ROWS = 1000
 
 
 def native_decimals(network: Network) -> int:
-    return network.native_currency[2] if network.kind == "evm" else SOLANA_DECIMALS
+    return rail_for(network).native_decimals(network)
 
 
 def budget_atomic(network: Network, settings: Settings) -> int | None:
@@ -63,7 +61,7 @@ def budget_atomic(network: Network, settings: Settings) -> int | None:
     if network.network in overrides:
         coins = overrides[network.network]
     else:
-        coins = settings.relay_budget_evm if network.kind == "evm" else settings.relay_budget_solana
+        coins = rail_for(network).relay_budget_coins(settings)
     if coins is None:
         return None
     return int(coins.scaleb(native_decimals(network)).to_integral_value(rounding=ROUND_FLOOR))
@@ -88,16 +86,10 @@ def spent(merchant_id: str, network_id: str, since: datetime) -> int:
 PAY = "pay"
 PREPARE = "prepare"
 
-# Gas one transferWithAuthorization may use: 60,000-90,000 for USDC's FiatToken and our TestUSDC (a
-# first payment to an address, a fresh nonce); the bound leaves room for the rest. It is also the gas
-# limit of every relay transaction (relayer.evm.GAS_LIMIT), so no settlement's execution gas exceeds it.
-EVM_SETTLEMENT_GAS = 120_000
 # How far the merchant's own recorded charges may raise its EVM estimate above the gas bound at today's price.
 EVM_HISTORY_CAP = 4
-COST_CACHE_SECONDS = 30.0
 # Retry-After when only settlements in flight block a payment (they finish within seconds to minutes).
 IN_FLIGHT_RETRY_SECONDS = 30
-_cost_cache: dict[str, tuple[float, int]] = {}
 
 
 def max_settlement_cost(network: Network, settings: Settings, merchant_id: str) -> int:
@@ -125,9 +117,10 @@ def max_settlement_cost(network: Network, settings: Settings, merchant_id: str) 
     it, and the real cost is charged when the settlement finishes. Raises 503 CHAIN_UNAVAILABLE if the
     gas price cannot be read and none was read before.
     """
-    if network.kind != "evm":
-        return stx.MAX_TRANSACTION_FEE
-    floor = _evm_floor(network)
+    rail = rail_for(network)
+    floor = rail.cost_floor(network)  # EVM_SETTLEMENT_GAS at twice the gas price (rails.evm); Solana: exact
+    if not rail.cost_learned_from_history():
+        return floor
     recorded = db.session.scalar(
         select(func.max(RelaySpend.amount_atomic)).where(
             RelaySpend.merchant_id == merchant_id,
@@ -136,23 +129,6 @@ def max_settlement_cost(network: Network, settings: Settings, merchant_id: str) 
         )
     )
     return max(floor, min(int(recorded or 0), EVM_HISTORY_CAP * floor))
-
-
-def _evm_floor(network: Network) -> int:
-    """``EVM_SETTLEMENT_GAS`` at twice the node's gas price (cached per network and process)."""
-    cached = _cost_cache.get(network.network)
-    if cached is not None and time.monotonic() - cached[0] < COST_CACHE_SECONDS:
-        return cached[1]
-    try:
-        price = int(evm_chain(network).w3.eth.gas_price)
-    except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
-        log.warning("gas price of %s unreadable (%s)", network.network, type(exc).__name__)
-        if cached is not None:
-            return cached[1]
-        raise ChainUnavailable(network.name) from None
-    floor = EVM_SETTLEMENT_GAS * 2 * price
-    _cost_cache[network.network] = (time.monotonic(), floor)
-    return floor
 
 
 def admit(

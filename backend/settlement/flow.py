@@ -3,7 +3,7 @@
 Order: the intent's state first (so a retry of a settled payment gets ALREADY_PAID, as the
 spec's error table asks, whatever it carries), then the payment payload is read in any form
 x402 clients send (``settlement.x402``), matched to the intent's requirement and its signature
-verified (offline), then the authorization's nonce and the buyer's balance on chain, then the
+verified (offline) and the chain asked (the rail: ``backend.rails``), then the
 intent is claimed (if the merchant's relay budget and open settlements leave room: ``_budget``)
 and the relayer is asked to submit. The answer waits for the relayer
 up to ``wait_seconds``; after that the reconciler finishes the job in the background.
@@ -20,30 +20,28 @@ from redis.exceptions import RedisError
 from rq import Queue
 
 from backend import appstate, clock
-from backend.chains.evm import evm_chain
-from backend.chains.registry import ChainRegistry
+from backend.chains.registry import ChainRegistry, Network
 from backend.config import Settings
-from backend.errors import ChainUnavailable, DomainError, not_found
+from backend.errors import DomainError, not_found
 from backend.extensions import db
 from backend.intents.models import Intent
 from backend.logs import current_request_id
 from backend.money import from_atomic
 from backend.queueing import relayer_queue
+from backend.rails.base import Terms
+from backend.rails.registry import rail_for
 from backend.relaybudget import services as relaybudget
 from backend.settlement import models as st
-from backend.settlement import services, solana
+from backend.settlement import services
 from backend.settlement.services import PaymentSubmission
-from backend.settlement.verify import parse_evm_payload, verify_evm_authorization
+from backend.settlement.solana import PayeeLedger
 from backend.settlement.x402 import X402Payment, normalize_payment_signature
-from payintent import solana_tx as stx
 
 log = logging.getLogger(__name__)
 
 PAY_WAIT_SECONDS = 30.0
 SETTLED_KEY = "payintent:settled:{}"
 SETTLE_JOB = "relayer.tasks.settle"
-# The most Retry-After of a validAfter the chain's latest block has not passed yet (it passed by our clock).
-NOT_YET_VALID_RETRY_MAX_SECONDS = 60
 _NO_FAILURE_EVENT = ("ALREADY_PAID", "PAYMENT_IN_PROGRESS")
 
 
@@ -117,17 +115,16 @@ def submit_payment(
                 "REQUIREMENT_OUTDATED",
                 f"The USDC contract configured for {network.network} changed since this intent was created",
             )
-        if network.kind == "solana":
-            auth: Any = solana.check_signed_transaction(intent, requirement, network, submission.payload)
-            start_block = None
-        else:
-            auth, start_block = _check_evm(submission, requirement, network, now)
+        # The rail: the payment's terms checked offline, then the chain's state before the claim.
+        rail = rail_for(network)
+        terms = rail.parse_payment(network, requirement, submission.payload, intent.id, now)
+        checked = rail.check_on_chain(network, requirement, terms, PayeeLedger())
         settlement_id = services.claim(
             intent,
             network,
-            auth,
-            start_block,
-            _budget(intent, network, auth, settings),
+            checked.terms,
+            checked.start_block,
+            _budget(intent, network, checked.terms, settings),
             max_open_per_payer=settings.max_open_settlements_per_payer,
         )
     except DomainError as err:
@@ -144,7 +141,7 @@ def submit_payment(
     return settlement_result(settlement_id)
 
 
-def _budget(intent: Intent, network: Any, auth: Any, settings: Settings) -> Callable[[int], None]:
+def _budget(intent: Intent, network: Network, terms: Terms, settings: Settings) -> Callable[[int], None]:
     """What the claim asks before it commits the relay to this settlement: the merchant's relay budget on
     the network must hold what it spent, what its open settlements may still cost, and this one's most
     (Solana: its exact fee; EVM: ``relaybudget.max_settlement_cost``). Costs are worked out here, before
@@ -153,7 +150,7 @@ def _budget(intent: Intent, network: Any, auth: Any, settings: Settings) -> Call
         open_cost = cost = 0  # unlimited: only the cap on open settlements applies
     else:
         open_cost = relaybudget.max_settlement_cost(network, settings, intent.merchant_id)
-        cost = stx.transaction_fee(stx.decode(auth.signature_hex).message) if network.kind == "solana" else open_cost
+        cost = rail_for(network).settlement_cost(terms, open_cost)
 
     def admit(open_settlements: int) -> None:
         relaybudget.admit(
@@ -161,51 +158,6 @@ def _budget(intent: Intent, network: Any, auth: Any, settings: Settings) -> Call
         )
 
     return admit
-
-
-def _check_evm(submission: PaymentSubmission, requirement: dict[str, Any], network: Any, now: Any) -> tuple[Any, int]:
-    """EVM: the EIP-3009 authorization offline, then on chain its nonce, that the payer has no code, and
-    the buyer's balance."""
-    auth = parse_evm_payload(submission.payload)
-    verify_evm_authorization(auth, requirement, int(now.timestamp()))
-    chain = evm_chain(network)
-    try:
-        used = chain.authorization_state(auth.payer, auth.nonce)
-        has_code = chain.has_code(auth.payer)
-        balance = chain.balance_of(auth.payer)
-        start_block, chain_time = chain.latest_block()
-    except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
-        log.warning("chain %s unreachable during /pay (%s)", network.network, type(exc).__name__)
-        raise ChainUnavailable(network.name) from None
-    if used:
-        raise DomainError("NONCE_ALREADY_USED", "This authorization's nonce was already used or cancelled")
-    if auth.valid_after >= chain_time:
-        # Past by our clock, not by the chain's: the token needs block.timestamp > validAfter, so the relay's
-        # transaction would revert now (a chain's latest block may be seconds old). Try again shortly.
-        wait = min(max(auth.valid_after - chain_time + 1, 1), NOT_YET_VALID_RETRY_MAX_SECONDS)
-        raise DomainError(
-            "AUTHORIZATION_NOT_YET_VALID",
-            f"validAfter has not passed on {network.name} yet (its latest block is from {chain_time}); "
-            f"try again in {wait} s, or sign with validAfter 0",
-            headers={"Retry-After": str(wait)},
-            retry_after=wait,
-        )
-    if has_code:
-        # The token would ask the payer's code whether the signature is valid, and code may answer one
-        # way when the relay estimates and another when the transaction is mined (docs/security.md).
-        raise DomainError(
-            "PAYER_HAS_CODE",
-            "The paying address has contract code (a smart wallet or an EIP-7702 delegation); "
-            "this service settles payments from plain addresses only: pay from another wallet",
-        )
-    if balance < auth.value:
-        raise DomainError(
-            "SETTLEMENT_FAILED",
-            "The buyer's USDC balance is too low for this payment",
-            reason=f"insufficient balance: {from_atomic(balance)} USDC available, "
-            f"{from_atomic(auth.value)} USDC required",
-        )
-    return auth, start_block
 
 
 def settlement_result(settlement_id: str) -> dict[str, Any]:

@@ -29,20 +29,21 @@ from backend.chains.evm import (
     evm_chain,
 )
 from backend.chains.registry import ChainRegistry, Network
-from backend.chains.solana import SolanaRpcError
+from backend.chains.solana import SolanaRpcError, solana_chain
+from backend.rails.evm.rail import EXPIRY_GRACE_SECONDS as EXPIRY_GRACE_SECONDS  # the watch's tests use it
+from backend.rails.evm.rail import EvmRail
+from backend.rails.registry import rail_for
 from backend.relaybudget import services as relaybudget
 from backend.settlement import services
 from backend.settlement.flow import enqueue_settlement, notify_settled
 from backend.settlement.models import Settlement
 from backend.settlement.solana import finish_from_chain as finish_solana
-from backend.settlement.solana import solana_chain
 
 log = logging.getLogger(__name__)
+_EVM = EvmRail()  # the EVM finish-from-chain below moves into the rail in stage 2 (docs/architecture.md, "Rails")
 
 # A settlement untouched this long is looked at by the reconciler.
 STALE_AFTER = timedelta(seconds=30)
-# Chain clocks and ours may differ: give up on an unexecuted authorization only this long after validBefore.
-EXPIRY_GRACE_SECONDS = 60
 # The watch of released settlements (``watch_released``) visits at most this many per tick, for at most this long
 # (each visit costs one or two RPC calls; the open settlements are handled first).
 WATCH_PER_TICK = 50
@@ -164,7 +165,7 @@ def can_never_execute(chain: EvmChain, settlement: Settlement, head: int) -> boo
     block (at ``head``) is past validBefore (+ grace), every block that is or can still become part
     of the chain comes after it and is later still: no reorg can bring back a block that executes it.
     """
-    return chain.block_timestamp(chain.final_block(head)) > settlement.valid_before + EXPIRY_GRACE_SECONDS
+    return not _EVM.may_still_execute(settlement.valid_before, chain.block_timestamp(chain.final_block(head)))
 
 
 def settle_from_chain(chain: EvmChain, settlement: Settlement, deadline: float | None = None) -> Outcome:
@@ -272,7 +273,7 @@ def watch_released(
         network = registry.get(settlement.network)
         if network is None:
             continue  # not configured now (it may come back): keep watching
-        if network.kind != "evm":
+        if not rail_for(network).released_may_execute():
             services.end_watch(settlement.id)  # a failed Solana transaction can never land again
             continue
         started = time.monotonic()
@@ -296,7 +297,7 @@ def watch_released(
             elif outcome is Outcome.UNUSED:
                 if network.network not in final_times:
                     final_times[network.network] = chain.block_timestamp(chain.final_block(head))
-                if final_times[network.network] > settlement.valid_before + EXPIRY_GRACE_SECONDS:
+                if not rail_for(network).may_still_execute(settlement.valid_before, final_times[network.network]):
                     services.end_watch(settlement.id)  # no block that can still join the chain may execute it
         except JobTimeoutException:
             raise  # RQ ends the job: not one settlement's error

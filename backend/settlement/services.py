@@ -31,9 +31,9 @@ from backend.intents.models import PAID, PENDING, Intent
 from backend.intents.services import effective_status
 from backend.merchants.models import Wallet
 from backend.money import from_atomic
+from backend.rails.base import Terms
 from backend.settlement import models as st
 from backend.settlement.models import Settlement
-from backend.settlement.verify import EvmAuthorization
 from backend.settlement.x402 import X402_VERSIONS, X402Payment, check_accepted
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ def count_open(merchant_id: str, network_id: str) -> int:
 def claim(
     intent: Intent,
     network: Network,
-    auth: EvmAuthorization,
+    terms: Terms,
     start_block: int | None,
     admit: Callable[[int], None] | None = None,
     *,
@@ -239,7 +239,7 @@ def claim(
     now = clock.now()
     open_settlements = open_of_payer = 0
     try:
-        check_pay_to_current(intent, network.network, auth.pay_to, lock=True)
+        check_pay_to_current(intent, network.network, terms.pay_to, lock=True)
     except DomainError:
         db.session.rollback()
         raise
@@ -247,8 +247,8 @@ def claim(
         _lock_merchant_network(intent.id, intent.merchant_id, network.network)
         open_settlements = count_open(intent.merchant_id, network.network)
     if max_open_per_payer:
-        _lock_payer(intent.id, auth.payer)
-        open_of_payer = count_open_of_payer(auth.payer)
+        _lock_payer(intent.id, terms.payer)
+        open_of_payer = count_open_of_payer(terms.payer)
     settlement_id = prefixed_id("stl")
     db.session.add(
         Settlement(
@@ -257,13 +257,13 @@ def claim(
             merchant_id=intent.merchant_id,
             network=network.network,
             asset=network.usdc_address,
-            payer=auth.payer,
-            pay_to=auth.pay_to,
-            amount_atomic=auth.value,
-            valid_after=auth.valid_after,
-            valid_before=auth.valid_before,
-            nonce=auth.nonce_hex,
-            signature=auth.signature_hex,
+            payer=terms.payer,
+            pay_to=terms.pay_to,
+            amount_atomic=terms.value,
+            valid_after=terms.valid_after,
+            valid_before=terms.valid_before,
+            nonce=terms.nonce_hex,
+            signature=terms.signature_hex,
             status=st.PENDING,
             start_block=start_block,
             created_at=now,
@@ -292,7 +292,7 @@ def claim(
         raise DomainError("PAYMENT_IN_PROGRESS", "A payment for this intent is being settled; read the intent")
     if max_open_per_payer and open_of_payer >= max_open_per_payer:
         db.session.rollback()  # after the claim: a payment already in progress is told so first
-        raise _refuse_busy_payer(auth.payer, open_of_payer)
+        raise _refuse_busy_payer(terms.payer, open_of_payer)
     if admit is not None:
         try:
             admit(open_settlements)  # after the claim: a payment already in progress is told so first

@@ -1,8 +1,9 @@
 """Solana payments on the API side: the unsigned transaction, and the checks before the relay co-signs.
 
-The API holds no key. It builds the transaction the buyer signs (``prepare_transaction``) and,
-at ``/pay``, checks the buyer-signed one instruction by instruction (``payintent.solana_tx``)
-and simulates it without signature verification (the relay has not signed yet).
+The API holds no key. It builds the transaction the buyer signs (``prepare_transaction``); at
+``/pay`` the Solana rail (``backend.rails.solana``) checks the buyer-signed one instruction by
+instruction (``payintent.solana_tx``) and simulates it without signature verification (the relay
+has not signed yet), asking ``PayeeLedger`` here about accounts closed after payments landed.
 
 The relay pays transaction fees only, never an account's rent: when the merchant's USDC account
 does not exist (a new wallet, a devnet restarted under a kept ``var/``), the prepared transaction
@@ -21,7 +22,6 @@ marked paid (``finish_from_chain``), so a finished payment is never without it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
@@ -32,12 +32,16 @@ from sqlalchemy.dialects import postgresql, sqlite
 from backend import clock
 from backend.chains.addresses import AddressError, normalize_solana_address
 from backend.chains.registry import ChainRegistry, Network
-from backend.chains.solana import SolanaChain, SolanaRpcError
+from backend.chains.solana import SolanaChain, SolanaRpcError, solana_chain
+from backend.chains.solana import _chains as _chains  # the API's clients (tests put stand-ins here)
 from backend.config import Settings
-from backend.errors import ChainUnavailable, DomainError
+from backend.errors import DomainError
 from backend.extensions import db
 from backend.intents.models import Intent
 from backend.money import from_atomic
+from backend.rails.registry import rail_for
+from backend.rails.solana.rail import SolanaRail, SolanaTerms, account_closed, payee_account_ready, relay
+from backend.rails.solana.rail import unavailable as _unavailable
 from backend.relaybudget import services as relaybudget
 from backend.relaybudget.models import FEE
 from backend.settlement import services
@@ -46,22 +50,6 @@ from payintent import solana_tx as stx
 
 log = logging.getLogger(__name__)
 
-_chains: dict[str, SolanaChain] = {}
-
-
-def solana_chain(network: Network) -> SolanaChain:
-    if not network.rpc_url:
-        raise ChainUnavailable(network.name, f"{network.name} has no RPC URL configured")
-    chain = _chains.get(network.rpc_url)
-    if chain is None:
-        chain = _chains[network.rpc_url] = SolanaChain(network.rpc_url)
-    return chain
-
-
-def _unavailable(network: Network, exc: Exception) -> DomainError:
-    log.warning("Solana RPC for %s failed: %s", network.network, type(exc).__name__)
-    return ChainUnavailable(network.name)
-
 
 def solana_requirement(
     intent: Intent, registry: ChainRegistry, network_id: str | None
@@ -69,17 +57,11 @@ def solana_requirement(
     """The intent's Solana requirement (the named one, or its only Solana one) and its network."""
     for requirement in intent.payment_requirements or []:
         network = registry.get(requirement["network"])
-        if network is None or network.kind != "solana":
+        if network is None or not isinstance(rail_for(network), SolanaRail):
             continue
         if network_id is None or network_id == network.network:
             return requirement, network
     raise DomainError("UNSUPPORTED_NETWORK", "This intent has no Solana payment requirement for that network")
-
-
-def _relay(network: Network) -> str:
-    if not network.fee_payer:
-        raise ChainUnavailable(network.name, f"No relay (fee payer) is configured for {network.name}")
-    return network.fee_payer
 
 
 def prepare_transaction(
@@ -102,7 +84,7 @@ def prepare_transaction(
         payer = normalize_solana_address(payer)
     except AddressError as exc:
         raise DomainError("VALIDATION_ERROR", f"payer: {exc}", fields={"payer": [str(exc)]}) from None
-    fee_payer = _relay(network)
+    fee_payer = relay(network)
     if payer == requirement["payTo"]:
         raise DomainError("PAYER_IS_RECIPIENT", "The payer is the merchant's own wallet")
     if payer == fee_payer:
@@ -177,24 +159,13 @@ def _sol(lamports: int) -> str:
     return format(Decimal(lamports).scaleb(-9).normalize(), "f")
 
 
-# A blockhash is usable for about 150 blocks; 300 (the size of the node's blockhash queue) leaves
-# room for RPC lag and off-by-one at the edges before the reconciler may call a transaction dead.
-BLOCKHASH_MARGIN = 300
-
-
-def payee_account_ready(chain: SolanaChain, requirement: dict[str, Any]) -> bool:
-    """Whether the merchant's USDC account is a token account now. Not merely "an account exists":
-    anyone can send lamports to its address, which CreateIdempotent still turns into the account."""
-    account = stx.associated_token_address(
-        Pubkey.from_string(requirement["payTo"]), Pubkey.from_string(requirement["asset"])
-    )
-    return chain.token_balance(str(account)) is not None
-
-
 def payee_account_closed(chain: SolanaChain, network_id: str, owner: str, mint: str) -> bool:
     """Whether a payment of ours landed in ``owner``'s account of ``mint`` on this chain (same genesis hash): if
     the account is missing now, its owner closed it. Raises SolanaRpcError if the genesis hash cannot be read."""
-    genesis = chain.genesis_hash()
+    return _landed(network_id, owner, mint, chain.genesis_hash())
+
+
+def _landed(network_id: str, owner: str, mint: str, genesis: str) -> bool:
     found = db.session.scalar(
         select(PayeeAccount.id)
         .where(
@@ -206,16 +177,6 @@ def payee_account_closed(chain: SolanaChain, network_id: str, owner: str, mint: 
         .limit(1)
     )
     return found is not None
-
-
-def account_closed(network: Network) -> DomainError:
-    return DomainError(
-        "PAYEE_ACCOUNT_CLOSED",
-        f"The merchant closed its USDC account on {network.name} after it received payments there; the merchant "
-        f"must open it again before it can be paid on {network.name} (a buyer does not pay to open it twice). "
-        f"Pay on another network, or later",
-        network=network.network,
-    )
 
 
 def record_payee_account(settlement: Any, genesis: str) -> None:
@@ -233,69 +194,15 @@ def record_payee_account(settlement: Any, genesis: str) -> None:
     db.session.commit()
 
 
-@dataclass(frozen=True)
-class SolanaAuthorization:
-    """A checked buyer-signed transaction, in the settlement row's terms."""
-
-    payer: str
-    pay_to: str
-    value: int
-    valid_after: int
-    valid_before: int  # a block height past which its blockhash surely expired (generous upper bound)
-    nonce_hex: str  # sha256 of the signed message: one settlement per transaction
-    signature_hex: str  # the buyer-signed transaction, base64
+SolanaAuthorization = SolanaTerms  # the name tests know
+_RAIL = SolanaRail()  # finish_from_chain moves into the rail in stage 2 (docs/architecture.md, "Rails")
 
 
-def check_signed_transaction(
-    intent: Intent,
-    requirement: dict[str, Any],
-    network: Network,
-    payload: dict[str, Any],
-) -> SolanaAuthorization:
-    """Every rule of payintent.solana_tx, then a simulation (no signature check: the relay signs later).
+class PayeeLedger:
+    """The settlement store's answer to the Solana rail (``rails.base.PayeeLedger``): ``PayeeAccount`` rows."""
 
-    A transaction that does not open the merchant's USDC account needs it to exist: if it is gone
-    (closed since the transaction was prepared), 409 PAYEE_ACCOUNT_MISSING asks for a new one
-    (which opens it). An account closed after payments landed in it on this chain is opened by no
-    buyer: 409 PAYEE_ACCOUNT_CLOSED, whichever transaction comes.
-    """
-    fee_payer = _relay(network)
-    try:
-        tx = stx.decode(payload.get("transaction"))
-        payment = stx.check_payment(tx, requirement, intent.id, fee_payer)
-    except stx.SolanaTransactionError as exc:
-        raise DomainError(exc.code, str(exc)) from None
-    chain = solana_chain(network)
-    try:
-        ready = payee_account_ready(chain, requirement)
-        if not ready and payee_account_closed(chain, network.network, requirement["payTo"], requirement["asset"]):
-            raise account_closed(network)
-        if not payment.creates_payee_account and not ready:
-            raise DomainError(
-                "PAYEE_ACCOUNT_MISSING",
-                "The merchant's USDC account does not exist (any more); fetch a new transaction, which opens it",
-            )
-        simulation = chain.simulate(stx.encode(tx), sig_verify=False)
-        height = chain.block_height("processed")  # after the simulation: a blockhash it accepted is older
-    except SolanaRpcError as exc:
-        raise _unavailable(network, exc) from None
-    if simulation.err is not None:
-        text = str(simulation.err)
-        if "BlockhashNotFound" in text:
-            raise DomainError("BLOCKHASH_EXPIRED", "The transaction's blockhash expired; fetch a new transaction")
-        if "AlreadyProcessed" in text:
-            raise DomainError("NONCE_ALREADY_USED", "This transaction was already processed")
-        detail = next((line for line in reversed(simulation.logs) if "Error" in line or "failed" in line), text)
-        raise DomainError("SETTLEMENT_FAILED", "The payment would fail on chain", reason=f"simulation: {detail}")
-    return SolanaAuthorization(
-        payer=payment.payer,
-        pay_to=requirement["payTo"],
-        value=payment.amount_atomic,
-        valid_after=0,
-        valid_before=height + BLOCKHASH_MARGIN,
-        nonce_hex="0x" + payment.message_hash,
-        signature_hex=stx.encode(tx),
-    )
+    def landed_before(self, network_id: str, owner: str, mint: str, genesis_hash: str) -> bool:
+        return _landed(network_id, owner, mint, genesis_hash)
 
 
 def finish_from_chain(chain: SolanaChain, settlement: Any) -> bool:
@@ -331,7 +238,7 @@ def finish_from_chain(chain: SolanaChain, settlement: Any) -> bool:
             return True
         if status is not None:
             return False  # seen but not yet confirmed
-    if height <= settlement.valid_before:
+    if _RAIL.may_still_execute(settlement.valid_before, height):
         return False
     blockhash = str(stx.decode(settlement.signature).message.recent_blockhash)
     if chain.is_blockhash_valid(blockhash):

@@ -72,7 +72,7 @@ def flatten_payload(payload: Any) -> dict[str, Any]:
     """A spec-style nested EVM payload ``{signature, authorization: {...}}`` as our flat one.
 
     A flat payload, and a Solana ``{transaction}``, are returned as they are (copied); the fields'
-    values are checked later (``settlement.verify.parse_evm_payload``).
+    values are checked later (``rails.evm.terms.parse_evm_payload``).
     """
     if not isinstance(payload, Mapping):
         raise _invalid("payload must be an object", "payload")

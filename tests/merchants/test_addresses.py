@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from backend.chains.addresses import AddressError, normalize_address
+from backend.chains.addresses import AddressError
+from backend.rails.registry import rail_of_kind
+
+
+def normalize_address(kind: str, address: str) -> str:
+    return rail_of_kind(kind).normalize_address(address)
+
 
 EVM = "0x70997970C51812dc3A010C7d01b50e0d17dc79C8"
 SOLANA = "9WzDXwBbmkg8ZTbNMqUxvQRAyrZzDsGYdLVL9zYtAWWM"

@@ -13,6 +13,7 @@ from backend.chains.registry import Network
 from backend.config import Settings
 from backend.errors import DomainError
 from backend.extensions import db
+from backend.rails.evm import rail as evm_rail
 from backend.relaybudget import services as budget
 from backend.relaybudget.models import FEE, GAS, RelaySpend
 from tests.conftest import make_settings
@@ -166,9 +167,9 @@ def test_one_merchants_costly_settlement_is_not_every_merchants_estimate(app, me
     (The gas price is the one RPC read: a stand-in here; the real devnet: tests/settlement/test_relay_budget_bound.py.)
     """
     gwei = 10**9
-    monkeypatch.setattr(budget, "evm_chain", lambda network: SimpleNamespace(w3=SimpleNamespace(
+    monkeypatch.setattr(evm_rail, "evm_chain", lambda network: SimpleNamespace(w3=SimpleNamespace(
         eth=SimpleNamespace(gas_price=gwei))))  # fmt: skip
-    budget._cost_cache.clear()
+    evm_rail.cost_cache.clear()
     limits = settings()
     room = budget.budget_atomic(BASE, limits)
     assert room is not None
@@ -179,7 +180,7 @@ def test_one_merchants_costly_settlement_is_not_every_merchants_estimate(app, me
         admit(merchant_id, BASE, limits, cost=cost, open_settlements=0, open_cost=cost)
 
     budget.charge(merchant.id, BASE.network, GAS, room + 1, "0x" + "ab" * 32)
-    budget._cost_cache.clear()
+    evm_rail.cost_cache.clear()
     assert budget.max_settlement_cost(BASE, limits, other_merchant.id) == floor  # before: room + 1
     assert budget.max_settlement_cost(BASE, limits, merchant.id) == budget.EVM_HISTORY_CAP * floor
     pays(other_merchant.id)  # before: 429 RELAY_BUDGET_EXHAUSTED, though it spent nothing
@@ -187,4 +188,4 @@ def test_one_merchants_costly_settlement_is_not_every_merchants_estimate(app, me
         pays(merchant.id)  # its own spending
     clock.advance(seconds=limits.relay_budget_window_seconds - 60)
     pays(other_merchant.id)
-    budget._cost_cache.clear()
+    evm_rail.cost_cache.clear()

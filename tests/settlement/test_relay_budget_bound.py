@@ -26,6 +26,7 @@ from sqlalchemy import func, select
 
 from backend.chains.solana import SolanaChain
 from backend.extensions import db
+from backend.rails.evm import rail as evm_rail
 from backend.relaybudget import services as relaybudget
 from backend.relaybudget.models import GAS, RelaySpend
 from payintent import solana_tx as stx
@@ -134,7 +135,7 @@ def test_the_most_a_settlement_costs(bounded, devnet, clock):
     shop = create_merchant(bounded.app, f"cost-{uuid.uuid4().hex[:8]}@example.com", {EVM: EVM_PAYOUT})
     other = create_merchant(bounded.app, f"cost2-{uuid.uuid4().hex[:8]}@example.com", {EVM: EVM_PAYOUT})
     assert relaybudget.max_settlement_cost(devnet.chains.get(SOLANA), settings, shop.id) == SOL_MAX == 10_500
-    relaybudget._cost_cache.pop(EVM, None)
+    evm_rail.cost_cache.pop(EVM, None)
     least = relaybudget.EVM_SETTLEMENT_GAS * 2 * devnet.w3(EVM).eth.gas_price
     assert bounded.evm_cost(EVM, shop.id) == least
     relaybudget.charge(shop.id, EVM, GAS, least * 3, "0xspike")  # an L1 fee, a fee spike: the ledger shows it
@@ -161,7 +162,7 @@ def test_one_merchants_costly_settlement_does_not_refuse_other_merchants(bounded
     # One settlement of the costly merchant cost more than a whole budget (a stand-in in the ledger: a real one
     # cannot be made that dear on the devnet).
     relaybudget.charge(costly.id, EVM, GAS, budget + 1, "0x" + secrets.token_hex(32))
-    relaybudget._cost_cache.pop(EVM, None)
+    evm_rail.cost_cache.pop(EVM, None)
 
     def pay_once(merchant: Any) -> Any:
         intent = create_intent(client, merchant, 0.01)
@@ -171,7 +172,7 @@ def test_one_merchants_costly_settlement_does_not_refuse_other_merchants(bounded
     assert codes([pay_once(victim)]) == ["accepted"]  # before the fix: 429 RELAY_BUDGET_EXHAUSTED
     assert codes([pay_once(costly)]) == ["429 RELAY_BUDGET_EXHAUSTED"]
     clock.advance(seconds=bounded.app.config["PAYINTENT_SETTINGS"].relay_budget_window_seconds - 60)
-    relaybudget._cost_cache.pop(EVM, None)
+    evm_rail.cost_cache.pop(EVM, None)
     assert codes([pay_once(victim)]) == ["accepted"]  # and a day later (before: still refused)
 
 

@@ -1,0 +1,204 @@
+"""The EVM rail: EIP-3009 ``transferWithAuthorization`` of USDC, submitted by our relay accounts (they pay gas)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+import requests
+from web3 import Web3
+
+from backend.chains.addresses import normalize_evm_address
+from backend.chains.evm import evm_chain
+from backend.chains.registry import Network
+from backend.config import Settings
+from backend.errors import ChainUnavailable, DomainError
+from backend.money import from_atomic
+from backend.rails.base import Checked, PayeeLedger, ProbeError, Terms
+from backend.rails.evm.terms import EvmTerms, parse_evm_payload, verify_evm_authorization
+
+log = logging.getLogger(__name__)
+
+# The most Retry-After of a validAfter the chain's latest block has not passed yet (it passed by our clock).
+NOT_YET_VALID_RETRY_MAX_SECONDS = 60
+# Chain clocks and ours may differ: give up on an unexecuted authorization only this long after validBefore
+# (the newest final block's timestamp past it by this much: no block that can still join the chain executes it).
+EXPIRY_GRACE_SECONDS = 60
+# Gas one transferWithAuthorization may use: 60,000-90,000 for USDC's FiatToken and our TestUSDC (a
+# first payment to an address, a fresh nonce); the bound leaves room for the rest. It is also the gas
+# limit of every relay transaction (relayer.evm.GAS_LIMIT), so no settlement's execution gas exceeds it.
+EVM_SETTLEMENT_GAS = 120_000
+COST_CACHE_SECONDS = 30.0
+# network -> (monotonic time read, cost floor): the gas price is read at most every COST_CACHE_SECONDS.
+cost_cache: dict[str, tuple[float, int]] = {}
+
+
+@dataclass(frozen=True)
+class PreClaimState:
+    """What /pay reads from an EVM chain before the claim (one round of reads: [3/5] batches them)."""
+
+    nonce_used: bool
+    payer_has_code: bool
+    balance: int
+    latest_block: int
+    latest_time: int
+
+
+def read_pre_claim_state(network: Network, terms: EvmTerms) -> PreClaimState:
+    chain = evm_chain(network)
+    try:
+        used = chain.authorization_state(terms.payer, terms.nonce)
+        has_code = chain.has_code(terms.payer)
+        balance = chain.balance_of(terms.payer)
+        start_block, chain_time = chain.latest_block()
+    except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
+        log.warning("chain %s unreachable during /pay (%s)", network.network, type(exc).__name__)
+        raise ChainUnavailable(network.name) from None
+    return PreClaimState(used, has_code, balance, start_block, chain_time)
+
+
+def refuse(network: Network, terms: EvmTerms, state: PreClaimState) -> None:
+    """The refusals the pre-claim reads decide: a used nonce, a validAfter the chain has not passed, a payer
+    with code, too low a balance."""
+    if state.nonce_used:
+        raise DomainError("NONCE_ALREADY_USED", "This authorization's nonce was already used or cancelled")
+    chain_time = state.latest_time
+    if terms.valid_after >= chain_time:
+        # Past by our clock, not by the chain's: the token needs block.timestamp > validAfter, so the relay's
+        # transaction would revert now (a chain's latest block may be seconds old). Try again shortly.
+        wait = min(max(terms.valid_after - chain_time + 1, 1), NOT_YET_VALID_RETRY_MAX_SECONDS)
+        raise DomainError(
+            "AUTHORIZATION_NOT_YET_VALID",
+            f"validAfter has not passed on {network.name} yet (its latest block is from {chain_time}); "
+            f"try again in {wait} s, or sign with validAfter 0",
+            headers={"Retry-After": str(wait)},
+            retry_after=wait,
+        )
+    if state.payer_has_code:
+        # The token would ask the payer's code whether the signature is valid, and code may answer one
+        # way when the relay estimates and another when the transaction is mined (docs/security.md).
+        raise DomainError(
+            "PAYER_HAS_CODE",
+            "The paying address has contract code (a smart wallet or an EIP-7702 delegation); "
+            "this service settles payments from plain addresses only: pay from another wallet",
+        )
+    if state.balance < terms.value:
+        raise DomainError(
+            "SETTLEMENT_FAILED",
+            "The buyer's USDC balance is too low for this payment",
+            reason=f"insufficient balance: {from_atomic(state.balance)} USDC available, "
+            f"{from_atomic(terms.value)} USDC required",
+        )
+
+
+class _Probe:
+    """Not ``chains.evm.evm_chain``: its 10 s timeout suits settlement, and its provider caches
+    ``eth_chainId``, which would answer a readiness probe without asking the RPC."""
+
+    def __init__(self, network: Network, timeout: float) -> None:
+        self.network = network
+        session = requests.Session()
+        session.proxies = requests.utils.get_environ_proxies(network.rpc_url or "")
+        session.trust_env = False
+        provider = Web3.HTTPProvider(network.rpc_url, request_kwargs={"timeout": timeout}, session=session)
+        self.w3 = Web3(provider)
+
+    def check(self) -> None:
+        answered = int(self.w3.eth.chain_id)
+        if answered != self.network.chain_id:
+            raise ProbeError(f"answers chain id {answered}, not {self.network.chain_id}")
+
+    def balances(self) -> dict[str, Decimal]:
+        scale = Decimal(10) ** self.network.native_currency[2]
+        return {
+            a: Decimal(int(self.w3.eth.get_balance(Web3.to_checksum_address(a)))) / scale
+            for a in self.network.relay_addresses
+        }
+
+
+class EvmRail:
+    kind = "evm"
+    label = "EVM"
+    asset_noun = "contract"
+    address_hint = "0x followed by 40 hex characters"
+
+    def normalize_address(self, address: str) -> str:
+        return normalize_evm_address(address)
+
+    def reserved_addresses(self) -> dict[str, str]:
+        return {}
+
+    def relay_accounts(self, network: Network) -> tuple[str, ...]:
+        return network.relay_addresses
+
+    def needs_domain_name(self) -> bool:
+        return True
+
+    def requirement_fields(self, network: Network, domain_name: str | None) -> dict[str, Any]:
+        return {
+            "usdcDomainName": domain_name,
+            "extra": {"name": domain_name, "version": network.usdc_domain_version},
+        }
+
+    def parse_payment(
+        self, network: Network, requirement: dict[str, Any], payload: Any, intent_id: str, now: datetime
+    ) -> EvmTerms:
+        terms = parse_evm_payload(payload)
+        verify_evm_authorization(terms, requirement, int(now.timestamp()))
+        return terms
+
+    def check_on_chain(
+        self, network: Network, requirement: dict[str, Any], terms: Terms, ledger: PayeeLedger
+    ) -> Checked:
+        assert isinstance(terms, EvmTerms)
+        state = read_pre_claim_state(network, terms)
+        refuse(network, terms, state)
+        return Checked(terms, state.latest_block)
+
+    def token_balance(self, network: Network, address: str) -> int:
+        return evm_chain(network).balance_of(address)
+
+    def may_still_execute(self, valid_before: int, chain_now: int) -> bool:
+        # The token executes it only in a block with timestamp < validBefore; the grace covers final blocks
+        # whose timestamps lag (``chain_now`` is the newest final block's timestamp).
+        return chain_now <= valid_before + EXPIRY_GRACE_SECONDS
+
+    def released_may_execute(self) -> bool:
+        return True  # the buyer's signature is out: anyone may submit it until validBefore
+
+    def native_decimals(self, network: Network) -> int:
+        return network.native_currency[2]
+
+    def relay_budget_coins(self, settings: Settings) -> Decimal | None:
+        return settings.relay_budget_evm
+
+    def cost_floor(self, network: Network) -> int:
+        """``EVM_SETTLEMENT_GAS`` at twice the node's gas price (the relayer's fee cap is twice the base fee plus
+        the tip), cached per network and process. Raises 503 CHAIN_UNAVAILABLE if the gas price cannot be read
+        and none was read before."""
+        cached = cost_cache.get(network.network)
+        if cached is not None and time.monotonic() - cached[0] < COST_CACHE_SECONDS:
+            return cached[1]
+        try:
+            price = int(evm_chain(network).w3.eth.gas_price)
+        except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
+            log.warning("gas price of %s unreadable (%s)", network.network, type(exc).__name__)
+            if cached is not None:
+                return cached[1]
+            raise ChainUnavailable(network.name) from None
+        floor = EVM_SETTLEMENT_GAS * 2 * price
+        cost_cache[network.network] = (time.monotonic(), floor)
+        return floor
+
+    def cost_learned_from_history(self) -> bool:
+        return True
+
+    def settlement_cost(self, terms: Terms, most: int) -> int:
+        return most  # gas is known only once mined
+
+    def probe(self, network: Network, timeout: float) -> _Probe:
+        return _Probe(network, timeout)

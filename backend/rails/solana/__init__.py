@@ -1,0 +1,1 @@
+"""The Solana rail (buyer-signed SPL transfers, relay as fee payer): ``rail``."""

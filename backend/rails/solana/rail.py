@@ -1,0 +1,221 @@
+"""The Solana rail: a buyer-signed SPL transfer (``payintent.solana_tx``) our relay co-signs as fee payer.
+
+The relay pays transaction fees only, never an account's rent (``settlement.solana`` builds the
+transaction the buyer signs). A buyer-signed transaction is checked instruction by instruction
+offline (``parse_payment``), then on chain: the merchant's USDC account (missing, or closed after
+payments of ours landed in it: the ``PayeeLedger`` knows), a simulation without signature
+verification (the relay has not signed yet) and the block height its blockhash expires after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from solders.pubkey import Pubkey
+
+from backend.chains.addresses import normalize_solana_address
+from backend.chains.registry import Network
+from backend.chains.solana import SolanaChain, SolanaRpcError, solana_chain
+from backend.config import Settings
+from backend.errors import ChainUnavailable, DomainError
+from backend.rails.base import Checked, PayeeLedger, ProbeError, Terms
+from payintent import solana_tx as stx
+
+log = logging.getLogger(__name__)
+
+SOLANA_DECIMALS = 9  # lamports per SOL: 10**9
+# A blockhash is usable for about 150 blocks; 300 (the size of the node's blockhash queue) leaves
+# room for RPC lag and off-by-one at the edges before the reconciler may call a transaction dead.
+BLOCKHASH_MARGIN = 300
+# Programs a Solana payment calls: no one holds their keys, so USDC sent to their accounts would be lost.
+PROGRAMS = {
+    "TokenkegQfeZyiNwAJbNbGKPFXCWuBvf9Ss623VQ5DA": "the SPL Token program",
+    "ATokenGPvbdGVxr1b2hvZbsiqW5xWH25efTNsLJA8knL": "the Associated Token Account program",
+    "ComputeBudget111111111111111111111111111111": "the Compute Budget program",
+    "MemoSq4gqABAXKb96qnH8TysNcWxMyWCqXgDLGmfcHr": "the Memo program",
+}
+
+
+@dataclass(frozen=True)
+class SolanaTerms:
+    """A checked buyer-signed transaction, in the settlement row's terms."""
+
+    payer: str
+    pay_to: str
+    value: int
+    valid_after: int
+    valid_before: int  # a block height past which its blockhash surely expired (generous upper bound)
+    nonce_hex: str  # sha256 of the signed message: one settlement per transaction
+    signature_hex: str  # the buyer-signed transaction, base64
+    creates_payee_account: bool = False  # it opens the merchant's USDC account (the buyer funds the rent)
+
+
+def unavailable(network: Network, exc: Exception) -> DomainError:
+    log.warning("Solana RPC for %s failed: %s", network.network, type(exc).__name__)
+    return ChainUnavailable(network.name)
+
+
+def relay(network: Network) -> str:
+    if not network.fee_payer:
+        raise ChainUnavailable(network.name, f"No relay (fee payer) is configured for {network.name}")
+    return network.fee_payer
+
+
+def payee_account_ready(chain: SolanaChain, requirement: dict[str, Any]) -> bool:
+    """Whether the merchant's USDC account is a token account now. Not merely "an account exists":
+    anyone can send lamports to its address, which CreateIdempotent still turns into the account."""
+    account = stx.associated_token_address(
+        Pubkey.from_string(requirement["payTo"]), Pubkey.from_string(requirement["asset"])
+    )
+    return chain.token_balance(str(account)) is not None
+
+
+def account_closed(network: Network) -> DomainError:
+    return DomainError(
+        "PAYEE_ACCOUNT_CLOSED",
+        f"The merchant closed its USDC account on {network.name} after it received payments there; the merchant "
+        f"must open it again before it can be paid on {network.name} (a buyer does not pay to open it twice). "
+        f"Pay on another network, or later",
+        network=network.network,
+    )
+
+
+def payee_closed(chain: SolanaChain, network: Network, requirement: dict[str, Any], ledger: PayeeLedger) -> bool:
+    """Whether a payment of ours landed in the requirement's payee account on this chain (same genesis hash):
+    if the account is missing now, its owner closed it. Raises SolanaRpcError if the genesis hash cannot be read."""
+    return ledger.landed_before(network.network, requirement["payTo"], requirement["asset"], chain.genesis_hash())
+
+
+class _Probe:
+    def __init__(self, network: Network, timeout: float) -> None:
+        self.network = network
+        self.solana = SolanaChain(network.rpc_url or "", timeout=timeout)
+
+    def check(self) -> None:
+        health = self.solana.call("getHealth")
+        if health != "ok":
+            raise ProbeError("getHealth did not answer ok")
+
+    def balances(self) -> dict[str, Decimal]:
+        payer = self.network.fee_payer
+        raw = {payer: self.solana.call("getBalance", [payer, {"commitment": "confirmed"}])["value"]} if payer else {}
+        scale = Decimal(10) ** SOLANA_DECIMALS
+        return {address: Decimal(int(value)) / scale for address, value in raw.items()}
+
+
+class SolanaRail:
+    kind = "solana"
+    label = "Solana"
+    asset_noun = "mint"
+    address_hint = "A base58 public key"
+
+    def normalize_address(self, address: str) -> str:
+        return normalize_solana_address(address)
+
+    def reserved_addresses(self) -> dict[str, str]:
+        return dict(PROGRAMS)
+
+    def relay_accounts(self, network: Network) -> tuple[str, ...]:
+        return (network.fee_payer,) if network.fee_payer else ()
+
+    def needs_domain_name(self) -> bool:
+        return False
+
+    def requirement_fields(self, network: Network, domain_name: str | None) -> dict[str, Any]:
+        extra: dict[str, Any] = {"decimals": network.decimals}
+        if network.fee_payer:
+            extra["feePayer"] = network.fee_payer
+        return {"extra": extra}
+
+    def parse_payment(
+        self, network: Network, requirement: dict[str, Any], payload: Any, intent_id: str, now: datetime
+    ) -> SolanaTerms:
+        """Every rule of payintent.solana_tx (offline). ``valid_before`` is set by ``check_on_chain``."""
+        fee_payer = relay(network)
+        try:
+            tx = stx.decode(payload.get("transaction"))
+            payment = stx.check_payment(tx, requirement, intent_id, fee_payer)
+        except stx.SolanaTransactionError as exc:
+            raise DomainError(exc.code, str(exc)) from None
+        return SolanaTerms(
+            payer=payment.payer,
+            pay_to=requirement["payTo"],
+            value=payment.amount_atomic,
+            valid_after=0,
+            valid_before=0,
+            nonce_hex="0x" + payment.message_hash,
+            signature_hex=stx.encode(tx),
+            creates_payee_account=payment.creates_payee_account,
+        )
+
+    def check_on_chain(
+        self, network: Network, requirement: dict[str, Any], terms: Terms, ledger: PayeeLedger
+    ) -> Checked:
+        """The merchant's USDC account, then a simulation (no signature check: the relay signs later), then the
+        height its blockhash expires after.
+
+        A transaction that does not open the merchant's USDC account needs it to exist: if it is gone
+        (closed since the transaction was prepared), 409 PAYEE_ACCOUNT_MISSING asks for a new one
+        (which opens it). An account closed after payments landed in it on this chain is opened by no
+        buyer: 409 PAYEE_ACCOUNT_CLOSED, whichever transaction comes.
+        """
+        assert isinstance(terms, SolanaTerms)
+        chain = solana_chain(network)
+        try:
+            ready = payee_account_ready(chain, requirement)
+            if not ready and payee_closed(chain, network, requirement, ledger):
+                raise account_closed(network)
+            if not terms.creates_payee_account and not ready:
+                raise DomainError(
+                    "PAYEE_ACCOUNT_MISSING",
+                    "The merchant's USDC account does not exist (any more); fetch a new transaction, which opens it",
+                )
+            simulation = chain.simulate(terms.signature_hex, sig_verify=False)
+            height = chain.block_height("processed")  # after the simulation: a blockhash it accepted is older
+        except SolanaRpcError as exc:
+            raise unavailable(network, exc) from None
+        if simulation.err is not None:
+            text = str(simulation.err)
+            if "BlockhashNotFound" in text:
+                raise DomainError("BLOCKHASH_EXPIRED", "The transaction's blockhash expired; fetch a new transaction")
+            if "AlreadyProcessed" in text:
+                raise DomainError("NONCE_ALREADY_USED", "This transaction was already processed")
+            detail = next((line for line in reversed(simulation.logs) if "Error" in line or "failed" in line), text)
+            raise DomainError("SETTLEMENT_FAILED", "The payment would fail on chain", reason=f"simulation: {detail}")
+        return Checked(dataclasses.replace(terms, valid_before=height + BLOCKHASH_MARGIN), None)
+
+    def token_balance(self, network: Network, address: str) -> int:
+        account = stx.associated_token_address(Pubkey.from_string(address), Pubkey.from_string(network.usdc_address))
+        return solana_chain(network).token_balance(str(account)) or 0
+
+    def may_still_execute(self, valid_before: int, chain_now: int) -> bool:
+        # ``chain_now``: the finalized block height; past valid_before the blockhash has surely expired
+        # (finish_from_chain also asks the node whether it still accepts the blockhash).
+        return chain_now <= valid_before
+
+    def released_may_execute(self) -> bool:
+        return False  # a failed Solana transaction can never land again
+
+    def native_decimals(self, network: Network) -> int:
+        return SOLANA_DECIMALS
+
+    def relay_budget_coins(self, settings: Settings) -> Decimal | None:
+        return settings.relay_budget_solana
+
+    def cost_floor(self, network: Network) -> int:
+        # Exact: two signatures and the largest priority fee the rules let a buyer sign.
+        return stx.MAX_TRANSACTION_FEE
+
+    def cost_learned_from_history(self) -> bool:
+        return False
+
+    def settlement_cost(self, terms: Terms, most: int) -> int:
+        return stx.transaction_fee(stx.decode(terms.signature_hex).message)  # exact, from the signed message
+
+    def probe(self, network: Network, timeout: float) -> _Probe:
+        return _Probe(network, timeout)

@@ -1,0 +1,110 @@
+"""The rail registry (``backend.rails``): one rail per chain kind, and no kind branch outside the rails."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from backend.chains.addresses import AddressError
+from backend.chains.registry import KINDS, ChainRegistry
+from backend.rails.base import Rail
+from backend.rails.evm.rail import EXPIRY_GRACE_SECONDS
+from backend.rails.evm.terms import EvmTerms
+from backend.rails.registry import RAILS, rail_for, rail_of_kind
+from backend.rails.solana.rail import SolanaTerms
+
+ROOT = Path(__file__).resolve().parents[2]
+# A comparison of a chain kind with a literal kind, in code or templates ('evm' or "solana", either side).
+KIND_BRANCH = re.compile(r"""kind\s*(==|!=)\s*['"](evm|solana)['"]|['"](evm|solana)['"]\s*(==|!=)\s*\S*kind\b""")
+# Where a kind branch may remain, how many, and why. Everything else asks its rail (``rail_for``).
+ALLOWED = {
+    # The chains-file loader sits below the rails (they read its Network): it decides a network's kind from
+    # its CAIP-2 id and which fields a kind's entry has (chain id, native currency, wallet chain, relay
+    # address form, domain names).
+    "backend/chains/registry.py": 6,
+    # Stage 2 (docs/architecture.md, "Rails"): the reconciler's finish-from-chain and the relayer's
+    # submit/watch and relay keys move into the rails with the typed-terms columns.
+    "backend/settlement/reconcile.py": 1,
+    "relayer/tasks.py": 1,
+    "relayer/keys.py": 2,
+}
+
+
+def test_every_kind_has_one_rail():
+    assert set(RAILS) == set(KINDS)
+    for kind, rail in RAILS.items():
+        assert rail.kind == kind and rail_of_kind(kind) is rail
+
+
+def test_rail_for_each_configured_network():
+    for network in ChainRegistry.load():
+        assert rail_for(network) is RAILS[network.kind]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_rail_implements_the_whole_interface(kind):
+    members = [name for name in dir(Rail) if not name.startswith("_")] + list(Rail.__annotations__)
+    rail = rail_of_kind(kind)
+    assert [name for name in members if not hasattr(rail, name)] == []
+
+
+def test_addresses_are_normalised_by_their_rail():
+    evm, solana = rail_of_kind("evm"), rail_of_kind("solana")
+    assert evm.normalize_address("0x70997970c51812dc3a010c7d01b50e0d17dc79c8") == (
+        "0x70997970C51812dc3A010C7d01b50e0d17dc79C8"
+    )
+    solana_key = "9WzDXwBbmkg8ZTbNMqUxvQRAyrZzDsGYdLVL9zYtAWWM"
+    assert solana.normalize_address(solana_key) == solana_key
+    with pytest.raises(AddressError):
+        evm.normalize_address(solana_key)
+    with pytest.raises(AddressError):
+        solana.normalize_address("0x70997970C51812dc3A010C7d01b50e0d17dc79C8")
+
+
+def test_valid_before_is_compared_by_its_rail_not_against_a_clock():
+    """``valid_before`` is a unix time on EVM and a block height on Solana. The bare comparison with the clock
+    (``valid_before > time.time()``: "may it still execute?") was right for Solana rows only because block
+    heights are smaller than unix times: with a height above the clock's seconds it answers "yes" for a
+    transaction whose blockhash expired long ago, and with a grace added to heights it answers "yes" too long."""
+    solana = rail_of_kind("solana")
+    unix_now = 1_764_000_000
+    valid_before = 2_000_000_300  # a Solana height (BLOCKHASH_MARGIN past the height read at /pay)
+    height_now = valid_before + 1
+    assert valid_before > unix_now  # the old bare comparison: "still valid"
+    assert not solana.may_still_execute(valid_before, height_now)  # the rail: its blockhash has expired
+    assert solana.may_still_execute(valid_before, valid_before)
+    assert not solana.may_still_execute(1_000, 1_000 + EXPIRY_GRACE_SECONDS)  # no seconds of grace on heights
+
+    evm = rail_of_kind("evm")
+    assert evm.may_still_execute(unix_now, unix_now + EXPIRY_GRACE_SECONDS)  # final blocks' timestamps may lag
+    assert not evm.may_still_execute(unix_now, unix_now + EXPIRY_GRACE_SECONDS + 1)
+    assert evm.released_may_execute() and not solana.released_may_execute()
+
+
+def test_terms_carry_what_a_claim_stores():
+    stored = ("payer", "pay_to", "value", "valid_after", "valid_before", "nonce_hex", "signature_hex")
+    evm = EvmTerms("0x" + "11" * 20, "0x" + "22" * 20, 1, 0, 2, b"\x01" * 32, "0x" + "ab" * 65, {})
+    solana = SolanaTerms("payer", "pay_to", 1, 0, 2, "0x" + "cd" * 32, "base64")
+    for terms in (evm, solana):
+        assert all(hasattr(terms, name) for name in stored)
+    assert evm.nonce_hex == "0x" + "01" * 32
+
+
+def test_no_chain_kind_branch_outside_the_rails():
+    files = subprocess.run(
+        ["git", "ls-files", "backend", "relayer", "payintent", "devnet"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    found: dict[str, list[str]] = {}
+    for name in files:
+        if name.startswith("backend/rails/") or not name.endswith((".py", ".html")):
+            continue
+        for number, line in enumerate((ROOT / name).read_text(encoding="utf-8").splitlines(), 1):
+            if KIND_BRANCH.search(line):
+                found.setdefault(name, []).append(f"{number}: {line.strip()}")
+    extra = {name: lines for name, lines in found.items() if len(lines) > ALLOWED.get(name, 0)}
+    assert extra == {}, "ask the network's rail (backend.rails.registry.rail_for) instead"
+    assert {name: len(lines) for name, lines in found.items()} == ALLOWED  # an exception that went: drop it
