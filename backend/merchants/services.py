@@ -200,7 +200,7 @@ def service_addresses(registry: ChainRegistry, rail: Rail) -> dict[str, str]:
     """
     reserved = rail.reserved_addresses()  # Solana: the programs a payment calls
     for network in registry:
-        if rail_for(network) is not rail:
+        if rail_for(network).kind != rail.kind:  # by kind: whichever instance of the rail was passed
             continue
         reserved[network.usdc_address] = f"the USDC {rail.asset_noun} on {network.name}"
         for relay in (*network.relay_addresses, *([network.fee_payer] if network.fee_payer else [])):

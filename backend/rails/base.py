@@ -111,7 +111,8 @@ class Rail(Protocol):
 
     def may_still_execute(self, valid_before: int, chain_now: int) -> bool:
         """Whether terms with this ``valid_before`` may still execute when the chain's final "now" is
-        ``chain_now`` (EVM: a block timestamp; Solana: a finalized block height). The only place either is compared."""
+        ``chain_now`` (EVM: a block timestamp; Solana: a finalized block height). The reconciler compares only through
+        this; the Solana relayer's own last-moment check (``relayer/solana.py``) moves behind it in stage 2."""
 
     def released_may_execute(self) -> bool:
         """Whether a released (failed) settlement's terms may still execute on chain (and need watching)."""

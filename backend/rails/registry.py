@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from backend.chains.registry import Network
 from backend.rails.base import Rail
-from backend.rails.evm.rail import EvmRail
-from backend.rails.solana.rail import SolanaRail
+from backend.rails.evm.rail import EVM_RAIL
+from backend.rails.solana.rail import SOLANA_RAIL
 
-RAILS: dict[str, Rail] = {rail.kind: rail for rail in (EvmRail(), SolanaRail())}
+RAILS: dict[str, Rail] = {rail.kind: rail for rail in (EVM_RAIL, SOLANA_RAIL)}
 
 
 def rail_of_kind(kind: str) -> Rail:

@@ -30,8 +30,8 @@ from backend.chains.evm import (
 )
 from backend.chains.registry import ChainRegistry, Network
 from backend.chains.solana import SolanaRpcError, solana_chain
+from backend.rails.evm.rail import EVM_RAIL
 from backend.rails.evm.rail import EXPIRY_GRACE_SECONDS as EXPIRY_GRACE_SECONDS  # the watch's tests use it
-from backend.rails.evm.rail import EvmRail
 from backend.rails.registry import rail_for
 from backend.relaybudget import services as relaybudget
 from backend.settlement import services
@@ -40,7 +40,7 @@ from backend.settlement.models import Settlement
 from backend.settlement.solana import finish_from_chain as finish_solana
 
 log = logging.getLogger(__name__)
-_EVM = EvmRail()  # the EVM finish-from-chain below moves into the rail in stage 2 (docs/architecture.md, "Rails")
+_EVM = EVM_RAIL  # the EVM finish-from-chain below moves into the rail in stage 2 (docs/architecture.md, "Rails")
 
 # A settlement untouched this long is looked at by the reconciler.
 STALE_AFTER = timedelta(seconds=30)

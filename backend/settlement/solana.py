@@ -40,7 +40,7 @@ from backend.extensions import db
 from backend.intents.models import Intent
 from backend.money import from_atomic
 from backend.rails.registry import rail_for
-from backend.rails.solana.rail import SolanaRail, SolanaTerms, account_closed, payee_account_ready, relay
+from backend.rails.solana.rail import SOLANA_RAIL, SolanaRail, SolanaTerms, account_closed, payee_account_ready, relay
 from backend.rails.solana.rail import unavailable as _unavailable
 from backend.relaybudget import services as relaybudget
 from backend.relaybudget.models import FEE
@@ -195,7 +195,7 @@ def record_payee_account(settlement: Any, genesis: str) -> None:
 
 
 SolanaAuthorization = SolanaTerms  # the name tests know
-_RAIL = SolanaRail()  # finish_from_chain moves into the rail in stage 2 (docs/architecture.md, "Rails")
+_RAIL = SOLANA_RAIL  # finish_from_chain moves into the rail in stage 2 (docs/architecture.md, "Rails")
 
 
 class PayeeLedger:

@@ -108,3 +108,21 @@ def test_no_chain_kind_branch_outside_the_rails():
     extra = {name: lines for name, lines in found.items() if len(lines) > ALLOWED.get(name, 0)}
     assert extra == {}, "ask the network's rail (backend.rails.registry.rail_for) instead"
     assert {name: len(lines) for name, lines in found.items()} == ALLOWED  # an exception that went: drop it
+
+
+def test_a_rail_is_one_object_and_the_wallet_guard_does_not_depend_on_the_instance() -> None:
+    """Review of the rails merge (L1): the guard against a payout to our own addresses picked a rail's networks by
+    object identity, and two modules made rail objects of their own; an instance other than the registry's left
+    the USDC mint/contract and the relay accounts unreserved."""
+    from backend.chains.registry import ChainRegistry
+    from backend.merchants.services import service_addresses
+    from backend.rails.solana.rail import SolanaRail
+    from backend.settlement import reconcile
+    from backend.settlement import solana as settlement_solana
+
+    assert settlement_solana._RAIL is rail_of_kind("solana")
+    assert reconcile._EVM is rail_of_kind("evm")
+    registry = ChainRegistry.load()
+    by_registry = service_addresses(registry, rail_of_kind("solana"))
+    assert any(network.usdc_address in by_registry for network in registry if rail_for(network).kind == "solana")
+    assert service_addresses(registry, SolanaRail()) == by_registry

@@ -219,3 +219,8 @@ class SolanaRail:
 
     def probe(self, network: Network, timeout: float) -> _Probe:
         return _Probe(network, timeout)
+
+
+# The one instance: the registry serves it and the stage-1 leftovers outside the rail use it, so a rail is
+# one object (code may compare rails by identity).
+SOLANA_RAIL = SolanaRail()
