@@ -425,7 +425,19 @@ def dev(port: int) -> None:
     run_dev_stack(port=port)
 
 
+def _undecodable_argument(args: list[str]) -> int | None:
+    """The position (from 1) of the first argument that was not UTF-8: Python keeps its bytes as lone surrogates
+    (surrogateescape), which no database, JSON or e-mail address accepts."""
+    return next((i for i, arg in enumerate(args, 1) if any("\udc80" <= ch <= "\udcff" for ch in arg)), None)
+
+
 def main(argv: list[str] | None = None) -> NoReturn:
+    bad = _undecodable_argument(sys.argv[1:] if argv is None else argv)
+    if bad is not None:
+        message = f"argument {bad} is not valid UTF-8 text"
+        _emit({"success": False, "error": {"code": "USAGE", "message": message}})
+        click.echo(f"payintent: {message}", err=True)
+        sys.exit(2)
     try:
         cli.main(args=argv, prog_name="payintent", standalone_mode=False)
     except click.exceptions.Abort:

@@ -354,3 +354,20 @@ def _serve_until_healthy(env: dict[str, str], tmp_path: Path, host: str = "127.0
         proc.terminate()
         proc.wait(timeout=20)
     return (tmp_path / "serve.log").read_text()
+
+
+def test_an_argument_that_is_not_utf8_is_a_usage_error_not_a_traceback(capsys):
+    """`payintent merchant create --email $'\\xff@example.com'`: the shell hands bytes that are not UTF-8, Python
+    keeps them as lone surrogates, and the database insert raised UnicodeEncodeError (INTERNAL_ERROR, a
+    traceback). Refused before any command runs."""
+    from backend import cli
+
+    undecodable = b"\xff@example.com".decode("utf-8", "surrogateescape")
+    args = ["merchant", "create", "--email", undecodable, "--password", "correct horse battery"]
+    with pytest.raises(SystemExit) as exited:
+        cli.main(args)
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2
+    message = "argument 4 is not valid UTF-8 text"
+    assert json.loads(out) == {"success": False, "error": {"code": "USAGE", "message": message}}
+    assert err == f"payintent: {message}\n"
