@@ -17,6 +17,7 @@ import click
 from backend import appstate
 from backend.config import DEVELOPMENT_SECRET_KEY, Settings
 from backend.jsonio import dumps
+from payintent.jsonlimits import has_surrogate
 
 if TYPE_CHECKING:
     from flask import Flask
@@ -428,7 +429,7 @@ def dev(port: int) -> None:
 def _undecodable_argument(args: list[str]) -> int | None:
     """The position (from 1) of the first argument that was not UTF-8: Python keeps its bytes as lone surrogates
     (surrogateescape), which no database, JSON or e-mail address accepts."""
-    return next((i for i, arg in enumerate(args, 1) if any("\udc80" <= ch <= "\udcff" for ch in arg)), None)
+    return next((i for i, arg in enumerate(args, 1) if has_surrogate(arg)), None)
 
 
 def main(argv: list[str] | None = None) -> NoReturn:

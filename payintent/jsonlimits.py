@@ -109,10 +109,16 @@ _SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def has_surrogate(text: str) -> bool:
+    """Whether ``text`` holds a surrogate code point: not Unicode text (no UTF-8 encoder, database or JSON
+    reader accepts it); e.g. bytes that were not UTF-8, kept by Python's surrogateescape (command lines)."""
+    return _SURROGATE.search(text) is not None
+
+
 def has_lone_surrogate(text: str | bytes, value: Any) -> bool:
     """Whether ``value``, decoded from JSON ``text``, holds a lone surrogate (json pairs the valid ones)."""
     escaped = _SURROGATE_ESCAPE_BYTES.search(text) if isinstance(text, bytes) else _SURROGATE_ESCAPE.search(text)
-    return bool(escaped) and any(_SURROGATE.search(s) for s in iter_strings(value))
+    return bool(escaped) and any(has_surrogate(s) for s in iter_strings(value))
 
 
 def loads(data: str | bytes, limit: int = MAX_JSON_DEPTH, **kwargs: Any) -> Any:
