@@ -127,15 +127,6 @@ def _warn_without_a_proxy(app: Flask, host: str) -> None:
         )
 
 
-def _merchant_call(fn: Callable[..., Any], *args: Any) -> Any:
-    from backend.merchants.services import MerchantError
-
-    try:
-        return fn(*args)
-    except MerchantError as exc:
-        raise CLIError(exc.code, exc.message) from None
-
-
 @click.group(help=__doc__)
 def cli() -> None:
     pass
@@ -157,7 +148,7 @@ def merchant_create(email: str, password: str, name: str | None) -> None:
     from backend.merchants import services
 
     with _app().app_context():
-        created, issued = _merchant_call(services.create_merchant, email, password, name)
+        created, issued = services.create_merchant(email, password, name)
         _emit(
             {
                 "merchant_id": created.id,
@@ -180,7 +171,7 @@ def key_create(merchant_id: str) -> None:
     from backend.merchants import services
 
     with _app().app_context():
-        issued = _merchant_call(services.create_api_key, merchant_id)
+        issued = services.create_api_key(merchant_id)
         _emit({"key_id": issued.key.id, "api_key": issued.secret, "merchant_id": merchant_id})
 
 
@@ -192,7 +183,7 @@ def key_revoke(merchant_id: str, key_id: str) -> None:
     from backend.merchants import services
 
     with _app().app_context():
-        revoked = _merchant_call(services.revoke_api_key, merchant_id, key_id)
+        revoked = services.revoke_api_key(merchant_id, key_id)
         _emit({"key_id": revoked.id, "merchant_id": merchant_id, "revoked_at": isoformat(revoked.revoked_at)})
 
 
@@ -203,7 +194,7 @@ def key_list(merchant_id: str) -> None:
     from backend.merchants import services
 
     with _app().app_context():
-        _merchant_call(services.get_merchant, merchant_id)
+        services.get_merchant(merchant_id)
         keys = services.list_api_keys(merchant_id)
         _emit(
             {
@@ -236,7 +227,7 @@ def wallet_set(merchant_id: str, network: str, address: str) -> None:
 
     app = _app()
     with app.app_context():
-        saved = _merchant_call(services.set_wallet, merchant_id, network, address, appstate.chains(app))
+        saved = services.set_wallet(merchant_id, network, address, appstate.chains(app))
         _emit({"wallet_id": saved.id, "merchant_id": merchant_id, "network": saved.network, "address": saved.address})
 
 
@@ -246,7 +237,7 @@ def wallet_list(merchant_id: str) -> None:
     from backend.merchants import services
 
     with _app().app_context():
-        _merchant_call(services.get_merchant, merchant_id)
+        services.get_merchant(merchant_id)
         _emit(
             {
                 "merchant_id": merchant_id,

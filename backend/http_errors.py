@@ -59,7 +59,7 @@ def _handle_http_exception(exc: HTTPException) -> Response:
     message = exc.description if status < 500 else CATALOG["INTERNAL_ERROR"].description
     response = _response(status, {"success": False, "error": {"code": code, "message": message or code}})
     if status == 405 and hasattr(exc, "valid_methods") and exc.valid_methods:
-        response.headers["Allow"] = ", ".join(exc.valid_methods)
+        response.headers["Allow"] = ", ".join(sorted(exc.valid_methods))  # the router keeps a set: one order
     return response
 
 

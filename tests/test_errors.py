@@ -60,3 +60,13 @@ def test_the_dashboard_shows_its_503_page_when_the_database_is_unreachable(unrea
     response = client.get("/dashboard/")
     assert response.status_code == 503
     assert "Temporarily unavailable" in response.get_data(as_text=True)
+
+
+def test_a_405_lists_the_allowed_methods_in_one_order(client):
+    """The router keeps a route's methods in a set; the Allow header sorts them, so it does not change with
+    PYTHONHASHSEED (between processes, or between gunicorn workers)."""
+    response = client.delete("/api/v1/x402/intents")
+    assert response.status_code == 405
+    assert response.get_json()["error"]["code"] == "METHOD_NOT_ALLOWED"
+    methods = response.headers["Allow"].split(", ")
+    assert "POST" in methods and "GET" in methods and methods == sorted(methods)

@@ -183,7 +183,7 @@ def _routing_errors() -> Response | None:
     response = _headers(error_page(code))
     valid = getattr(exc, "valid_methods", None)
     if code == 405 and valid:
-        response.headers["Allow"] = ", ".join(valid)
+        response.headers["Allow"] = ", ".join(sorted(valid))  # sorted: the router keeps a set
     return response
 
 
