@@ -46,10 +46,6 @@ from devnet.anvil import describe_holder, port_is_free, tie_to_parent
 
 DEMO_EMAIL = "demo@payintent.local"
 DEMO_PASSWORD = "demo-password"
-DEMO_WALLETS = {
-    "evm": "0x70997970C51812dc3A010C7d01b50e0d17dc79C8",
-    "solana": "9WzDXwBbmkg8ZTbNMqUxvQRAyrZzDsGYdLVL9zYtAWWM",
-}
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -166,6 +162,7 @@ def seed_demo_merchant() -> dict[str, Any]:
     from backend.extensions import db
     from backend.merchants import services
     from backend.merchants.models import Merchant
+    from backend.rails.registry import rail_for
 
     app = create_app()
     with app.app_context():
@@ -176,7 +173,7 @@ def seed_demo_merchant() -> dict[str, Any]:
         else:
             issued = services.create_api_key(merchant.id)
         for network in registry:
-            services.set_wallet(merchant.id, network.network, DEMO_WALLETS[network.kind], registry)
+            services.set_wallet(merchant.id, network.network, rail_for(network).example_address, registry)
         return {"merchant_id": merchant.id, "email": DEMO_EMAIL, "password": DEMO_PASSWORD, "api_key": issued.secret}
 
 

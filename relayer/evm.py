@@ -22,8 +22,9 @@ from redis import Redis
 from web3.exceptions import ContractLogicError, Web3RPCError
 
 from backend.chains.evm import EvmChain
+from backend.rails.evm.terms import EvmTerms
 from backend.relaybudget.services import EVM_SETTLEMENT_GAS
-from backend.settlement.models import Settlement
+from backend.settlement.models import Settlement, settlement_terms
 
 log = logging.getLogger(__name__)
 LEASE_SECONDS = 120  # longer than the RPC calls and the database write a send makes
@@ -181,15 +182,17 @@ def fees(chain: EvmChain) -> dict[str, int]:
 
 
 def transfer_call(chain: EvmChain, settlement: Settlement) -> Any:
-    signature = bytes.fromhex(settlement.signature[2:])
+    terms = settlement_terms(settlement)
+    assert isinstance(terms, EvmTerms)
+    signature = bytes.fromhex(terms.signature_hex[2:])
     r, s, v = signature[:32], signature[32:64], signature[64]
     return chain.token.functions.transferWithAuthorization(
-        settlement.payer,
-        settlement.pay_to,
-        settlement.amount_atomic,
-        settlement.valid_after,
-        settlement.valid_before,
-        bytes.fromhex(settlement.nonce[2:]),
+        terms.payer,
+        terms.pay_to,
+        terms.value,
+        terms.valid_after,
+        terms.valid_before,
+        terms.nonce,
         v if v >= 27 else v + 27,
         r,
         s,

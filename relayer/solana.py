@@ -20,6 +20,7 @@ from solders.pubkey import Pubkey
 
 from backend.chains.registry import Network
 from backend.chains.solana import SolanaChain, SolanaRpcError
+from backend.rails.solana.rail import SolanaTerms
 from backend.settlement import models as st
 from backend.settlement import services
 from backend.settlement.solana import finish_from_chain, payee_account_closed
@@ -56,10 +57,12 @@ def settle(
 ) -> str:
     if settlement.status == st.SUBMITTED and finish_from_chain(chain, settlement):
         return "finished-from-chain"
-    if chain.block_height() > settlement.valid_before:
+    terms = st.settlement_terms(settlement)
+    assert isinstance(terms, SolanaTerms)
+    if chain.block_height() > terms.last_valid_block_height:
         finish_from_chain(chain, settlement)
         return "expired"
-    tx = stx.decode(settlement.signature)
+    tx = stx.decode(terms.transaction)
     # The relay signs only what the rules allow, whatever the database holds.
     expected = {
         "asset": network.usdc_address,

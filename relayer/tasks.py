@@ -32,6 +32,7 @@ from backend.errors import DomainError
 from backend.extensions import db
 from backend.intents.models import PAID, Intent
 from backend.queueing import RedisNotConfigured, app_job, app_redis
+from backend.rails.evm.terms import EvmTerms
 from backend.relaybudget import services as relaybudget
 from backend.relaybudget.models import GAS
 from backend.settlement import models as st
@@ -157,7 +158,9 @@ def _settle(settlement_id: str, redis: Redis) -> str:
     if chain.has_code(settlement.payer):
         return _reverted(chain, settlement, PAYER_CODE_REASON, PAYER_HAS_CODE)
     # Not before the chain's clock passes validAfter: the transaction would revert (docs/security.md).
-    if not _valid_on_chain(chain, settlement.valid_after):
+    terms = st.settlement_terms(settlement)
+    assert isinstance(terms, EvmTerms)
+    if not _valid_on_chain(chain, terms.valid_after):
         return "not-yet-valid"  # left open: the reconciler sends it again once it is STALE_AFTER old
     call = evm.transfer_call(chain, settlement)
     fees = evm.fees(chain)  # the estimate and the send use the same fee fields

@@ -172,6 +172,7 @@ class EvmChain:
         # The eth_getLogs width this RPC answers after refusing a wider one (None: none refused lately); it grows
         # back after LOG_RANGE_GROW_AFTER answered windows.
         self.log_range_limit: int | None = None
+        self._token_name: str | None = None  # read once (``domain_name``)
         self._log_answers = 0  # windows answered in a row at the learned width
         # (authorizer, nonce) -> (first, last): blocks an unfinished search searched with no match (this process).
         self._log_cursors: dict[tuple[str, bytes], tuple[int, int]] = {}
@@ -194,6 +195,12 @@ class EvmChain:
 
     def token_name(self) -> str:
         return str(self.token.functions.name().call())
+
+    def cached_token_name(self) -> str:
+        """``token_name``, read from the chain once per client (a token's name does not change)."""
+        if self._token_name is None:
+            self._token_name = self.token_name()
+        return self._token_name
 
     def block_number(self) -> int:
         return int(self.w3.eth.block_number)
@@ -348,3 +355,11 @@ def evm_chain(network: Network) -> EvmChain:
         if chain is None:
             chain = _chains[network] = EvmChain(network)
         return chain
+
+
+def domain_name(network: Network) -> str:
+    """The token's EIP-712 domain name: from the chains file, else read once from the chain's ``name()`` (kept with
+    the network's client). Raises when the chain cannot be read (no RPC URL, RPC trouble)."""
+    if network.usdc_domain_name:
+        return network.usdc_domain_name
+    return evm_chain(network).cached_token_name()

@@ -190,9 +190,6 @@ def _parse_relay_addresses(raw: Any, kind: str, network_id: str, source: str) ->
 class ChainRegistry:
     def __init__(self, networks: list[Network], relay_keys_file: str | None = None) -> None:
         self._by_id = {n.network: n for n in networks}
-        self._domain_names: dict[str, str] = {
-            n.network: n.usdc_domain_name for n in networks if n.kind == "evm" and n.usdc_domain_name
-        }
         # Where the relayer finds its private keys; only the relayer reads it.
         self.relay_keys_file = relay_keys_file
         if len(self._by_id) != len(networks):
@@ -250,15 +247,6 @@ class ChainRegistry:
         if network is not None:
             return network.network
         return resolve_x402_network(name)
-
-    def domain_name(self, network: Network) -> str:
-        """The token's EIP-712 domain name: from the chains file, else read once from the chain's name()."""
-        name = self._domain_names.get(network.network)
-        if name is None:
-            from backend.chains.evm import evm_chain
-
-            name = self._domain_names[network.network] = evm_chain(network).token_name()
-        return name
 
 
 def resolve_x402_network(name: str, registry: ChainRegistry | None = None) -> str:

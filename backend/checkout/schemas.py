@@ -5,6 +5,7 @@ from __future__ import annotations
 from marshmallow import fields, validate
 
 from backend.intents.schemas import PaymentRequirementSchema
+from backend.rails.registry import RAILS
 from backend.schemas import StrictSchema, envelope
 from backend.settlement.schemas import PaymentSignatureSchema
 
@@ -18,7 +19,7 @@ class NativeCurrencySchema(StrictSchema):
 class WalletNetworkSchema(StrictSchema):
     network = fields.String(required=True, metadata={"description": "CAIP-2 id, as in payment_requirements"})
     name = fields.String(required=True)
-    kind = fields.String(required=True, metadata={"enum": ["evm", "solana"]})
+    kind = fields.String(required=True, metadata={"enum": list(RAILS)})  # one per rail
     chain_id = fields.Integer(required=True, allow_none=True, metadata={"description": "EVM chain id"})
     wallet_rpc_url = fields.String(
         required=True, allow_none=True, metadata={"description": "EVM: public RPC offered in wallet_addEthereumChain"}

@@ -84,11 +84,9 @@ def payable_networks(merchant_id: str, registry: ChainRegistry) -> list[tuple[Ne
     return [(n, wallets[n.network]) for n in registry if n.network in wallets]
 
 
-def _domain_name(registry: ChainRegistry, network: Network) -> str | None:
-    if not rail_for(network).needs_domain_name():
-        return None
+def _domain_name(network: Network) -> str | None:
     try:
-        return registry.domain_name(network)
+        return rail_for(network).domain_name(network)
     except Exception:  # the chains file names no domain and the chain cannot be asked right now
         raise ChainUnavailable(
             network.name, f"{network.name} cannot be reached to read its USDC domain name; try again"
@@ -122,7 +120,7 @@ def create_intent(
         "redirect_url": params.redirect_url,
         "cancel_url": params.cancel_url,
         "payment_requirements": [
-            build_requirement(network, address, amount_atomic, url, label, _domain_name(registry, network))
+            build_requirement(network, address, amount_atomic, url, label, _domain_name(network))
             for network, address in networks
         ],
         "created_at": now,

@@ -2,10 +2,12 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from backend.extensions import Model, UTCDateTime
+from backend.rails.base import COMMON_COLUMNS, Terms
+from backend.rails.registry import RAILS, rail_of_network_id
 
 # A settlement's life: pending (the intent is claimed for it) -> submitted (a transaction with
 # tx_hash was signed and sent) -> confirmed (the authorization executed on chain) | failed.
@@ -16,12 +18,30 @@ FAILED = "failed"
 OPEN = (PENDING, SUBMITTED)
 
 
+def _terms_of_its_rail() -> str:
+    """Each row has exactly its rail's terms columns (the rail of its network's CAIP-2 namespace), all of them."""
+    rails = list(RAILS.values())
+    clauses = []
+    for rail in rails:
+        others = [column for other in rails if other is not rail for column in other.columns]
+        conditions = [f"network LIKE '{rail.namespace}:%'"]
+        conditions += [f"{column} IS NOT NULL" for column in rail.columns]
+        conditions += [f"{column} IS NULL" for column in others]
+        clauses.append("(" + " AND ".join(conditions) + ")")
+    return " OR ".join(clauses)
+
+
 class Settlement(Model):
-    """One buyer authorization that passed verification and claimed its intent."""
+    """One buyer payment that passed verification and claimed its intent.
+
+    Its terms are typed by its rail (``settlement_terms``): every row has the common columns (``payer``,
+    ``pay_to``, ``amount_atomic``, ``nonce``) and its own rail's (``Rail.columns``), NULL on other rails' rows.
+    """
 
     __tablename__ = "settlements"
     __table_args__ = (
         UniqueConstraint("network", "payer", "nonce"),
+        CheckConstraint(_terms_of_its_rail(), name="terms_of_rail"),
         Index("ix_settlements_status_updated", "status", "updated_at"),
         Index("ix_settlements_watched_at", "watched_at"),
     )
@@ -35,10 +55,17 @@ class Settlement(Model):
     payer: Mapped[str] = mapped_column(String(64))
     pay_to: Mapped[str] = mapped_column(String(64))
     amount_atomic: Mapped[int] = mapped_column(BigInteger)
-    valid_after: Mapped[int] = mapped_column(BigInteger)
-    valid_before: Mapped[int] = mapped_column(BigInteger)
+    # What makes the payment unique for its payer on its network: EVM the EIP-3009 nonce, Solana the sha256 of
+    # the signed message (both 0x-hex, 32 bytes).
     nonce: Mapped[str] = mapped_column(String(66))
-    signature: Mapped[str] = mapped_column(Text)
+    # EVM (EvmRail.columns): the EIP-3009 window, unix times, and the buyer's signature (0x-hex).
+    valid_after: Mapped[int | None] = mapped_column(BigInteger)
+    valid_before: Mapped[int | None] = mapped_column(BigInteger)
+    signature: Mapped[str | None] = mapped_column(Text)
+    # Solana (SolanaRail.columns): the block height its blockhash surely expired by, and the buyer-signed
+    # transaction (base64).
+    last_valid_block_height: Mapped[int | None] = mapped_column(BigInteger)
+    signed_transaction: Mapped[str | None] = mapped_column(Text)
     status: Mapped[str] = mapped_column(String(16))
     tx_hash: Mapped[str | None] = mapped_column(String(128))
     # Chain height when the intent was claimed: the reconciler searches logs from here.
@@ -55,6 +82,14 @@ class Settlement(Model):
     watched_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # When the watch found the chain had decided (executed and recorded, or it can never execute).
     watch_done_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+def settlement_terms(settlement: Settlement) -> Terms:
+    """The settlement's typed terms (``EvmTerms``, ``SolanaTerms``), read from its columns by its network's rail.
+
+    The one way code outside the rails reads a row's terms: never its rail's columns directly."""
+    rail = rail_of_network_id(settlement.network)
+    return rail.terms_from_columns({name: getattr(settlement, name) for name in (*COMMON_COLUMNS, *rail.columns)})
 
 
 class PayeeAccount(Model):

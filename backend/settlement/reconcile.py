@@ -36,7 +36,7 @@ from backend.rails.registry import rail_for
 from backend.relaybudget import services as relaybudget
 from backend.settlement import services
 from backend.settlement.flow import enqueue_settlement, notify_settled
-from backend.settlement.models import Settlement
+from backend.settlement.models import Settlement, settlement_terms
 from backend.settlement.solana import finish_from_chain as finish_solana
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ def can_never_execute(chain: EvmChain, settlement: Settlement, head: int) -> boo
     block (at ``head``) is past validBefore (+ grace), every block that is or can still become part
     of the chain comes after it and is later still: no reorg can bring back a block that executes it.
     """
-    return not _EVM.may_still_execute(settlement.valid_before, chain.block_timestamp(chain.final_block(head)))
+    return not _EVM.may_still_execute(settlement_terms(settlement), chain.block_timestamp(chain.final_block(head)))
 
 
 def settle_from_chain(chain: EvmChain, settlement: Settlement, deadline: float | None = None) -> Outcome:
@@ -297,7 +297,7 @@ def watch_released(
             elif outcome is Outcome.UNUSED:
                 if network.network not in final_times:
                     final_times[network.network] = chain.block_timestamp(chain.final_block(head))
-                if not rail_for(network).may_still_execute(settlement.valid_before, final_times[network.network]):
+                if not rail_for(network).may_still_execute(settlement_terms(settlement), final_times[network.network]):
                     services.end_watch(settlement.id)  # no block that can still join the chain may execute it
         except JobTimeoutException:
             raise  # RQ ends the job: not one settlement's error

@@ -32,6 +32,7 @@ from backend.intents.services import effective_status
 from backend.merchants.models import Wallet
 from backend.money import from_atomic
 from backend.rails.base import Terms
+from backend.rails.registry import rail_for
 from backend.settlement import models as st
 from backend.settlement.models import Settlement
 from backend.settlement.x402 import X402_VERSIONS, X402Payment, check_accepted
@@ -257,13 +258,7 @@ def claim(
             merchant_id=intent.merchant_id,
             network=network.network,
             asset=network.usdc_address,
-            payer=terms.payer,
-            pay_to=terms.pay_to,
-            amount_atomic=terms.value,
-            valid_after=terms.valid_after,
-            valid_before=terms.valid_before,
-            nonce=terms.nonce_hex,
-            signature=terms.signature_hex,
+            **rail_for(network).columns_of(terms),  # payer, pay_to, amount_atomic, nonce and the rail's own
             status=st.PENDING,
             start_block=start_block,
             created_at=now,

@@ -40,12 +40,12 @@ from backend.extensions import db
 from backend.intents.models import Intent
 from backend.money import from_atomic
 from backend.rails.registry import rail_for
-from backend.rails.solana.rail import SOLANA_RAIL, SolanaRail, SolanaTerms, account_closed, payee_account_ready, relay
+from backend.rails.solana.rail import SOLANA_RAIL, SolanaTerms, account_closed, payee_account_ready, relay
 from backend.rails.solana.rail import unavailable as _unavailable
 from backend.relaybudget import services as relaybudget
 from backend.relaybudget.models import FEE
 from backend.settlement import services
-from backend.settlement.models import PayeeAccount
+from backend.settlement.models import PayeeAccount, settlement_terms
 from payintent import solana_tx as stx
 
 log = logging.getLogger(__name__)
@@ -54,10 +54,11 @@ log = logging.getLogger(__name__)
 def solana_requirement(
     intent: Intent, registry: ChainRegistry, network_id: str | None
 ) -> tuple[dict[str, Any], Network]:
-    """The intent's Solana requirement (the named one, or its only Solana one) and its network."""
+    """The intent's Solana requirement (the named one, or its only Solana one) and its network: one whose rail
+    prepares the transaction the buyer signs."""
     for requirement in intent.payment_requirements or []:
         network = registry.get(requirement["network"])
-        if network is None or not isinstance(rail_for(network), SolanaRail):
+        if network is None or not rail_for(network).prepares_transaction:
             continue
         if network_id is None or network_id == network.network:
             return requirement, network
@@ -211,7 +212,7 @@ def finish_from_chain(chain: SolanaChain, settlement: Any) -> bool:
     The relay's signature (the transaction id) is recorded before sending, so a crash after the
     send still leaves the signature to look up. Executed (confirmed) → paid; failed (at confirmed
     or finalized commitment) → failed. The intent is released unexecuted only when the finalized
-    height is past ``valid_before`` and the node no longer accepts the blockhash: then the
+    height is past ``last_valid_block_height`` and the node no longer accepts the blockhash: then the
     transaction can never land. The height is read before the status, so a transaction landing
     in between is seen.
 
@@ -238,9 +239,11 @@ def finish_from_chain(chain: SolanaChain, settlement: Any) -> bool:
             return True
         if status is not None:
             return False  # seen but not yet confirmed
-    if _RAIL.may_still_execute(settlement.valid_before, height):
+    terms = settlement_terms(settlement)
+    assert isinstance(terms, SolanaTerms)
+    if _RAIL.may_still_execute(terms, height):
         return False
-    blockhash = str(stx.decode(settlement.signature).message.recent_blockhash)
+    blockhash = str(stx.decode(terms.transaction).message.recent_blockhash)
     if chain.is_blockhash_valid(blockhash):
         return False
     services.fail_settlement(
@@ -252,5 +255,7 @@ def finish_from_chain(chain: SolanaChain, settlement: Any) -> bool:
 def charge_fee(settlement: Any) -> None:
     """Record the fee the relay paid for the settlement's landed transaction (successful or not) to the
     merchant's relay budget, once."""
-    fee = stx.transaction_fee(stx.decode(settlement.signature).message)
+    terms = settlement_terms(settlement)
+    assert isinstance(terms, SolanaTerms)
+    fee = stx.transaction_fee(stx.decode(terms.transaction).message)
     relaybudget.charge(settlement.merchant_id, settlement.network, FEE, fee, settlement.tx_hash, settlement.id)

@@ -13,7 +13,7 @@ from backend.chains.registry import KINDS, ChainRegistry
 from backend.rails.base import Rail
 from backend.rails.evm.rail import EXPIRY_GRACE_SECONDS
 from backend.rails.evm.terms import EvmTerms
-from backend.rails.registry import RAILS, rail_for, rail_of_kind
+from backend.rails.registry import RAILS, rail_for, rail_of_kind, rail_of_network_id
 from backend.rails.solana.rail import SolanaTerms
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ ALLOWED = {
     # The chains-file loader sits below the rails (they read its Network): it decides a network's kind from
     # its CAIP-2 id and which fields a kind's entry has (chain id, native currency, wallet chain, relay
     # address form, domain names).
-    "backend/chains/registry.py": 6,
+    "backend/chains/registry.py": 5,
     # Stage 2 (docs/architecture.md, "Rails"): the reconciler's finish-from-chain and the relayer's
     # submit/watch and relay keys move into the rails with the typed-terms columns.
     "backend/settlement/reconcile.py": 1,
@@ -74,23 +74,52 @@ def test_valid_before_is_compared_by_its_rail_not_against_a_clock():
     valid_before = 2_000_000_300  # a Solana height (BLOCKHASH_MARGIN past the height read at /pay)
     height_now = valid_before + 1
     assert valid_before > unix_now  # the old bare comparison: "still valid"
-    assert not solana.may_still_execute(valid_before, height_now)  # the rail: its blockhash has expired
-    assert solana.may_still_execute(valid_before, valid_before)
-    assert not solana.may_still_execute(1_000, 1_000 + EXPIRY_GRACE_SECONDS)  # no seconds of grace on heights
+    assert not solana.may_still_execute(_solana_terms(valid_before), height_now)  # its blockhash has expired
+    assert solana.may_still_execute(_solana_terms(valid_before), valid_before)
+    assert not solana.may_still_execute(_solana_terms(1_000), 1_000 + EXPIRY_GRACE_SECONDS)  # no grace on heights
 
     evm = rail_of_kind("evm")
-    assert evm.may_still_execute(unix_now, unix_now + EXPIRY_GRACE_SECONDS)  # final blocks' timestamps may lag
-    assert not evm.may_still_execute(unix_now, unix_now + EXPIRY_GRACE_SECONDS + 1)
+    assert evm.may_still_execute(_evm_terms(unix_now), unix_now + EXPIRY_GRACE_SECONDS)  # final blocks may lag
+    assert not evm.may_still_execute(_evm_terms(unix_now), unix_now + EXPIRY_GRACE_SECONDS + 1)
     assert evm.released_may_execute() and not solana.released_may_execute()
 
 
-def test_terms_carry_what_a_claim_stores():
-    stored = ("payer", "pay_to", "value", "valid_after", "valid_before", "nonce_hex", "signature_hex")
-    evm = EvmTerms("0x" + "11" * 20, "0x" + "22" * 20, 1, 0, 2, b"\x01" * 32, "0x" + "ab" * 65, {})
-    solana = SolanaTerms("payer", "pay_to", 1, 0, 2, "0x" + "cd" * 32, "base64")
-    for terms in (evm, solana):
-        assert all(hasattr(terms, name) for name in stored)
+def _evm_terms(valid_before: int) -> EvmTerms:
+    payer, pay_to, nonce, signature = "0x" + "11" * 20, "0x" + "22" * 20, "0x" + "01" * 32, "0x" + "ab" * 65
+    raw = {"from": payer, "to": pay_to, "value": "1", "validAfter": "0", "validBefore": str(valid_before),
+           "nonce": nonce, "signature": signature}  # fmt: skip
+    return EvmTerms(payer, pay_to, 1, 0, valid_before, bytes.fromhex(nonce[2:]), signature, raw)
+
+
+def _solana_terms(last_valid_block_height: int) -> SolanaTerms:
+    return SolanaTerms("payer", "pay_to", 1, last_valid_block_height, "0x" + "cd" * 32, "base64")
+
+
+def test_terms_carry_what_a_claim_stores_and_read_back_from_their_columns():
+    """Each rail writes the common columns and its own (``Rail.columns``), and reads the same terms back."""
+    evm, solana = _evm_terms(2), _solana_terms(2)
     assert evm.nonce_hex == "0x" + "01" * 32
+    for terms, kind in ((evm, "evm"), (solana, "solana")):
+        rail = rail_of_kind(kind)
+        columns = rail.columns_of(terms)
+        assert set(columns) == {"payer", "pay_to", "amount_atomic", "nonce", *rail.columns}
+        assert None not in columns.values()
+        assert rail.terms_from_columns(columns) == terms
+    assert rail_of_kind("solana").columns_of(solana) == {
+        "payer": "payer", "pay_to": "pay_to", "amount_atomic": 1, "nonce": "0x" + "cd" * 32,
+        "last_valid_block_height": 2, "signed_transaction": "base64",
+    }  # fmt: skip
+    assert not set(rail_of_kind("evm").columns) & set(rail_of_kind("solana").columns)
+
+
+def test_a_network_id_names_its_rail():
+    """A settlement row knows its network's CAIP-2 id only (the network may be gone from the chains file)."""
+    for network in ChainRegistry.load():
+        assert rail_of_network_id(network.network) is rail_for(network)
+    assert rail_of_network_id("solana:anything") is rail_of_kind("solana")
+    assert rail_of_network_id("eip155:1") is rail_of_kind("evm")
+    with pytest.raises(KeyError):
+        rail_of_network_id("cosmos:hub")
 
 
 def test_no_chain_kind_branch_outside_the_rails():

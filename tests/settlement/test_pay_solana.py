@@ -237,7 +237,7 @@ def test_the_relay_never_cosigns_a_tampered_stored_transaction(pay_app, pay_clie
     row = Settlement(
         id="stl_tampered", intent_id=intent["intent_id"], merchant_id=sol_shop.id, network=SOLANA,
         asset=network.usdc_address, payer=str(payer.pubkey()), pay_to=sol_shop.wallet, amount_atomic=1_000_000,
-        valid_after=0, valid_before=10**9, nonce="0x" + "ab" * 32, signature=stx.encode(evil), status="pending",
+        last_valid_block_height=10**9, nonce="0x" + "ab" * 32, signed_transaction=stx.encode(evil), status="pending",
         created_at=__import__("backend.clock", fromlist=["now"]).now(),
         updated_at=__import__("backend.clock", fromlist=["now"]).now(),
     )  # fmt: skip

@@ -142,8 +142,8 @@ def land_first_payment(app: Any, chain: FakeChain, shop: Any, owner: Keypair, mi
     requirement = row.payment_requirements[0]
     payment = stx.check_payment(tx, requirement, row.id, str(RELAY.pubkey()))
     auth = solana.SolanaAuthorization(payer=payment.payer, pay_to=requirement["payTo"], value=payment.amount_atomic,
-                                      valid_after=0, valid_before=10 + 300, nonce_hex="0x" + payment.message_hash,
-                                      signature_hex=stx.encode(tx))  # fmt: skip
+                                      last_valid_block_height=10 + 300, nonce_hex="0x" + payment.message_hash,
+                                      transaction=stx.encode(tx))  # fmt: skip
     settlement_id = services.claim(row, app.extensions["payintent.chains"].get(NET), auth, None)
     signature = str(tx.signatures[0])
     services.mark_submitted(settlement_id, signature, str(RELAY.pubkey()))

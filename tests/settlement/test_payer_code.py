@@ -164,8 +164,9 @@ def _relay_call(iso: Any, buyer: Any, intent: dict[str, Any]) -> tuple[Any, Any]
     chain = evm_chain(iso.devnet.chains.get(NETWORK))
     auth = sign_authorization(buyer.key, requirement(intent, NETWORK))
     settlement = SimpleNamespace(
-        payer=auth["from"], pay_to=auth["to"], amount_atomic=int(auth["value"]), valid_after=int(auth["validAfter"]),
-        valid_before=int(auth["validBefore"]), nonce=auth["nonce"], signature=auth["signature"],
+        network=NETWORK, payer=auth["from"], pay_to=auth["to"], amount_atomic=int(auth["value"]),
+        valid_after=int(auth["validAfter"]), valid_before=int(auth["validBefore"]), nonce=auth["nonce"],
+        signature=auth["signature"],
     )  # fmt: skip
     return chain, evm.transfer_call(chain, settlement)
 

@@ -48,8 +48,12 @@ class Row:
     merchant_id: str = "mer_1"
     network: str = "solana:test"
     tx_hash: str | None = "5sig"
-    valid_before: int = 1000
-    signature: str = field(
+    payer: str = "BUYER"
+    pay_to: str = "PAYEE"
+    amount_atomic: int = 1
+    nonce: str = "0x" + "ab" * 32
+    last_valid_block_height: int = 1000
+    signed_transaction: str = field(
         default_factory=lambda: stx.encode(
             stx.build_payment(
                 fee_payer=str(Keypair().pubkey()),

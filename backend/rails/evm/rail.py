@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -13,13 +14,13 @@ import requests
 from web3 import Web3
 
 from backend.chains.addresses import normalize_evm_address
-from backend.chains.evm import evm_chain
+from backend.chains.evm import domain_name, evm_chain
 from backend.chains.registry import Network
 from backend.config import Settings
 from backend.errors import ChainUnavailable, DomainError
 from backend.money import from_atomic
-from backend.rails.base import Checked, PayeeLedger, ProbeError, Terms
-from backend.rails.evm.terms import EvmTerms, parse_evm_payload, verify_evm_authorization
+from backend.rails.base import Checked, PayeeLedger, ProbeError, Terms, common_columns
+from backend.rails.evm.terms import PAYLOAD_FIELDS, EvmTerms, parse_evm_payload, verify_evm_authorization
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +123,14 @@ class _Probe:
 
 class EvmRail:
     kind = "evm"
+    namespace = "eip155"
     label = "EVM"
     asset_noun = "contract"
     address_hint = "0x followed by 40 hex characters"
+    example_address = "0x70997970C51812dc3A010C7d01b50e0d17dc79C8"  # Anvil's test account 1
+    prepares_transaction = False  # the buyer's wallet signs EIP-712 typed data (checkout-ui/src/evm.ts)
+    # The EIP-3009 window (unix times) and the buyer's signature (0x-hex, 65 bytes).
+    columns: tuple[str, ...] = ("valid_after", "valid_before", "signature")
 
     def normalize_address(self, address: str) -> str:
         return normalize_evm_address(address)
@@ -135,8 +141,8 @@ class EvmRail:
     def relay_accounts(self, network: Network) -> tuple[str, ...]:
         return network.relay_addresses
 
-    def needs_domain_name(self) -> bool:
-        return True
+    def domain_name(self, network: Network) -> str:
+        return domain_name(network)
 
     def requirement_fields(self, network: Network, domain_name: str | None) -> dict[str, Any]:
         return {
@@ -159,13 +165,36 @@ class EvmRail:
         refuse(network, terms, state)
         return Checked(terms, state.latest_block)
 
+    def columns_of(self, terms: Terms) -> dict[str, Any]:
+        assert isinstance(terms, EvmTerms)
+        own = {"valid_after": terms.valid_after, "valid_before": terms.valid_before, "signature": terms.signature_hex}
+        return {**common_columns(terms), **own}
+
+    def terms_from_columns(self, columns: Mapping[str, Any]) -> EvmTerms:
+        """The row's authorization; ``raw`` (what the signature was checked over) is rebuilt from the columns."""
+        values = (
+            columns["payer"], columns["pay_to"], str(columns["amount_atomic"]), str(columns["valid_after"]),
+            str(columns["valid_before"]), columns["nonce"], columns["signature"],
+        )  # fmt: skip
+        return EvmTerms(
+            payer=columns["payer"],
+            pay_to=columns["pay_to"],
+            value=int(columns["amount_atomic"]),
+            valid_after=int(columns["valid_after"]),
+            valid_before=int(columns["valid_before"]),
+            nonce=bytes.fromhex(columns["nonce"].removeprefix("0x")),
+            signature_hex=columns["signature"],
+            raw=dict(zip(PAYLOAD_FIELDS, values, strict=True)),
+        )
+
     def token_balance(self, network: Network, address: str) -> int:
         return evm_chain(network).balance_of(address)
 
-    def may_still_execute(self, valid_before: int, chain_now: int) -> bool:
+    def may_still_execute(self, terms: Terms, chain_now: int) -> bool:
         # The token executes it only in a block with timestamp < validBefore; the grace covers final blocks
         # whose timestamps lag (``chain_now`` is the newest final block's timestamp).
-        return chain_now <= valid_before + EXPIRY_GRACE_SECONDS
+        assert isinstance(terms, EvmTerms)
+        return chain_now <= terms.valid_before + EXPIRY_GRACE_SECONDS
 
     def released_may_execute(self) -> bool:
         return True  # the buyer's signature is out: anyone may submit it until validBefore

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -23,7 +24,7 @@ from backend.chains.registry import Network
 from backend.chains.solana import SolanaChain, SolanaRpcError, solana_chain
 from backend.config import Settings
 from backend.errors import ChainUnavailable, DomainError
-from backend.rails.base import Checked, PayeeLedger, ProbeError, Terms
+from backend.rails.base import Checked, PayeeLedger, ProbeError, Terms, common_columns
 from payintent import solana_tx as stx
 
 log = logging.getLogger(__name__)
@@ -48,11 +49,13 @@ class SolanaTerms:
     payer: str
     pay_to: str
     value: int
-    valid_after: int
-    valid_before: int  # a block height past which its blockhash surely expired (generous upper bound)
+    # A block height past which its blockhash surely expired (generous upper bound; 0 until ``check_on_chain``).
+    last_valid_block_height: int
     nonce_hex: str  # sha256 of the signed message: one settlement per transaction
-    signature_hex: str  # the buyer-signed transaction, base64
-    creates_payee_account: bool = False  # it opens the merchant's USDC account (the buyer funds the rent)
+    transaction: str  # the buyer-signed transaction, base64 (the relay co-signs it as fee payer)
+    # It opens the merchant's USDC account (the buyer funds the rent). Known when /pay parses the transaction;
+    # terms read back from a row leave it False (the relayer checks the transaction again before co-signing).
+    creates_payee_account: bool = False
 
 
 def unavailable(network: Network, exc: Exception) -> DomainError:
@@ -110,9 +113,14 @@ class _Probe:
 
 class SolanaRail:
     kind = "solana"
+    namespace = "solana"
     label = "Solana"
     asset_noun = "mint"
     address_hint = "A base58 public key"
+    example_address = "9WzDXwBbmkg8ZTbNMqUxvQRAyrZzDsGYdLVL9zYtAWWM"  # the example key of Solana's documentation
+    prepares_transaction = True  # settlement.solana.prepare_transaction: the buyer's wallet signs it as is
+    # The buyer-signed transaction (base64) and the block height its blockhash surely expired by.
+    columns: tuple[str, ...] = ("last_valid_block_height", "signed_transaction")
 
     def normalize_address(self, address: str) -> str:
         return normalize_solana_address(address)
@@ -123,8 +131,8 @@ class SolanaRail:
     def relay_accounts(self, network: Network) -> tuple[str, ...]:
         return (network.fee_payer,) if network.fee_payer else ()
 
-    def needs_domain_name(self) -> bool:
-        return False
+    def domain_name(self, network: Network) -> None:
+        return None
 
     def requirement_fields(self, network: Network, domain_name: str | None) -> dict[str, Any]:
         extra: dict[str, Any] = {"decimals": network.decimals}
@@ -135,7 +143,7 @@ class SolanaRail:
     def parse_payment(
         self, network: Network, requirement: dict[str, Any], payload: Any, intent_id: str, now: datetime
     ) -> SolanaTerms:
-        """Every rule of payintent.solana_tx (offline). ``valid_before`` is set by ``check_on_chain``."""
+        """Every rule of payintent.solana_tx (offline). ``last_valid_block_height`` is set by ``check_on_chain``."""
         fee_payer = relay(network)
         try:
             tx = stx.decode(payload.get("transaction"))
@@ -146,10 +154,9 @@ class SolanaRail:
             payer=payment.payer,
             pay_to=requirement["payTo"],
             value=payment.amount_atomic,
-            valid_after=0,
-            valid_before=0,
+            last_valid_block_height=0,
             nonce_hex="0x" + payment.message_hash,
-            signature_hex=stx.encode(tx),
+            transaction=stx.encode(tx),
             creates_payee_account=payment.creates_payee_account,
         )
 
@@ -175,7 +182,7 @@ class SolanaRail:
                     "PAYEE_ACCOUNT_MISSING",
                     "The merchant's USDC account does not exist (any more); fetch a new transaction, which opens it",
                 )
-            simulation = chain.simulate(terms.signature_hex, sig_verify=False)
+            simulation = chain.simulate(terms.transaction, sig_verify=False)
             height = chain.block_height("processed")  # after the simulation: a blockhash it accepted is older
         except SolanaRpcError as exc:
             raise unavailable(network, exc) from None
@@ -187,16 +194,32 @@ class SolanaRail:
                 raise DomainError("NONCE_ALREADY_USED", "This transaction was already processed")
             detail = next((line for line in reversed(simulation.logs) if "Error" in line or "failed" in line), text)
             raise DomainError("SETTLEMENT_FAILED", "The payment would fail on chain", reason=f"simulation: {detail}")
-        return Checked(dataclasses.replace(terms, valid_before=height + BLOCKHASH_MARGIN), None)
+        return Checked(dataclasses.replace(terms, last_valid_block_height=height + BLOCKHASH_MARGIN), None)
+
+    def columns_of(self, terms: Terms) -> dict[str, Any]:
+        assert isinstance(terms, SolanaTerms)
+        own = {"last_valid_block_height": terms.last_valid_block_height, "signed_transaction": terms.transaction}
+        return {**common_columns(terms), **own}
+
+    def terms_from_columns(self, columns: Mapping[str, Any]) -> SolanaTerms:
+        return SolanaTerms(
+            payer=columns["payer"],
+            pay_to=columns["pay_to"],
+            value=int(columns["amount_atomic"]),
+            last_valid_block_height=int(columns["last_valid_block_height"]),
+            nonce_hex=columns["nonce"],
+            transaction=columns["signed_transaction"],
+        )
 
     def token_balance(self, network: Network, address: str) -> int:
         account = stx.associated_token_address(Pubkey.from_string(address), Pubkey.from_string(network.usdc_address))
         return solana_chain(network).token_balance(str(account)) or 0
 
-    def may_still_execute(self, valid_before: int, chain_now: int) -> bool:
-        # ``chain_now``: the finalized block height; past valid_before the blockhash has surely expired
+    def may_still_execute(self, terms: Terms, chain_now: int) -> bool:
+        # ``chain_now``: the finalized block height; past last_valid_block_height the blockhash has surely expired
         # (finish_from_chain also asks the node whether it still accepts the blockhash).
-        return chain_now <= valid_before
+        assert isinstance(terms, SolanaTerms)
+        return chain_now <= terms.last_valid_block_height
 
     def released_may_execute(self) -> bool:
         return False  # a failed Solana transaction can never land again
@@ -215,7 +238,8 @@ class SolanaRail:
         return False
 
     def settlement_cost(self, terms: Terms, most: int) -> int:
-        return stx.transaction_fee(stx.decode(terms.signature_hex).message)  # exact, from the signed message
+        assert isinstance(terms, SolanaTerms)
+        return stx.transaction_fee(stx.decode(terms.transaction).message)  # exact, from the signed message
 
     def probe(self, network: Network, timeout: float) -> _Probe:
         return _Probe(network, timeout)
