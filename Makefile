@@ -77,7 +77,7 @@ test-db: install nginx
 # Reliability drills: faults against the full local stack (docs/drills.md); fails on a double charge,
 # a charge the service did not record, a payment left unsettled or a lost webhook event.
 drills: install
-	$(BIN)/python drills/run.py $(DRILLS_ARGS)
+	$(BIN)/python -m drills.run $(DRILLS_ARGS)
 
 # mypy reads its files and settings from [tool.mypy] in pyproject.toml (docs/architecture.md, "App state and type checking").
 lint: install

@@ -1,13 +1,12 @@
-"""The drills' helper processes, each started as ``python drills/helpers.py <kind> ...``:
+"""The drills' helper processes, each started as ``python -m drills.helpers <kind> ...`` (from the checkout's
+root; the chain RPC's forwarder is the harness's, ``python -m harness.proxy forward``):
 
-- ``proxy``: a TCP forwarder in front of a chain's RPC, on a fixed port, so that the drill can
-  stop "the chain RPC" (connections refused) and start it again without touching Anvil's state;
 - ``receiver``: a merchant's webhook endpoint that answers 200 and appends every body it gets to a
   JSON-lines file (which outlives the process, so a receiver can go down and come back);
 - ``worker``: ``payintent worker`` itself, with the service clock moved forward by the number of
   seconds in a file, so that a webhook retry schedule of hours passes in seconds.
 
-``proxy`` and ``receiver`` print ``ready <port>`` once they listen (bench/_common.run_server).
+``receiver`` prints ``ready <port>`` once it listens (harness.servers.run_server).
 """
 
 from __future__ import annotations
@@ -20,31 +19,10 @@ import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import _common as common
+from harness.servers import Handler, run_server
 
 
-def forwarder(upstream_port: int) -> common.Handler:
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, OSError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        with contextlib.suppress(Exception):
-            writer.close()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection(common.HOST, upstream_port)
-        except OSError:
-            writer.close()
-            return
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-    return handle
-
-
-def receiver(log: Path) -> common.Handler:
+def receiver(log: Path) -> Handler:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
             while True:
@@ -92,15 +70,12 @@ def run_worker(offset_file: Path) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("kind", choices=("proxy", "receiver", "worker"))
+    parser.add_argument("kind", choices=("receiver", "worker"))
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--upstream", type=int, default=0)
     parser.add_argument("--file", type=Path)
     args = parser.parse_args(argv)
-    if args.kind == "proxy":
-        return common.run_server(forwarder(args.upstream), args.port)
     if args.kind == "receiver":
-        return common.run_server(receiver(args.file), args.port)
+        return run_server(receiver(args.file), args.port)
     run_worker(args.file)
     return 0
 

@@ -8,9 +8,9 @@ the database: payments attempted and settled, double charges and unrecorded char
 finds a problem, whose payments do not all settle, or whose buyers got a 500 (or an error answer without
 the JSON envelope) fails the run (exit 1).
 
-    .venv/bin/python drills/run.py                    # all six, about 6 minutes
-    .venv/bin/python drills/run.py --only relayer api --seed 7
-    .venv/bin/python drills/run.py --write            # ... and update docs/drills.md's results
+    .venv/bin/python -m drills.run                    # all six, about 6 minutes
+    .venv/bin/python -m drills.run --only relayer api --seed 7
+    .venv/bin/python -m drills.run --write            # ... and update docs/drills.md's results
 """
 
 from __future__ import annotations
@@ -22,16 +22,12 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import _common as common  # noqa: E402
-
-from drills.payments import Figures, Payment, audit, control, make_payments, snapshot, start_buyers, wait_all  # noqa: E402
-from drills.stack import RECEIVERS, DrillError, Stack  # noqa: E402
+from drills.payments import Figures, Payment, audit, control, make_payments, snapshot, start_buyers, wait_all
+from drills.stack import RECEIVERS, DrillError, Stack
+from harness import report
+from harness.env import ROOT
+from harness.session import Session, stop_on_signals
 
 DOC = ROOT / "docs" / "drills.md"
 HEADING = "## Results"
@@ -304,9 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     rng = random.Random(seed)
     clock_started = time.monotonic()
-    common.stop_on_signals()
+    stop_on_signals()
     rows: list[Row] = []
-    session = common.Session("drills", keep_logs=args.keep_logs)
+    session = Session("drills", keep_logs=args.keep_logs, label="drills")
     with session:
         print(f"drills: seed {seed}; starting PostgreSQL, Redis, 3 Anvil chains, API, worker, relayer ...", flush=True)
         stack = Stack(session)
@@ -332,22 +328,23 @@ def main(argv: list[str] | None = None) -> int:
             stack.stop_supervising()
     if session.exit_code is not None:
         return session.exit_code
-    report = _report(rows, seed, argv)
-    print("\n" + report.split("\n", 4)[4])
-    status = common.finish([], session.problems, clock_started, HEADING, None)
+    text = _report(rows, seed, argv)
+    print("\n" + text.split("\n", 4)[4])
+    status = report.finish([], session.problems, clock_started, HEADING, None)
     if args.write and status == 0:
-        common.write_section(report, HEADING, DOC)
+        report.write_section(text, HEADING, DOC)
         print(f"wrote the section '{HEADING}' of {DOC.relative_to(ROOT)}")
     return status
 
 
 def _report(rows: list[Row], seed: int, argv: list[str] | None) -> str:
-    command = " ".join(["drills/run.py", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python -m drills.run", *(sys.argv[1:] if argv is None else argv)])
     return "\n".join(
         [
             HEADING,
             "",
-            "Written by `drills/run.py --write` (the last run on the development machine; CI runs them on every push).",
+            "Written by `python -m drills.run --write` (the last run on the development machine; CI runs them on every "
+            "push).",
             "",
             table(rows),
             "",
@@ -357,7 +354,7 @@ def _report(rows: list[Row], seed: int, argv: list[str] | None) -> str:
             "",
             "Control: the audit found the planted double charge, unrecorded charge and missing event.",
             "",
-            f"Run: `{command}`, seed {seed}, commit {common.git_commit()}, {common.machine()}.",
+            f"Run: `{command}`, seed {seed}, commit {report.git_commit()}, {report.machine()}.",
         ]
     )
 

