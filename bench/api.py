@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import simplejson
+
 from bench._common import (
     DOC,
     HOST,

@@ -344,10 +344,11 @@ def section(
     ]
     if steps:
         parts += [
-            "Breakdown: the same steps called in-process by this script, one payment at a time, in /pay's and the "
-            "relayer's order (no HTTP, no RQ; RPC through the same proxy). Each RPC call is timed in web3's HTTP "
-            'provider (requests, HTTP, proxy, chain) and at the proxy (the chain). "where" is the process that '
-            "runs the step in the service:",
+            "Breakdown: payments made in-process by this script, one at a time, through the service's own "
+            "`submit_payment` (no HTTP; its steps timed through `backend.timing`), with the relayer's job run "
+            "step by step between the enqueue and the wait (no RQ; RPC through the same proxy). Each RPC call is "
+            'timed in web3\'s HTTP provider (requests, HTTP, proxy, chain) and at the proxy (the chain). "where" is '
+            "the process that runs the step in the service:",
             "",
             breakdown_table(steps, methods),
             "",
