@@ -358,6 +358,6 @@ def control(stack: Stack, rng: random.Random) -> list[str]:
             f"the audit's control: planted 1 double charge, 1 unrecorded charge, 1 missing event; it found "
             f"{figures.double_charged}, {figures.unrecorded}, {lost} missing deliveries"
         )
-    if not any("spent" in problem for problem in figures.problems):
+    if not any("(an unrecorded charge)" in problem for problem in figures.problems):  # harness.audit's balances
         problems.append("the audit's control: the buyers' balances did not show the planted charges")
     return problems
