@@ -91,8 +91,8 @@ fmt: install
 	$(BIN)/ruff format .
 
 bench: install
-	$(BIN)/python bench/api.py
-	$(BIN)/python bench/webhooks.py
+	$(BIN)/python -m bench.api
+	$(BIN)/python -m bench.webhooks
 
 clean:
 	rm -rf $(VENV) node_modules checkout-ui/node_modules checkout-ui/dist backend/static/apidocs/swagger-ui var .pytest_cache .ruff_cache .import_linter_cache .mypy_cache *.egg-info

@@ -2,9 +2,9 @@
 
 Usage::
 
-    .venv/bin/python bench/api.py                 # SQLite and PostgreSQL, prints a markdown table
-    .venv/bin/python bench/api.py --write         # ... and replaces its section in docs/benchmarks.md
-    .venv/bin/python bench/api.py --engines postgresql --pg-url postgresql://postgres@127.0.0.1:5432/test
+    .venv/bin/python -m bench.api                 # SQLite and PostgreSQL, prints a markdown table
+    .venv/bin/python -m bench.api --write         # ... and replaces its section in docs/benchmarks.md
+    .venv/bin/python -m bench.api --engines postgresql --pg-url postgresql://postgres@127.0.0.1:5432/test
 
 The API (``backend.app:create_app()``) and the baseline (``bench/bare_app.py``, one endpoint returning
 ``jsonify({"ok": True})``) are started with the same gunicorn flags, one server at a time, and loaded
@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import simplejson
-from _common import (
+
+from bench._common import (
     DOC,
     HOST,
     ROOT,
@@ -605,7 +606,7 @@ def settings_lines(run: Run, started: dt.datetime, argv: list[str]) -> list[str]
         f"- data: 1 merchant with 1 wallet ({WALLET_NETWORK}), {run.seed} intents created before the cells; "
         f"get cycles over them; list is the newest 20 (and the total); create posts "
         '`{"amount_usdc": 10.5, "order_id": ...}` without Idempotency-Key; cells run get, list, create',
-        f"- reproduce: `{' '.join(['.venv/bin/python bench/api.py', *argv])}`",
+        f"- reproduce: `{' '.join(['.venv/bin/python -m bench.api', *argv])}`",
     ]
     return lines
 
@@ -616,7 +617,7 @@ def section(run: Run, started: dt.datetime, argv: list[str]) -> str:
         "",
         "Requests per second and latency of the REST API under gunicorn, next to a bare Flask endpoint "
         '(`jsonify({"ok": True})`) served with the same gunicorn flags in the same run. Regenerate with '
-        "`.venv/bin/python bench/api.py --write` (it rewrites only this section).",
+        "`.venv/bin/python -m bench.api --write` (it rewrites only this section).",
         "",
         table(run.cells),
         "",

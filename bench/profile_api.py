@@ -2,9 +2,9 @@
 
 Usage::
 
-    .venv/bin/python bench/profile_api.py                  # PostgreSQL (throwaway embedded server)
-    .venv/bin/python bench/profile_api.py --engine sqlite
-    .venv/bin/python bench/profile_api.py --pg-url postgresql://postgres@127.0.0.1:5432/test --top 30
+    .venv/bin/python -m bench.profile_api                  # PostgreSQL (throwaway embedded server)
+    .venv/bin/python -m bench.profile_api --engine sqlite
+    .venv/bin/python -m bench.profile_api --pg-url postgresql://postgres@127.0.0.1:5432/test --top 30
 
 For the bare app and for get, list and create it prints the mean wall time per request, the SQL
 statements per request and the time spent in them (the cursor's execute, so round trips included),
@@ -30,11 +30,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import api as bench_api
-import bare_app
+from bench import api as bench_api
+from bench import bare_app
 
 warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
 

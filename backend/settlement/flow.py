@@ -36,6 +36,7 @@ from backend.settlement import services
 from backend.settlement.services import PaymentSubmission
 from backend.settlement.solana import PayeeLedger
 from backend.settlement.x402 import X402Payment, normalize_payment_signature
+from backend.timing import step
 
 log = logging.getLogger(__name__)
 
@@ -95,38 +96,49 @@ def submit_payment(
     ``settings`` (the app's by default) bound what the relay may spend for the merchant
     (``relaybudget.admit``, inside the claim)."""
     settings = settings or appstate.settings()
-    intent = load_payable_intent(merchant_id, intent_id)
+    with step("load_payable_intent"):
+        intent = load_payable_intent(merchant_id, intent_id)
     now = clock.now()
     try:
         # The intent's state first: a retry of a settled payment is ALREADY_PAID whatever it carries.
-        services.check_payable(intent, now)
-        payment = (
-            payment_signature
-            if isinstance(payment_signature, X402Payment)
-            else normalize_payment_signature(payment_signature, registry)
-        )
-        submission = PaymentSubmission.of(intent.id, payment)
-        requirement = services.requirement_for(intent, submission, registry)
-        network = services.network_of(registry, submission.network)
-        # The payTo the buyer is asked to sign must still be the merchant's wallet (checked again in the claim).
-        services.check_pay_to_current(intent, network.network, requirement["payTo"])
-        if requirement["asset"].lower() != network.usdc_address.lower():
-            raise DomainError(
-                "REQUIREMENT_OUTDATED",
-                f"The USDC contract configured for {network.network} changed since this intent was created",
+        with step("check_payable"):
+            services.check_payable(intent, now)
+        with step("normalize_payment_signature"):
+            payment = (
+                payment_signature
+                if isinstance(payment_signature, X402Payment)
+                else normalize_payment_signature(payment_signature, registry)
             )
+        with step("requirement_for"):
+            submission = PaymentSubmission.of(intent.id, payment)
+            requirement = services.requirement_for(intent, submission, registry)
+            network = services.network_of(registry, submission.network)
+        with step("check_pay_to_current"):
+            # The payTo the buyer is asked to sign must still be the merchant's wallet (checked again in the claim).
+            services.check_pay_to_current(intent, network.network, requirement["payTo"])
+        with step("check_asset_current"):
+            if requirement["asset"].lower() != network.usdc_address.lower():
+                raise DomainError(
+                    "REQUIREMENT_OUTDATED",
+                    f"The USDC contract configured for {network.network} changed since this intent was created",
+                )
         # The rail: the payment's terms checked offline, then the chain's state before the claim.
         rail = rail_for(network)
-        terms = rail.parse_payment(network, requirement, submission.payload, intent.id, now)
-        checked = rail.check_on_chain(network, requirement, terms, PayeeLedger())
-        settlement_id = services.claim(
-            intent,
-            network,
-            checked.terms,
-            checked.start_block,
-            _budget(intent, network, checked.terms, settings),
-            max_open_per_payer=settings.max_open_settlements_per_payer,
-        )
+        with step("parse_payment"):
+            terms = rail.parse_payment(network, requirement, submission.payload, intent.id, now)
+        with step("check_on_chain"):
+            checked = rail.check_on_chain(network, requirement, terms, PayeeLedger())
+        with step("budget"):
+            admit = _budget(intent, network, checked.terms, settings)
+        with step("claim"):
+            settlement_id = services.claim(
+                intent,
+                network,
+                checked.terms,
+                checked.start_block,
+                admit,
+                max_open_per_payer=settings.max_open_settlements_per_payer,
+            )
     except DomainError as err:
         # A 5xx is the service's own trouble (a chain RPC down), not the payment failing: no payment.failed.
         if err.code not in _NO_FAILURE_EVENT and err.http_status < 500:
@@ -134,11 +146,14 @@ def submit_payment(
             services.record_failed_attempt(intent, err.extra.get("reason") or err.message, err.code)
         raise
     try:
-        enqueue_settlement(redis, settlement_id, queue_name, network.network)
-        redis.blpop([SETTLED_KEY.format(settlement_id)], timeout=wait_seconds)
+        with step("enqueue_settlement"):
+            enqueue_settlement(redis, settlement_id, queue_name, network.network)
+        with step("wait_settled"):
+            redis.blpop([SETTLED_KEY.format(settlement_id)], timeout=wait_seconds)
     except RedisError as exc:
         log.warning("queue unavailable for settlement %s (the reconciler will send it): %s", settlement_id, exc)
-    return settlement_result(settlement_id)
+    with step("settlement_result"):
+        return settlement_result(settlement_id)
 
 
 def _budget(intent: Intent, network: Network, terms: Terms, settings: Settings) -> Callable[[int], None]:

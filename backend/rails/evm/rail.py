@@ -21,6 +21,7 @@ from backend.errors import ChainUnavailable, DomainError
 from backend.money import from_atomic
 from backend.rails.base import Checked, PayeeLedger, ProbeError, Terms, common_columns
 from backend.rails.evm.terms import PAYLOAD_FIELDS, EvmTerms, parse_evm_payload, verify_evm_authorization
+from backend.timing import step
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,14 @@ class PreClaimState:
 def read_pre_claim_state(network: Network, terms: EvmTerms) -> PreClaimState:
     chain = evm_chain(network)
     try:
-        used = chain.authorization_state(terms.payer, terms.nonce)
-        has_code = chain.has_code(terms.payer)
-        balance = chain.balance_of(terms.payer)
-        start_block, chain_time = chain.latest_block()
+        with step("nonce_read"):
+            used = chain.authorization_state(terms.payer, terms.nonce)
+        with step("code_read"):
+            has_code = chain.has_code(terms.payer)
+        with step("balance_read"):
+            balance = chain.balance_of(terms.payer)
+        with step("latest_block"):
+            start_block, chain_time = chain.latest_block()
     except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
         log.warning("chain %s unreachable during /pay (%s)", network.network, type(exc).__name__)
         raise ChainUnavailable(network.name) from None

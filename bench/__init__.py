@@ -1,0 +1,1 @@
+"""The benchmarks: run each as ``.venv/bin/python -m bench.<name>`` from the repository's root (bench/README.md)."""

@@ -1,0 +1,106 @@
+"""The timing seam (backend.timing) sees POST /x402/pay's real steps in order: the seam bench/pay's
+in-process breakdown times submit_payment through, instead of a copy of its steps."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy.orm.attributes import flag_modified
+
+from backend import timing
+from backend.errors import DomainError
+from backend.extensions import db
+from backend.intents.models import Intent
+from payintent.eip3009 import sign_authorization
+from tests.settlement.test_pay import create_intent, pay, requirement
+
+NETWORK = "eip155:84532"
+BEFORE_THE_RAIL = [
+    "load_payable_intent",
+    "check_payable",
+    "normalize_payment_signature",
+    "requirement_for",
+    "check_pay_to_current",
+    "check_asset_current",  # REQUIREMENT_OUTDATED when the USDC contract changed since the intent was made
+]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, str | None]] = []  # (enter | exit, step, the DomainError's code)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.seen.append(("enter", name, None))
+        try:
+            yield
+        except DomainError as err:
+            self.seen.append(("exit", name, err.code))
+            raise
+        self.seen.append(("exit", name, None))
+
+    def entered(self) -> list[str]:
+        return [name for what, name, _ in self.seen if what == "enter"]
+
+
+def test_no_recorder_is_one_shared_context_that_does_nothing():
+    assert timing.step("a") is timing.step("b")
+    with timing.step("a") as value:
+        assert value is None
+
+
+def test_one_recorder_at_a_time_and_none_after():
+    with timing.recording(Recorder()), pytest.raises(RuntimeError), timing.recording(Recorder()):
+        pass
+    assert timing._recorder is None
+
+
+def test_a_payment_passes_every_step_in_order(pay_client, shop, devnet):
+    intent = create_intent(pay_client, shop)
+    payload = sign_authorization(devnet.buyer(0).key, requirement(intent, NETWORK))
+    recorder = Recorder()
+    with timing.recording(recorder):
+        response = pay(pay_client, shop, intent, NETWORK, payload)
+    assert response.status_code == 200, response.get_json()
+    assert recorder.entered() == [
+        *BEFORE_THE_RAIL,
+        "parse_payment",
+        "check_on_chain",
+        "nonce_read",
+        "code_read",
+        "balance_read",
+        "latest_block",
+        "budget",
+        "claim",
+        "enqueue_settlement",
+        "wait_settled",
+        "settlement_result",
+    ]
+    assert [code for what, _, code in recorder.seen if what == "exit"] == [None] * len(recorder.entered())
+    # Nested: the rail's reads are inside check_on_chain.
+    names = [(what, name) for what, name, _ in recorder.seen]
+    assert names.index(("exit", "latest_block")) < names.index(("exit", "check_on_chain"))
+
+
+def test_the_outdated_asset_check_is_a_step_and_stops_the_payment(pay_app, pay_client, shop, devnet):
+    intent = create_intent(pay_client, shop)
+    payload = sign_authorization(devnet.buyer(1).key, requirement(intent, NETWORK))
+    with pay_app.app_context():  # as if the intent was made when the network's USDC was another contract
+        row = db.session.get(Intent, intent["intent_id"])
+        assert row is not None
+        requirements: list[dict[str, Any]] = [dict(r) for r in row.payment_requirements]
+        for r in requirements:
+            if r["network"] == NETWORK:
+                r["asset"] = "0x" + "11" * 20
+        row.payment_requirements = requirements
+        flag_modified(row, "payment_requirements")
+        db.session.commit()
+    recorder = Recorder()
+    with timing.recording(recorder):
+        response = pay(pay_client, shop, intent, NETWORK, payload)
+    assert response.status_code == 409 and response.get_json()["error"]["code"] == "REQUIREMENT_OUTDATED"
+    assert recorder.entered() == BEFORE_THE_RAIL
+    assert recorder.seen[-1] == ("exit", "check_asset_current", "REQUIREMENT_OUTDATED")
