@@ -2,9 +2,8 @@
 from the local stack harness, harness/) their child processes, the service processes' setup, helper
 servers, and how a run starts and ends.
 
-The scripts are run as ``.venv/bin/python bench/<name>.py``: they put ``bench/`` on ``sys.path`` and
-``import _common as common``. This module imports no other bench script. New code may import the
-harness directly (``from harness.processes import ProcessSet``...): the names below are the same objects.
+This module imports no other bench script. New code may import the harness directly
+(``from harness.processes import ProcessSet``...): the names re-exported here are the same objects.
 """
 
 from __future__ import annotations
