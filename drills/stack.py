@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from harness import bootstrap, client, ready
+from harness.chains import start_devnet
 from harness.env import PAYINTENT, RELAY_KEY_VARS, service_env
 from harness.errors import HarnessError
 from harness.ports import HOST, free_port
@@ -163,16 +162,10 @@ class Stack:
         return ready.redis_ping(self.redis_url)
 
     def start_chains(self) -> None:
-        import devnet
-
-        os.environ["PAYINTENT_VAR_DIR"] = str(self.workdir / "var")
-        self.session.on_stop.append(devnet.down)
-        info, _ = devnet.up(devnet.free_port_base())
-        state = json.loads((self.workdir / "var" / "devnet" / "state.json").read_text())
-        self.deployer_key = state["deployer"]["private_key"]  # the token's owner; never used by the service
-        self.buyers: list[dict[str, str]] = info["buyers"]
-        doc = json.loads(Path(info["chains_file"]).read_text())
-        doc["networks"] = [n for n in doc["networks"] if n.get("kind", "evm") == "evm"]  # the drills are EVM's
+        chains = start_devnet(self.workdir / "var", self.session.on_stop)
+        self.deployer_key = chains.state["deployer"]["private_key"]  # the token's owner; never used by the service
+        self.buyers: list[dict[str, str]] = chains.info["buyers"]
+        doc = chains.evm_doc()  # the drills are EVM's
         self.networks = [n["network"] for n in doc["networks"]]
         self.anvil_url = {n["network"]: n["rpc_url"] for n in doc["networks"]}
         self.usdc = {n["network"]: n["usdc_address"] for n in doc["networks"]}

@@ -2,40 +2,32 @@
 
 ``stack`` starts ``payintent dev`` once per session, exactly as ``make run`` does (SQLite and a
 private Redis under a temporary var/, the local devnet, the relayer and the worker) and reads the
-demo merchant from var/demo.json. The browser is Debian's Chromium (``CHROMIUM``, else
-``chromium`` on PATH, else /usr/bin/chromium), never a Playwright download. Every test that uses
-``page`` leaves a screenshot of where it ended in ``e2e/artifacts/<test name>.png``.
+demo merchant from var/demo.json (the local stack harness's ``harness.dev``). The browser is Debian's
+Chromium (``CHROMIUM``, else ``chromium`` on PATH, else /usr/bin/chromium), never a Playwright download.
+Every test that uses ``page`` leaves a screenshot of where it ended in ``e2e/artifacts/<test name>.png``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import pytest
-import requests
 from playwright.sync_api import BrowserContext, Page
 
-from devnet import free_port_base
-from tests.conftest import free_port
+from harness.dev import DevStack, start_dev
+from harness.errors import HarnessError
 from tests.webhooks.receiver import Receiver, start_receiver
 
 E2E_DIR = Path(__file__).resolve().parent
 ARTIFACTS = E2E_DIR / "artifacts"
-PAYINTENT = str(Path(sys.executable).with_name("payintent"))
-READY_LINE = "Ctrl-C stops everything"
 STARTUP_TIMEOUT = 120.0
 DEFAULT_TIMEOUT_MS = 15_000  # each Playwright action or expectation; a stuck page fails fast
 VIEWPORT = {"width": 1280, "height": 800}
@@ -61,91 +53,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("e2e"))
 
 
-# --- the stack -----------------------------------------------------------------------------------
+# --- the stack ---------------------------------------------------------------------------------------
 
-
-@dataclass
-class Stack:
-    """A running ``payintent dev``: its URL, its demo data and a client for its API."""
-
-    base_url: str
-    demo: dict[str, Any] = field(repr=False)
-    var_dir: Path
-    process: subprocess.Popen[str] = field(repr=False)
-    output: list[str] = field(default_factory=list, repr=False)
-
-    @property
-    def api_key(self) -> str:
-        """The demo merchant's API key (it has a wallet on every network)."""
-        return str(self.demo["api_key"])
-
-    def url(self, path: str) -> str:
-        """An absolute URL for a path on the stack, e.g. ``url("/dashboard/login")``."""
-        return f"{self.base_url}{path}"
-
-    def api(self, method: str, path: str, *, key: str | None = None, **kwargs: Any) -> requests.Response:
-        """Call ``/api/v1<path>`` with ``key`` (default: the demo key) as the Bearer token.
-
-        ``key=""`` sends no Authorization header. Other arguments go to ``requests.request``.
-        """
-        key = self.api_key if key is None else key
-        headers = dict(kwargs.pop("headers", None) or {})
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        kwargs.setdefault("timeout", 15)
-        return requests.request(method, f"{self.base_url}/api/v1{path}", headers=headers, **kwargs)
-
-    def create_intent(self, amount_usdc: float = 1.0, *, key: str | None = None, **fields: Any) -> dict[str, Any]:
-        """POST /x402/intents and return its ``data`` (asserts 201)."""
-        response = self.api("POST", "/x402/intents", key=key, json={"amount_usdc": amount_usdc, **fields})
-        assert response.status_code == 201, response.text
-        return response.json()["data"]  # type: ignore[no-any-return]
-
-    def log(self) -> str:
-        """Everything the stack printed to stdout so far."""
-        return "".join(self.output)
-
-
-def _drain(stream: Any, sink: list[str], ready: threading.Event) -> None:
-    for line in stream:
-        sink.append(line)
-        if READY_LINE in line:
-            ready.set()
-    ready.set()  # EOF: the process is gone; the waiter checks why
+Stack = DevStack  # a running `payintent dev` (harness.dev): base_url, demo, api(), create_intent(), log()
 
 
 @pytest.fixture(scope="session")
 def stack() -> Iterator[Stack]:
     """``payintent dev`` on a free port with a temporary var/, up for the whole session."""
     workdir = Path(tempfile.mkdtemp(prefix="payintent-e2e-"))
-    var_dir = workdir / "var"
-    port = free_port()
-    unset = ("DATABASE_URL", "REDIS_URL", "CHECKOUT_HOST", "CHAINS_FILE")  # CHAINS_FILE unset: the devnet starts
-    env = {k: v for k, v in os.environ.items() if k not in unset}
-    env["PAYINTENT_VAR_DIR"] = str(var_dir)
-    env["PAYINTENT_DEVNET_PORT_BASE"] = str(free_port_base())
-    stderr_path = workdir / "stderr.log"
-    with stderr_path.open("w") as stderr:
-        process = subprocess.Popen(
-            [PAYINTENT, "dev", "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=stderr, text=True
-        )
-    output: list[str] = []
-    ready = threading.Event()
-    assert process.stdout is not None
-    threading.Thread(target=_drain, args=(process.stdout, output, ready), daemon=True).start()
     try:
-        if not ready.wait(STARTUP_TIMEOUT) or READY_LINE not in "".join(output):
-            tail = stderr_path.read_text()[-4000:]
-            pytest.fail(f"payintent dev did not start (exit {process.poll()}):\n{''.join(output)}\n{tail}")
-        demo = json.loads((var_dir / "demo.json").read_text())
-        yield Stack(f"http://127.0.0.1:{port}", demo, var_dir, process, output)
-    finally:
-        process.send_signal(signal.SIGTERM)
         try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+            running = start_dev(workdir, timeout=STARTUP_TIMEOUT)
+        except HarnessError as exc:
+            pytest.fail(str(exc))
+        try:
+            yield running
+        finally:
+            running.stop()
+    finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -12,7 +12,10 @@ benchmark. It owns:
 - ``harness.servers`` and ``harness.proxy``: helper servers (``ready <port>``), the RPC forwarder and the
   JSON-RPC recording proxy (``python -m harness.proxy``);
 - ``harness.bootstrap``: ``payintent`` CLI calls, a merchant with its wallets, the demo merchant;
-- ``harness.session``: one run's processes and temporary directory, stopped and removed however it ends.
+- ``harness.session``: one run's processes and temporary directory, stopped and removed however it ends;
+- ``harness.chains``: a run's devnet (its own var dir, free ports, stopped with the run);
+- ``harness.dev``: ``payintent dev`` as a child process (the e2e fixtures);
+- ``harness.client`` and ``harness.report``: a plain HTTP client for the API, a run's report lines.
 
 Nothing is imported here: ``payintent dev``'s supervisor loads only what it uses (start-up time).
 Layering (pyproject.toml, import-linter): the harness may import backend and devnet; of backend only the

@@ -236,12 +236,10 @@ def other_merchant(app: Any) -> MerchantHandle:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    import socket
+    """A TCP port on 127.0.0.1 that was free a moment ago (the local stack harness's pick)."""
+    from harness.ports import free_port as pick
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return pick()
 
 
 # --- Redis --------------------------------------------------------------------------------------
@@ -272,7 +270,7 @@ def redis_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if external:
         yield worker_redis_url(external)
         return
-    from backend.devstack import start_private_redis
+    from harness.redis_server import start_redis as start_private_redis
 
     proc, url = start_private_redis(tmp_path_factory.mktemp("redis"))
     yield url

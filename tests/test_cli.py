@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from backend.devstack import _wait_healthy
+from harness.ready import wait_healthy as _wait_healthy
 from tests.conftest import free_port, truncate_all
 
 PAYINTENT = str(Path(sys.executable).with_name("payintent"))

@@ -20,8 +20,8 @@ from redis import Redis
 from rq import Queue
 from rq.job import JobStatus
 
-from backend.devstack import start_private_redis
 from backend.queueing import STOP_DEADLINE_SECONDS, STOP_GRACE_SECONDS
+from harness.redis_server import start_redis as start_private_redis
 
 WORKER = """
 import sys
@@ -95,7 +95,7 @@ def test_a_stop_signal_stops_worker_and_relayer_while_redis_is_gone(
     loop, whose teardown then failed on Redis, and the retry loop waited for Redis with the signal spent)."""
     from eth_account import Account
 
-    from backend.devstack import wait_registered
+    from harness.ready import wait_registered
     from tests.conftest import free_port
 
     redis_proc, url = start_private_redis(short_dir)

@@ -13,8 +13,8 @@ from typing import Any
 
 import requests
 
-from backend.devstack import _wait_healthy
 from backend.migrate import upgrade
+from harness.ready import wait_healthy as _wait_healthy
 from tests.conftest import free_port
 from tests.observability.conftest import METRICS_TOKEN, Samples, chains_file, evm_network, parse, value
 

@@ -29,7 +29,7 @@ def redis_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if external:
         yield worker_redis_url(external, shift=1)
         return
-    from backend.devstack import start_private_redis
+    from harness.redis_server import start_redis as start_private_redis
 
     proc, url = start_private_redis(tmp_path_factory.mktemp("client-redis"))
     yield url

@@ -16,7 +16,7 @@ from web3 import Web3
 
 from backend.chains.evm import USDC_ABI
 from backend.chains.registry import ChainRegistry
-from backend.devstack import wait_registered
+from harness.ready import wait_registered
 from tests.conftest import create_merchant, make_settings, truncate_all
 
 PAYINTENT = str(Path(sys.executable).with_name("payintent"))

@@ -9,7 +9,7 @@ import os
 import subprocess
 import time
 
-from backend.devstack import wait_registered
+from harness.ready import wait_registered
 from payintent.eip3009 import sign_authorization
 from payintent.webhooks import verify_signature, verify_standard
 from tests.settlement.conftest import PAYINTENT, stop_process

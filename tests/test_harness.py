@@ -1,0 +1,132 @@
+"""The local stack harness (harness/): process groups stopped whole, the RPC proxies, a run's teardown."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import requests
+
+from harness.errors import HarnessError
+from harness.ports import free_port
+from harness.processes import ProcessSet, process_tree
+from harness.proxy import proxy_records, start_forwarder, start_recording_proxy
+from harness.session import Session
+
+
+def _gone(pids: set[int], timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_stop_ends_the_process_and_everything_in_its_group(tmp_path: Path) -> None:
+    procs = ProcessSet()
+    # a parent that ignores SIGTERM and a child of it: the grace runs out, SIGKILL takes the whole group
+    proc = procs.start(["sh", "-c", "trap '' TERM; sleep 60 & wait"], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while len(process_tree(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    family = process_tree(proc.pid)
+    assert len(family) == 2
+    procs.stop(proc, grace=0.5)
+    assert proc.returncode is not None
+    assert _gone(family)
+    assert procs.running == []
+
+
+def test_start_logged_writes_the_output_to_the_log(tmp_path: Path) -> None:
+    procs = ProcessSet()
+    log = tmp_path / "echo.log"
+    procs.start_logged([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"], log).wait()
+    assert sorted(log.read_text().split()) == ["err", "out"]
+
+
+def test_the_forwarder_pipes_bytes_and_comes_back_on_its_port(tmp_path: Path) -> None:
+    upstream = socket.create_server(("127.0.0.1", 0))
+    upstream_port = upstream.getsockname()[1]
+
+    def echo() -> None:
+        while True:
+            try:
+                conn, _ = upstream.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(conn.recv(100).upper())
+
+    threading.Thread(target=echo, daemon=True).start()
+    procs = ProcessSet()
+    port = free_port()
+    try:
+        for _ in range(2):  # killed and started again on the same port (a drill's RPC outage)
+            proc = start_forwarder(procs, port, upstream_port, tmp_path / "forward.log", "forwarder")
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+                conn.sendall(b"ping")
+                assert conn.recv(100) == b"PING"
+            procs.kill(proc)
+    finally:
+        procs.stop_all()
+        upstream.close()
+
+
+class _Chain(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = json.dumps({"jsonrpc": "2.0", "id": request["id"], "result": "0x1"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_the_recording_proxy_forwards_by_chain_and_records_each_call(tmp_path: Path) -> None:
+    chain = ThreadingHTTPServer(("127.0.0.1", 0), _Chain)
+    threading.Thread(target=chain.serve_forever, daemon=True).start()
+    procs = ProcessSet()
+    try:
+        _, port = start_recording_proxy(procs, {"84532": chain.server_address[1]}, tmp_path / "proxy.log")
+        call = {"jsonrpc": "2.0", "id": 1, "method": "eth_blockNumber", "params": []}
+        answer = requests.post(f"http://127.0.0.1:{port}/84532", json=call, timeout=5)
+        assert answer.json()["result"] == "0x1"
+        assert requests.post(f"http://127.0.0.1:{port}/1", json=call, timeout=5).status_code == 404
+        records = proxy_records(port)
+        assert [r.method for r in records] == ["eth_blockNumber"]
+        assert records[0].seconds >= 0
+        assert proxy_records(port) == []  # read once
+    finally:
+        procs.stop_all()
+        chain.shutdown()
+
+
+def test_a_session_stops_everything_and_keeps_the_logs_when_the_run_broke(capsys: pytest.CaptureFixture[str]) -> None:
+    session = Session("harness-test", label="harness test")
+    with session:
+        proc = session.procs.start(["sleep", "60"])
+        (session.workdir / "x.log").write_text("what happened")
+        raise HarnessError("the API did not start")
+    assert session.exit_code == 1
+    assert proc.returncode is not None
+    assert not session.workdir.exists()
+    err = capsys.readouterr().err
+    assert "harness test: the API did not start" in err
+    kept = Path(err.split("logs kept in ")[1].split()[0])
+    assert (kept / "x.log").read_text() == "what happened"
+    shutil.rmtree(kept)
