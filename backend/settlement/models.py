@@ -5,7 +5,10 @@ from datetime import datetime
 from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
+from backend import appstate
 from backend.extensions import Model, UTCDateTime
+from backend.rails.base import Claim, Terms
+from backend.rails.registry import rail_for
 
 # A settlement's life: pending (the intent is claimed for it) -> submitted (a transaction with
 # tx_hash was signed and sent) -> confirmed (the authorization executed on chain) | failed.
@@ -55,6 +58,37 @@ class Settlement(Model):
     watched_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # When the watch found the chain had decided (executed and recorded, or it can never execute).
     watch_done_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+def settlement_terms(settlement: Settlement) -> Terms:
+    """The settlement's typed terms, as its network's rail reads the stored columns (the one place code above the
+    rails reads payer, pay_to, value, valid_after, valid_before, nonce and signature of a row). Raises KeyError
+    when the network is not configured."""
+    network = appstate.chains().get(settlement.network)
+    if network is None:
+        raise KeyError(f"network {settlement.network} is not configured")
+    return rail_for(network).terms_from_columns(
+        settlement.payer,
+        settlement.pay_to,
+        settlement.amount_atomic,
+        settlement.valid_after,
+        settlement.valid_before,
+        settlement.nonce,
+        settlement.signature,
+    )
+
+
+def settlement_claim(settlement: Settlement) -> Claim:
+    """The settlement as its rail sees it: terms and our own transaction (``rails.base.Claim``)."""
+    return Claim(
+        settlement_id=settlement.id,
+        intent_id=settlement.intent_id,
+        asset=settlement.asset,
+        terms=settlement_terms(settlement),
+        tx_id=settlement.tx_hash,
+        relay_address=settlement.relay_address,
+        start_block=settlement.start_block,
+    )
 
 
 class PayeeAccount(Model):

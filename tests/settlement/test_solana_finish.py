@@ -7,13 +7,16 @@ The chain is a stand-in (those states cannot be made on one in-process SVM); the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from solders.hash import Hash
 from solders.keypair import Keypair
 
-from backend.settlement import services
+from backend.rails.base import Claim
+from backend.rails.solana import rail as solana_rail
+from backend.settlement import reconcile, services
 from backend.settlement import solana as settlement_solana
 from payintent import solana_tx as stx
 
@@ -49,6 +52,15 @@ class Row:
     network: str = "solana:test"
     tx_hash: str | None = "5sig"
     valid_before: int = 1000
+    intent_id: str = "int_1"
+    asset: str = "mint"
+    payer: str = "payer"
+    pay_to: str = "owner"
+    amount_atomic: int = 1
+    valid_after: int = 0
+    nonce: str = "0x" + "ab" * 32
+    relay_address: str | None = "relay"
+    start_block: int | None = None
     signature: str = field(
         default_factory=lambda: stx.encode(
             stx.build_payment(
@@ -81,9 +93,29 @@ def charged(monkeypatch) -> list[tuple[Any, ...]]:
     monkeypatch.setattr(settlement_solana.relaybudget, "charge", lambda *args: calls.append(args) or True)
     # The payee account a landed payment is recorded in (the table is tested on a database elsewhere).
     monkeypatch.setattr(
-        settlement_solana, "record_payee_account", lambda row, genesis: calls.append(("payee", row.id, genesis))
-    )
+        settlement_solana, "record_payee_account",
+        lambda network_id, owner, mint, genesis: calls.append(("payee", owner, genesis)),
+    )  # fmt: skip
     return calls
+
+
+@pytest.fixture(autouse=True)
+def settlement_solana_finish(monkeypatch) -> None:
+    """``settlement_solana.finish_from_chain(chain, row)``: the generic finish (``reconcile.finish_from_chain``) of
+    a Solana settlement on the stand-in chain (the rail's client), its claim read from the row's columns."""
+
+    def claim_of(row: Row) -> Claim:
+        terms = solana_rail.SOLANA_RAIL.terms_from_columns(
+            row.payer, row.pay_to, row.amount_atomic, row.valid_after, row.valid_before, row.nonce, row.signature
+        )
+        return Claim(row.id, row.intent_id, row.asset, terms, row.tx_hash, row.relay_address, row.start_block)
+
+    def finish_from_chain(chain: FakeChain, row: Row) -> bool:
+        monkeypatch.setattr(solana_rail, "solana_chain", lambda network: chain)
+        return reconcile.finish_from_chain(SimpleNamespace(network=row.network, kind="solana"), row)
+
+    monkeypatch.setattr(reconcile, "settlement_claim", claim_of)
+    monkeypatch.setattr(settlement_solana, "finish_from_chain", finish_from_chain, raising=False)
 
 
 def test_height_is_read_before_status_so_a_late_landing_is_seen(decided, charged):
@@ -92,7 +124,7 @@ def test_height_is_read_before_status_so_a_late_landing_is_seen(decided, charged
     assert chain.calls == ["height:finalized", "status", "genesis"]
     assert decided == [("paid", "stl_1", "5sig")]
     assert charged == [("mer_1", "solana:test", "fee", 10_040, "5sig", "stl_1"),  # two signatures + 40 priority
-                       ("payee", "stl_1", "G1")]  # fmt: skip
+                       ("payee", "owner", "G1")]  # fmt: skip
 
 
 def test_not_released_while_the_node_still_accepts_the_blockhash(decided, charged):
