@@ -1041,8 +1041,8 @@ BREAKDOWN_STEPS = (
     ("lease, nonce, fees, sign", "relayer", "evm.send up to before_broadcast: lease, balance, estimate, nonce, sign"),
     ("mark submitted", "relayer", "services.mark_submitted (DB)"),
     ("broadcast", "relayer", "evm.send after before_broadcast (eth_sendRawTransaction)"),
-    ("receipt", "relayer", "evm.wait_receipt"),
-    ("confirmations", "relayer", "evm.wait_confirmations"),
+    ("receipt", "relayer", "rails.evm.watch.wait_receipt"),
+    ("confirmations", "relayer", "rails.evm.watch.wait_confirmations"),
     ("complete", "relayer", "services.get_settlement + complete_settlement (DB, event)"),
     ("result", "API", "flow.settlement_result (DB)"),
 )
@@ -1085,11 +1085,13 @@ def breakdown(
     from backend.intents.models import Intent
     from backend.settlement import flow, services
     from backend.settlement import models as st
+    from backend.settlement.models import settlement_terms
     from backend.settlement.reconcile import finish_from_chain
     from backend.settlement.services import PaymentSubmission
     from backend.settlement.verify import parse_evm_payload, verify_evm_authorization
     from payintent.eip3009 import domain_of, recover_authorizer
-    from relayer import evm as relay
+    from backend.rails.evm import relay
+    from backend.rails.evm import watch as relay_watch
 
     print(f"- breakdown: {len(payments) - warm} payments (+{warm} warm-up) paid in-process, one at a time", flush=True)
     stack.create_intents(payments, f"breakdown-{secrets.token_hex(3)}")
@@ -1152,10 +1154,10 @@ def breakdown(
                 db.session.remove()
             with app.app_context():  # the relayer's job runs in a fresh app context
                 settlement = timed("load settlement", services.get_settlement, settlement_id)
-                if settlement.status != st.PENDING and timed("pre-check", finish_from_chain, chain, settlement):
+                if settlement.status != st.PENDING and timed("pre-check", finish_from_chain, network, settlement):
                     raise BenchError("breakdown: the chain already decided a new settlement")
                 timed("intent check", db.session.get, Intent, settlement.intent_id)
-                call = relay.transfer_call(chain, settlement)
+                call = relay.transfer_call(chain, settlement_terms(settlement))
                 timed("code read again", chain.has_code, settlement.payer)
                 timed("latest block time", chain.block_timestamp, "latest")
                 fee_fields = timed("fees", relay.fees, chain)
@@ -1186,12 +1188,12 @@ def breakdown(
                 sample["broadcast"] = (ended - marks["b1"], *log.between(marks["m1"], end_mark), marks["w1"], w_end)
                 log.note("lease, nonce, fees, sign", mark, marks["m0"])
                 log.note("broadcast", marks["m1"], end_mark)
-                receipt = timed("receipt", relay.wait_receipt, chain, tx_hash, 60)
+                receipt = timed("receipt", relay_watch.wait_receipt, chain, tx_hash, 60)
                 if receipt is None or receipt.get("status") != 1:
                     raise BenchError(f"breakdown: transaction {tx_hash} did not succeed")
-                if hasattr(relay, "wait_confirmations"):
+                if hasattr(relay_watch, "wait_confirmations"):
                     block = int(receipt["blockNumber"])
-                    if not timed("confirmations", relay.wait_confirmations, chain, block, 60):
+                    if not timed("confirmations", relay_watch.wait_confirmations, chain, block, 60):
                         raise BenchError(f"breakdown: transaction {tx_hash} did not reach its confirmations")
                 timed(
                     "complete",
