@@ -1083,6 +1083,8 @@ def breakdown(
     from backend.config import Settings
     from backend.extensions import db
     from backend.intents.models import Intent
+    from backend.rails.evm import relay
+    from backend.rails.evm import watch as relay_watch
     from backend.settlement import flow, services
     from backend.settlement import models as st
     from backend.settlement.models import settlement_terms
@@ -1090,8 +1092,6 @@ def breakdown(
     from backend.settlement.services import PaymentSubmission
     from backend.settlement.verify import parse_evm_payload, verify_evm_authorization
     from payintent.eip3009 import domain_of, recover_authorizer
-    from backend.rails.evm import relay
-    from backend.rails.evm import watch as relay_watch
 
     print(f"- breakdown: {len(payments) - warm} payments (+{warm} warm-up) paid in-process, one at a time", flush=True)
     stack.create_intents(payments, f"breakdown-{secrets.token_hex(3)}")
