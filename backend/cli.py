@@ -330,10 +330,10 @@ def relayer(burst: bool, processes: int) -> None:
 
     app = _app()
     if processes > 1:
-        from relayer.keys import load_relay_accounts
+        from relayer.keys import load_relay_keys
 
         try:
-            load_relay_accounts(appstate.chains(app))  # fail fast, once, on bad keys
+            load_relay_keys(appstate.chains(app))  # fail fast, once, on bad keys
         except RelayKeyError as exc:
             raise CLIError("RELAY_KEYS", str(exc), exit_code=1) from None
         argv = [sys.argv[0], "relayer", *(["--burst"] if burst else [])]

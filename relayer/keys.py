@@ -11,15 +11,10 @@ import json
 import os
 from pathlib import Path
 
-from eth_account import Account
-from eth_account.signers.local import LocalAccount
-from solders.keypair import Keypair
-
 from backend.chains.registry import ChainRegistry
-
-
-class RelayKeyError(RuntimeError):
-    """The relay keys are missing or do not match the chains file (the message holds no key)."""
+from backend.rails.base import RelayKeyError as RelayKeyError  # the message holds no key
+from backend.rails.base import RelayKeys
+from backend.rails.registry import rail_for
 
 
 def _parse(document: object, source: str) -> dict[str, list[str]]:
@@ -50,39 +45,15 @@ def _read_keys(registry: ChainRegistry) -> dict[str, list[str]]:
     return keys
 
 
-def load_solana_relays(registry: ChainRegistry) -> dict[str, Keypair]:
-    """The fee-payer keypair of each Solana network (base58 64-byte secret keys); must match fee_payer."""
-    relays: dict[str, Keypair] = {}
+def load_relay_keys(registry: ChainRegistry) -> dict[str, RelayKeys]:
+    """Each configured network's relay keys, loaded by its rail (EVM: hex private keys matching relay_addresses;
+    Solana: the base58 fee-payer keypair matching fee_payer); networks the chains file does not have are skipped."""
+    loaded: dict[str, RelayKeys] = {}
     for network_id, secrets in _read_keys(registry).items():
         network = registry.get(network_id)
-        if network is None or network.kind != "solana" or not secrets:
+        if network is None:
             continue
-        try:
-            keypair = Keypair.from_base58_string(secrets[0])
-        except BaseException as exc:  # solders may panic on malformed input
-            if isinstance(exc, KeyboardInterrupt | SystemExit):
-                raise
-            raise RelayKeyError(f"the relay key for {network_id} is not a base58 Solana keypair") from None
-        if network.fee_payer and str(keypair.pubkey()) != network.fee_payer:
-            raise RelayKeyError(f"the relay key for {network_id} does not match fee_payer in the chains file")
-        relays[network_id] = keypair
-    return relays
-
-
-def load_relay_accounts(registry: ChainRegistry) -> dict[str, list[LocalAccount]]:
-    keys = _read_keys(registry)
-    accounts: dict[str, list[LocalAccount]] = {}
-    for network_id, hex_keys in keys.items():
-        network = registry.get(network_id)
-        if network is None or network.kind != "evm":
-            continue
-        try:
-            loaded = [Account.from_key(k) for k in hex_keys]
-        except Exception:
-            raise RelayKeyError(f"a relay key for {network_id} is not a valid private key") from None
-        expected = set(network.relay_addresses)
-        if expected and {a.address for a in loaded} != expected:
-            raise RelayKeyError(f"the relay keys for {network_id} do not match relay_addresses in the chains file")
-        if loaded:
-            accounts[network_id] = loaded
-    return accounts
+        keys = rail_for(network).load_relay_keys(network, secrets)
+        if keys is not None:
+            loaded[network_id] = keys
+    return loaded

@@ -1,5 +1,9 @@
 """The relayer's job: submit one settlement's authorization and finish it from the chain.
 
+One flow for every chain kind: the settlement's rail (``backend.rails``) builds, signs and sends the transaction
+(``Rail.submit``), watches it (``watch``, ``wait_landed``, ``wait_final``) and reads what the chain says about the
+terms (``settlement.reconcile.settle_from_chain``); what is written to the database is decided here.
+
 Rules that keep it exactly once:
 - one job at a time per settlement (a Redis lock held for the whole job);
 - the chain is asked first (a retry may find the authorization already executed);
@@ -14,32 +18,40 @@ Rules that keep it exactly once:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import secrets
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
-from eth_account.signers.local import LocalAccount
 from redis import Redis
-from solders.keypair import Keypair
 
 from backend import appstate
-from backend.chains.evm import EvmChain, evm_chain
-from backend.chains.solana import solana_chain
+from backend.chains.registry import Network
 from backend.errors import DomainError
 from backend.extensions import db
 from backend.intents.models import PAID, Intent
 from backend.queueing import RedisNotConfigured, app_job, app_redis
-from backend.rails.evm.terms import EvmTerms
+from backend.rails.base import (
+    CannotSucceed,
+    ChainDecides,
+    Claim,
+    LeftOpen,
+    Outcome,
+    Rail,
+    RelayKeys,
+    RelayRefuses,
+    TxState,
+    TxStatus,
+)
+from backend.rails.registry import rail_for
 from backend.relaybudget import services as relaybudget
-from backend.relaybudget.models import GAS
 from backend.settlement import models as st
 from backend.settlement import services
 from backend.settlement.flow import notify_settled
-from backend.settlement.reconcile import FINISHED, Outcome, settle_from_chain
-from relayer import evm, solana
+from backend.settlement.models import settlement_claim
+from backend.settlement.reconcile import FINISHED, LEDGER, paid, settle_from_chain
 from relayer.faults import crash_point
 
 log = logging.getLogger(__name__)
@@ -49,18 +61,8 @@ RECEIPT_TIMEOUT_SECONDS = 120
 # relayer that dies frees its settlements within seconds.
 JOB_LOCK_SECONDS = 15
 JOB_LOCK_KEY = "payintent:relayer:settling:{}"
-# failure_code of a settlement whose payer has code when the relayer is about to send (docs/security.md).
-PAYER_HAS_CODE = "PAYER_HAS_CODE"
-PAYER_CODE_REASON = (
-    "the payer's address has contract code (a smart wallet or an EIP-7702 delegation): the relay does not "
-    "settle such authorizations; pay from a plain address"
-)
-# An authorization whose validAfter the chain's latest block has not passed yet (the token needs
-# block.timestamp > validAfter) is waited for this long, then left open for the reconciler to send again.
-NOT_YET_VALID_WAIT_SECONDS = 10.0
-# Set by relayer.worker at start-up: the only place relay keys live.
-RELAY_ACCOUNTS: dict[str, list[LocalAccount]] = {}
-SOLANA_RELAYS: dict[str, Keypair] = {}
+# Set by relayer.worker at start-up: the only place relay keys live (per network, loaded by its rail).
+RELAY_KEYS: dict[str, RelayKeys] = {}
 
 
 def _redis() -> Redis:
@@ -123,115 +125,95 @@ def _settle(settlement_id: str, redis: Redis) -> str:
     if settlement is None or settlement.status not in st.OPEN:
         return "finished"
     network = appstate.chains().get(settlement.network)
-    if network is not None and network.kind == "solana":
-        relay = SOLANA_RELAYS.get(settlement.network)
-        if relay is None:
-            log.error("no relay keypair for %s; settlement %s waits", settlement.network, settlement_id)
-            return "no-relay-account"
-        return solana.settle(solana_chain(network), network, relay, settlement, crash_point)
-    accounts = RELAY_ACCOUNTS.get(settlement.network)
-    if network is None or not accounts:
+    keys = RELAY_KEYS.get(settlement.network)
+    if network is None or keys is None:
         log.error("no relay account for %s; settlement %s waits", settlement.network, settlement_id)
         return "no-relay-account"
-    chain = evm_chain(network)
+    rail = rail_for(network)
     # A retry first asks the chain what already happened. A fresh settlement (never sent) skips it:
-    # /pay has just read authorizationState, and if anyone executed it since, the gas estimate
-    # reverts and _reverted asks the chain then.
+    # /pay has just read the chain, and if anyone executed it since, the submit's checks (the estimate, the
+    # simulation) fail and the chain is asked then.
     if settlement.status != st.PENDING:
-        outcome = settle_from_chain(chain, settlement)
+        outcome = settle_from_chain(network, settlement)
         if outcome in FINISHED:
             return "finished-from-chain"
         if outcome is Outcome.NOT_FINAL:
             return "waiting-for-confirmations"  # executed, not final: nothing to send; the reconciler finishes it
-    if settlement.status == st.SUBMITTED and settlement.tx_hash:
-        receipt = chain.receipt(settlement.tx_hash)
-        if receipt is not None:
-            return _finish(chain, settlement, settlement.tx_hash, receipt)
-        if evm.is_pending(chain, settlement.tx_hash):
+    claim = settlement_claim(settlement)
+    if settlement.status == st.SUBMITTED and claim.tx_id:
+        status = rail.watch(network, [claim]).get(claim.tx_id)
+        if status is not None and status.state in (TxState.SUCCEEDED, TxState.FAILED):
+            return _finish(rail, network, settlement, claim, status)
+        if status is not None and status.state is TxState.PENDING:
             return "still-pending"  # our earlier transaction may still be mined: never send a second one
     intent = db.session.get(Intent, settlement.intent_id, populate_existing=True)
     if intent is not None and intent.status == PAID and intent.settlement_id != settlement_id:
         services.fail_settlement(settlement_id, "ALREADY_PAID", "the intent was paid by another authorization")
         return "intent-already-paid"
-    # /pay refused a payer with code, but code can appear since (an EIP-7702 delegation): look again, now,
-    # right before the estimate and the send (the code's answer at estimate time proves nothing).
-    if chain.has_code(settlement.payer):
-        return _reverted(chain, settlement, PAYER_CODE_REASON, PAYER_HAS_CODE)
-    # Not before the chain's clock passes validAfter: the transaction would revert (docs/security.md).
-    terms = st.settlement_terms(settlement)
-    assert isinstance(terms, EvmTerms)
-    if not _valid_on_chain(chain, terms.valid_after):
-        return "not-yet-valid"  # left open: the reconciler sends it again once it is STALE_AFTER old
-    call = evm.transfer_call(chain, settlement)
-    fees = evm.fees(chain)  # the estimate and the send use the same fee fields
     try:
-        # Estimated from the leased account that then sends it, with its fees (evm.send).
-        tx_hash = evm.send(
-            redis,
-            chain,
-            accounts,
-            call,
-            fees,
-            before_broadcast=lambda h, address: _submitted(settlement_id, h, address),
-        )
-    except evm.Refused as exc:
-        # The node refused it for good: final, not retried (the chain still decides first, in _reverted).
-        return _reverted(chain, services.get_settlement(settlement_id) or settlement, f"the node refused it: {exc}")
-    except evm.Reverted as exc:  # the estimate, from the account that would send it
-        latest = services.get_settlement(settlement_id) or settlement
-        return _reverted(chain, latest, f"the transfer would revert: {exc}")
-    except evm.NotYetValid:
-        return "not-yet-valid"  # the node's clock disagrees with its latest block's: transient, left open
-    except evm.RelayShortOfFunds as exc:
-        # Our relay's trouble, never the payment's: left open (the reconciler sends it again) and said loudly.
-        log.error("settlement %s waits: %s", settlement_id, exc)
-        return "relay-short-of-eth"
+        # The rail's last checks (the payer's code and validAfter on EVM, right before the send; the blockhash's
+        # height, what the relay signs and the payee account on Solana), then the send; ``_submitted`` records
+        # the transaction before it is broadcast.
+        submission = rail.submit(network, claim, keys, redis, LEDGER,
+                                 lambda tx_id, address: _submitted(settlement_id, tx_id, address))  # fmt: skip
+    except CannotSucceed as exc:
+        # Final, not retried: the chain still decides first (someone may have executed it), in _reverted.
+        return _reverted(rail, network, services.get_settlement(settlement_id) or settlement, exc.reason, exc.code)
+    except RelayRefuses as exc:  # nothing of ours was ever sent: it cannot land
+        if exc.logged:
+            log.error("settlement %s: %s", settlement_id, exc.logged)
+        services.fail_settlement(settlement_id, exc.code, exc.reason)
+        return exc.result
+    except LeftOpen as exc:
+        if exc.loud:  # our relay's trouble, never the payment's: said loudly
+            log.error("settlement %s %s", settlement_id, exc)
+        return exc.result  # left open: the reconciler sends it again once it is STALE_AFTER old
+    except ChainDecides as exc:
+        if exc.logged:
+            log.warning("settlement %s: %s", settlement_id, exc.logged)
+        if settle_from_chain(network, services.get_settlement(settlement_id) or settlement) in FINISHED:
+            return exc.finished_result
+        return exc.result
     crash_point("after-broadcast")
-    receipt = evm.wait_receipt(chain, tx_hash, RECEIPT_TIMEOUT_SECONDS)
+    claim = dataclasses.replace(claim, tx_id=submission.tx_id, relay_address=submission.relay_address)
+    landed = rail.wait_landed(network, claim, RECEIPT_TIMEOUT_SECONDS)
     crash_point("before-finish")
-    if receipt is None:
+    if landed is None:
         return "waiting-for-receipt"  # the reconciler finishes it
-    return _finish(chain, services.get_settlement(settlement_id) or settlement, tx_hash, receipt)
+    return _finish(rail, network, services.get_settlement(settlement_id) or settlement, claim, landed)
 
 
-def _valid_on_chain(chain: EvmChain, valid_after: int) -> bool:
-    """Whether the chain's latest block is past validAfter (then every later block is too), waiting for it up
-    to NOT_YET_VALID_WAIT_SECONDS."""
-    deadline = time.monotonic() + NOT_YET_VALID_WAIT_SECONDS
-    while chain.block_timestamp("latest") <= valid_after:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(1.0)
-    return True
-
-
-def _submitted(settlement_id: str, tx_hash: str, relay_address: str) -> None:
-    services.mark_submitted(settlement_id, tx_hash, relay_address)
+def _submitted(settlement_id: str, tx_id: str, relay_address: str) -> None:
+    services.mark_submitted(settlement_id, tx_id, relay_address)
     crash_point("after-mark-submitted")
 
 
-def _finish(chain: EvmChain, settlement: st.Settlement, tx_hash: str, receipt: dict[str, Any]) -> str:
-    # The gas our transaction cost, to the merchant's relay budget (reverted or not), before anything else.
-    relaybudget.charge(settlement.merchant_id, settlement.network, GAS, relaybudget.evm_gas_cost(receipt), tx_hash,
-                       settlement.id)  # fmt: skip
-    if receipt.get("status") == 1:
-        if chain.network.confirmations <= 1:
-            services.complete_settlement(settlement.id, tx_hash)  # mined is final on this network
-            return "confirmed"
-        if not evm.wait_confirmations(chain, int(receipt["blockNumber"]), RECEIPT_TIMEOUT_SECONDS):
+def _finish(rail: Rail, network: Network, settlement: st.Settlement, claim: Claim, status: TxStatus) -> str:
+    """Our transaction landed (``status``): paid once final, else the revert decided (``_reverted``)."""
+    tx_id = claim.tx_id or ""
+    # What our transaction cost, to the merchant's relay budget (reverted or not), before anything else.
+    if status.cost:
+        relaybudget.charge(settlement.merchant_id, settlement.network, rail.spend_kind, status.cost, tx_id,
+                           settlement.id)  # fmt: skip
+    if status.state is TxState.SUCCEEDED:
+        if status.final:  # mined is final on this network (one confirmation; Solana: confirmed)
+            return "confirmed" if paid(rail, network, claim, tx_id) else "waiting-for-confirmations"
+        if not rail.wait_final(network, status, RECEIPT_TIMEOUT_SECONDS):
             return "waiting-for-confirmations"  # the reconciler finishes it once final
         # The chain's height passing the receipt's block proves nothing if a reorg dropped that block
         # while we waited: the chain decides again, with the log and its finality read now.
-        outcome = settle_from_chain(chain, settlement)
+        outcome = settle_from_chain(network, settlement)
         if outcome is Outcome.USED:
             return "confirmed"
         if outcome in FINISHED:
             return "finished-from-chain"
         return "waiting-for-confirmations" if outcome is Outcome.NOT_FINAL else "reorged-out"
-    return _reverted(chain, settlement, f"transaction {tx_hash} reverted")
+    return _reverted(rail, network, settlement, f"transaction {tx_id} reverted")
 
 
-def _reverted(chain: EvmChain, settlement: st.Settlement, reason: str, code: str = "SETTLEMENT_FAILED") -> str:
+def _reverted(
+    rail: Rail, network: Network, settlement: st.Settlement, reason: str, code: str = "SETTLEMENT_FAILED"
+) -> str:
     """A revert: the chain decides (someone may have executed or cancelled it); else release the intent.
 
     Not while our own transaction's revert is in a block that is not final: a reorg may still replace
@@ -239,23 +221,23 @@ def _reverted(chain: EvmChain, settlement: st.Settlement, reason: str, code: str
     perhaps paid again). The revert is waited for up to its confirmations, then decided again.
     """
     for _ in range(2):
-        head = chain.block_number()  # before the receipt: its block is final only if buried at this height
-        receipt = chain.receipt(settlement.tx_hash) if settlement.tx_hash else None
-        outcome = settle_from_chain(chain, settlement)
+        claim = settlement_claim(settlement)
+        # The height is read before the receipt (its block is final only if buried at that height).
+        status = rail.watch(network, [claim]).get(claim.tx_id) if claim.tx_id else None
+        outcome = settle_from_chain(network, settlement)
         if outcome in FINISHED:
             return "finished-from-chain"
         if outcome is Outcome.NOT_FINAL:
             return "waiting-for-confirmations"  # executed (by anyone), not final: never release it now
-        if receipt is None:
-            if settlement.tx_hash and evm.is_pending(chain, settlement.tx_hash):
-                return "still-pending"
+        if status is None or status.state is TxState.UNKNOWN:
             break  # none of our transactions for it is mined or pending
-        if receipt.get("status") == 1:
+        if status.state is TxState.PENDING:
+            return "still-pending"
+        if status.state is TxState.SUCCEEDED:
             return "waiting-for-confirmations"  # mined after all (a reorg): the chain decides once its log is final
-        block = int(receipt["blockNumber"])
-        if chain.is_final(block, head):
+        if status.final:
             break
-        if not evm.wait_confirmations(chain, block, RECEIPT_TIMEOUT_SECONDS):
+        if not rail.wait_final(network, status, RECEIPT_TIMEOUT_SECONDS):
             return "waiting-for-confirmations"  # the reconciler sends it back to us; decided once final
     else:
         return "waiting-for-confirmations"  # the block moved under us while we waited: decide next time

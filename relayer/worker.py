@@ -13,12 +13,11 @@ from flask import Flask
 from redis import Redis
 
 from backend import appstate
-from backend.chains.evm import evm_chain
-from backend.chains.registry import Network
 from backend.logs import register_secret
 from backend.queueing import relayer_queue, set_job_app, work
+from backend.rails.registry import rail_for
 from relayer import tasks
-from relayer.keys import RelayKeyError, load_relay_accounts, load_solana_relays
+from relayer.keys import RelayKeyError, load_relay_keys
 
 log = logging.getLogger(__name__)
 
@@ -30,24 +29,20 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False) -> None:
     unknown = sorted(n for n in chosen if registry.get(n) is None)
     if unknown:
         raise RelayKeyError(f"RELAYER_NETWORKS names networks the chains file does not have: {', '.join(unknown)}")
-    accounts = {n: a for n, a in load_relay_accounts(registry).items() if not chosen or n in chosen}
-    solana_relays = {n: k for n, k in load_solana_relays(registry).items() if not chosen or n in chosen}
-    missing = sorted(chosen - set(accounts) - set(solana_relays))
+    keys = {n: k for n, k in load_relay_keys(registry).items() if not chosen or n in chosen}
+    missing = sorted(chosen - set(keys))
     if missing:
         raise RelayKeyError(f"no relay keys for {', '.join(missing)} (named in RELAYER_NETWORKS)")
-    register_secret(*(account.key.hex() for loaded in accounts.values() for account in loaded))  # never logged
-    tasks.RELAY_ACCOUNTS.clear()
-    tasks.RELAY_ACCOUNTS.update(accounts)
-    tasks.SOLANA_RELAYS.clear()
-    tasks.SOLANA_RELAYS.update(solana_relays)
-    register_secret(*(str(keypair) for keypair in tasks.SOLANA_RELAYS.values()))  # its base58 secret
-    for network_id, keypair in tasks.SOLANA_RELAYS.items():
-        log.info("relayer: fee payer %s on %s", keypair.pubkey(), network_id)
-    for network, loaded in accounts.items():
-        check_chain_id(registry.get(network))
-        log.info("relayer: %d relay account(s) on %s: %s", len(loaded), network, ", ".join(a.address for a in loaded))
+    register_secret(*(secret for loaded in keys.values() for secret in loaded.secrets()))  # never logged
+    tasks.RELAY_KEYS.clear()
+    tasks.RELAY_KEYS.update(keys)
+    for network_id, loaded in keys.items():
+        network = registry.get(network_id)
+        assert network is not None  # load_relay_keys skips networks the chains file does not have
+        rail_for(network).check_relay_network(network)
+        log.info("relayer: %s", loaded.summary(network_id))
     set_job_app(app)
-    networks = sorted({*accounts, *solana_relays})
+    networks = sorted(keys)
     if not networks:
         if burst:
             log.warning("relayer: no relay keys for any configured network; nothing to settle")
@@ -56,19 +51,6 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False) -> None:
     queues = [relayer_queue(settings.relayer_queue, network) for network in networks]
     log.info("relayer: listening on %s", ", ".join(queues))
     work(queues, connection, burst=burst, logging_level=settings.log_level)
-
-
-def check_chain_id(network: Network | None) -> None:
-    """Refuse to sign for a network whose RPC answers with another chain id (a misconfigured URL)."""
-    if network is None:
-        return
-    try:
-        answered = evm_chain(network).w3.eth.chain_id
-    except Exception as exc:
-        log.warning("relayer: %s unreachable at start-up (%s); will retry per job", network.network, type(exc).__name__)
-        return
-    if answered != network.chain_id:
-        raise RelayKeyError(f"the RPC of {network.network} answers chain id {answered}, not {network.chain_id}")
 
 
 def run_pool(processes: int, argv: list[str]) -> int:

@@ -129,7 +129,7 @@ def test_rows_we_stored_are_read_without_the_cap_and_without_a_crash():
         "import backend.cli; import eth_account, web3, py_ecc",  # api, worker, relayer and CLI start here
         "import payintent.x402; import eth_account, web3",  # an agent or paywall using the library
         "import eth_account, web3; import payintent",  # py_ecc in first: the limit it set is undone
-        "import eth_account; import backend.app, relayer.evm",
+        "import eth_account; import backend.app, backend.rails.evm.relay",
     ],
 )
 def test_the_recursion_limit_py_ecc_raises_is_restored(imports):

@@ -170,7 +170,7 @@ def test_0010_moves_each_rows_terms_to_its_rails_columns_and_back(empty_url):
         payer=str(buyer.pubkey()), pay_to="PAYEE", value=1_000_000, last_valid_block_height=5_300,
         nonce_hex="0x" + "02" * 32, transaction=transaction,
     )  # fmt: skip
-    # What the relayer does with an open Solana row before co-signing (relayer/solana.py).
+    # What the relay does with an open Solana row before co-signing (rails/solana/relay.py submit).
     assert isinstance(solana_terms, SolanaTerms)
     solana = rail_of_kind("solana")
     assert solana.may_still_execute(solana_terms, 5_300) and not solana.may_still_execute(solana_terms, 5_301)

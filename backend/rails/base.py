@@ -11,11 +11,14 @@ them instead of branching on ``network.kind``. ``backend.rails.registry.rail_for
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
+from enum import Enum
 from typing import Any, Protocol
+
+from redis import Redis
 
 from backend.chains.registry import Network
 from backend.config import Settings
@@ -60,10 +63,151 @@ class Checked:
 
 
 class PayeeLedger(Protocol):
-    """What only the settlement store knows and a rail may ask: whether a payment of ours landed in
-    ``owner``'s account of ``mint`` on the chain with this genesis hash (Solana's closed-account rule)."""
+    """What only the settlement store knows and a rail may ask or tell: whether a payment of ours landed in
+    ``owner``'s account of ``mint`` on the chain with this genesis hash (Solana's closed-account rule), and
+    that one did (written before the settlement is marked paid)."""
 
     def landed_before(self, network_id: str, owner: str, mint: str, genesis_hash: str) -> bool: ...
+
+    def record_landed(self, network_id: str, owner: str, mint: str, genesis_hash: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A settlement as its rail sees it: the typed terms and what we know of our own transaction (recorded
+    before it was broadcast). ``settlement_id`` names it in logs only."""
+
+    settlement_id: str
+    intent_id: str
+    asset: str
+    terms: Terms
+    tx_id: str | None
+    relay_address: str | None
+    start_block: int | None
+
+
+class Outcome(Enum):
+    """What the chain says about a claim's terms (``Rail.read_outcome``)."""
+
+    USED = "used"  # executed with these terms (by us or anyone), final: the merchant was paid
+    CANCELED = "canceled"  # the buyer cancelled it, final: it can never execute
+    # The payer's nonce was used, final, by ANOTHER authorization (other recipient or amount, signed with the same
+    # nonce): this one can never execute, and the merchant got nothing from it.
+    USED_ELSEWHERE = "used-elsewhere"
+    FAILED = "failed"  # our transaction landed and failed, final (Solana): it can never execute
+    # Executed or cancelled on chain, but not final yet (or its transaction not found yet). A reorg may
+    # still undo it, so it is neither paid nor released: the claim is kept until the chain decides.
+    NOT_FINAL = "not-final"
+    # Our transaction is known to the node but not decided yet, or a landed payment could not be recorded yet;
+    # sending the same transaction again is harmless (Solana: one signature). Treated like UNUSED.
+    PENDING = "pending"
+    UNUSED = "unused"  # not (yet) executed, and it may still execute
+    EXPIRED = "expired"  # unused, and no block that could still execute it can be final: it never will
+
+
+# The outcomes that finish a settlement.
+FINISHED = (Outcome.USED, Outcome.CANCELED, Outcome.USED_ELSEWHERE, Outcome.FAILED, Outcome.EXPIRED)
+
+
+@dataclass(frozen=True)
+class ChainOutcome:
+    outcome: Outcome
+    tx_id: str | None = None  # the transaction that decided it (ours or anyone's), when known
+    detail: str = ""  # why it can never execute: the failure reason a settlement stores
+    cost: int | None = None  # what our own transaction cost the relay once it landed (charged before finishing)
+
+
+class TxState(Enum):
+    UNKNOWN = "unknown"  # the node does not know it (never sent, dropped): it cannot be mined any more
+    PENDING = "pending"  # known to the node, not mined (EVM) / not confirmed (Solana): it may still be
+    SUCCEEDED = "succeeded"  # mined / confirmed, successful
+    FAILED = "failed"  # mined / confirmed, reverted or failed
+
+
+@dataclass(frozen=True)
+class TxStatus:
+    """One of our transactions as the chain shows it (``Rail.watch``)."""
+
+    state: TxState
+    block: int | None = None  # where it landed (what ``wait_final`` waits on)
+    final: bool = False  # landed and final already (EVM: one confirmation is final; Solana: confirmed)
+    cost: int | None = None  # what it cost the relay, if the status shows it (EVM: the receipt's gas)
+
+
+@dataclass(frozen=True)
+class Submission:
+    tx_id: str
+    relay_address: str
+
+
+class BeforeBroadcast(Protocol):
+    """Called by ``Rail.submit`` with a transaction's id and sender before it is broadcast (``mark_submitted``):
+    only for an id not recorded yet (``Claim.tx_id``)."""
+
+    def __call__(self, tx_id: str, relay_address: str) -> None: ...
+
+
+class RelayKeyError(RuntimeError):
+    """The relay keys are missing or do not match the chains file (the message holds no key)."""
+
+
+class RelayKeys(Protocol):
+    """A network's relay keys as loaded by its rail; opaque to the relayer, which holds one per network."""
+
+    def addresses(self) -> tuple[str, ...]: ...
+
+    def secrets(self) -> tuple[str, ...]:
+        """Texts never to be logged (the keys in every form the process may print)."""
+
+    def summary(self, network_id: str) -> str:
+        """What the relayer logs at start-up."""
+
+
+class SubmitError(Exception):
+    """``Rail.submit`` did not leave a transaction of ours on its way; ``result`` is the relayer job's answer."""
+
+    def __init__(self, message: str, result: str) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class LeftOpen(SubmitError):
+    """Transient (not valid yet, the relay short of funds): nothing to decide now, the settlement stays open.
+    ``loud``: the operator must act (logged as an error)."""
+
+    def __init__(self, message: str, result: str, *, loud: bool = False) -> None:
+        super().__init__(message, result)
+        self.loud = loud
+
+
+class CannotSucceed(SubmitError):
+    """The transfer cannot succeed (it would revert, the node refused it for good, the payer has code): the chain
+    decides first (someone may have executed it), then the settlement fails with ``code`` and ``reason``."""
+
+    def __init__(self, reason: str, code: str = "SETTLEMENT_FAILED") -> None:
+        super().__init__(reason, "reverted" if code == "SETTLEMENT_FAILED" else code.lower())
+        self.code = code
+        self.reason = reason
+
+
+class RelayRefuses(SubmitError):
+    """The relay will not sign it, and nothing of ours for it was ever sent: the settlement fails now."""
+
+    def __init__(self, code: str, reason: str, result: str, *, logged: str | None = None) -> None:
+        super().__init__(reason, result)
+        self.code = code
+        self.reason = reason
+        self.logged = logged  # logged as an error when set
+
+
+class ChainDecides(SubmitError):
+    """Not sent (its blockhash expired) or refused by the node: the chain decides now; ``finished_result`` if it
+    finished the settlement, else ``result`` (left open). ``logged``: a warning to log first."""
+
+    def __init__(self, result: str, finished_result: str = "finished-from-chain", *, logged: str | None = None) -> None:
+        super().__init__(logged or result, result)
+        self.finished_result = finished_result
+        self.logged = logged
 
 
 class ProbeError(RuntimeError):
@@ -137,10 +281,10 @@ class Rail(Protocol):
         """``address``'s USDC balance in atomic units (0 without a token account); raises on RPC trouble."""
 
     def may_still_execute(self, terms: Terms, chain_now: int) -> bool:
-        """Whether ``terms`` (this rail's) may still execute when the chain's final "now" is ``chain_now`` (EVM: a
-        block timestamp, against ``valid_before``; Solana: a finalized block height, against
-        ``last_valid_block_height``). The reconciler compares only through this; the Solana relayer's own
-        last-moment check (``relayer/solana.py``) moves behind it in stage 2."""
+        """Whether ``terms`` (this rail's) may still execute when the chain's "now" is ``chain_now`` (EVM: a final
+        block's timestamp, against ``valid_before``; Solana: a block height, against ``last_valid_block_height``).
+        Every such comparison goes through this (the reconciler's, and the Solana relay's last-moment check
+        before it signs)."""
 
     def released_may_execute(self) -> bool:
         """Whether a released (failed) settlement's terms may still execute on chain (and need watching)."""
@@ -161,6 +305,59 @@ class Rail(Protocol):
 
     def settlement_cost(self, terms: Terms, most: int) -> int:
         """What this settlement costs the relay at most, given the kind's most for any (``most``)."""
+
+    spend_kind: str  # what the relay's cost of a transaction is recorded as (relay_spending.kind: "gas", "fee")
+
+    # The relay: keys, submit, watch
+    def load_relay_keys(self, network: Network, secrets: Sequence[str]) -> RelayKeys | None:
+        """The relay's keys for ``network`` from the key file's entry (None: none); raises RelayKeyError when they
+        are malformed or do not match the chains file."""
+
+    def check_relay_network(self, network: Network) -> None:
+        """At the relayer's start: raise RelayKeyError if the RPC answers as another chain (nothing is signed
+        for it); an unreachable RPC is logged and left to each job."""
+
+    def submit(
+        self,
+        network: Network,
+        claim: Claim,
+        keys: RelayKeys,
+        leases: Redis,
+        ledger: PayeeLedger,
+        before_broadcast: BeforeBroadcast,
+    ) -> Submission:
+        """The last checks before sending (the payer's code and validAfter on EVM; the blockhash's height, the
+        relay's own check of what it signs and the payee account on Solana), then build, sign and broadcast the
+        settlement transaction with the relay's keys (``leases``: the relay accounts' leases and nonces).
+        ``before_broadcast`` runs before a new transaction id is broadcast. Raises a ``SubmitError``."""
+
+    def watch(self, network: Network, claims: Sequence[Claim]) -> dict[str, TxStatus]:
+        """The status of each claim's own transaction (``Claim.tx_id``), by id; one look, many per call."""
+
+    def wait_landed(self, network: Network, claim: Claim, timeout: float) -> TxStatus | None:
+        """Wait up to ``timeout`` for the claim's transaction to land (mined / confirmed); None if it did not."""
+
+    def wait_final(self, network: Network, status: TxStatus, timeout: float) -> bool:
+        """Wait up to ``timeout`` until a landed transaction's block is final (the network's confirmations)."""
+
+    # Finishing from the chain
+    def read_outcome(
+        self,
+        network: Network,
+        claim: Claim,
+        *,
+        deadline: float | None = None,
+        pins: MutableMapping[str, int] | None = None,
+        with_cost: bool = True,
+    ) -> ChainOutcome:
+        """What the chain says about the claim's terms (executed by anyone and final, not final, can never
+        execute, still executable), with the cost of our own landed transaction (``with_cost``). ``deadline``:
+        of a log search (``time.monotonic()``); ``pins``: reads shared by the calls of one watch tick (the
+        height), kept by the caller. An RPC error raises: it is never taken for an answer."""
+
+    def before_paid(self, network: Network, claim: Claim, ledger: PayeeLedger) -> bool:
+        """What must be recorded before a landed payment is marked paid (Solana: the payee account, in
+        ``ledger``); False if it cannot be now (the settlement is left open)."""
 
     # Operations
     def probe(self, network: Network, timeout: float) -> Probe:

@@ -19,19 +19,17 @@ merchant's own history, never another merchant's, see there). A merchant also ha
 most ``MAX_OPEN_SETTLEMENTS`` open settlements per network (``429 TOO_MANY_OPEN_SETTLEMENTS``),
 budget or not: one merchant's backlog cannot hold the relay accounts every merchant needs.
 
-Plain functions any relayer calls: ``charge`` once it knows what a transaction cost
-(``evm_gas_cost`` of a receipt; a Solana fee is ``payintent.solana_tx.transaction_fee`` of the
-message).
+Plain functions any relayer calls: ``charge`` once it knows what a transaction cost (the rails say:
+``TxStatus.cost`` / ``ChainOutcome.cost``, as ``Rail.spend_kind``; EVM: ``evm_gas_cost`` of a receipt,
+``rails.evm.watch.gas_cost``; Solana: ``payintent.solana_tx.transaction_fee`` of the message).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
 from datetime import datetime, timedelta
 from decimal import ROUND_FLOOR
-from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -42,9 +40,10 @@ from backend.config import Settings
 from backend.errors import DomainError
 from backend.extensions import db, rowcount
 from backend.rails.evm.rail import EVM_SETTLEMENT_GAS as EVM_SETTLEMENT_GAS
+from backend.rails.evm.watch import gas_cost as evm_gas_cost  # noqa: F401  (tests and tools use the name)
 from backend.rails.registry import rail_for
 from backend.relaybudget.metrics import OPEN_SETTLEMENT_REFUSALS, RELAY_BUDGET_REFUSALS
-from backend.relaybudget.models import GAS, KINDS, RelaySpend
+from backend.relaybudget.models import KINDS, RelaySpend
 
 log = logging.getLogger(__name__)
 
@@ -253,30 +252,3 @@ def totals() -> dict[tuple[str, str], int]:
         )
     )
     return {(network, kind): int(total or 0) for network, kind, total in rows}
-
-
-def evm_gas_cost(receipt: Mapping[str, Any]) -> int:
-    """Wei a mined transaction cost its sender: gas used times the effective gas price, plus the L1
-    data fee OP-stack chains (Base) add to the receipt."""
-
-    def number(value: Any) -> int:
-        if isinstance(value, str):
-            return int(value, 16) if value.startswith("0x") else int(value)
-        return int(value or 0)
-
-    return number(receipt.get("gasUsed")) * number(receipt.get("effectiveGasPrice")) + number(receipt.get("l1Fee"))
-
-
-def charge_evm_transaction(chain: Any, settlement: Any, receipt: Mapping[str, Any] | None = None) -> None:
-    """Record the gas of the settlement's own transaction (``tx_hash``, sent from ``relay_address``)
-    once it is mined, successful or reverted; nothing if it is not mined (yet) or not the relay's.
-
-    ``chain`` needs ``receipt(tx_hash)``; pass ``receipt`` when it is at hand.
-    """
-    if not settlement.tx_hash or not settlement.relay_address:
-        return
-    if receipt is None:
-        receipt = chain.receipt(settlement.tx_hash)
-    if receipt is None or str(receipt.get("from") or "").lower() != settlement.relay_address.lower():
-        return
-    charge(settlement.merchant_id, settlement.network, GAS, evm_gas_cost(receipt), settlement.tx_hash, settlement.id)

@@ -6,7 +6,7 @@ from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, Index, Integer, 
 from sqlalchemy.orm import Mapped, mapped_column
 
 from backend.extensions import Model, UTCDateTime
-from backend.rails.base import COMMON_COLUMNS, Terms
+from backend.rails.base import COMMON_COLUMNS, Claim, Terms
 from backend.rails.registry import RAILS, rail_of_network_id
 
 # A settlement's life: pending (the intent is claimed for it) -> submitted (a transaction with
@@ -90,6 +90,19 @@ def settlement_terms(settlement: Settlement) -> Terms:
     The one way code outside the rails reads a row's terms: never its rail's columns directly."""
     rail = rail_of_network_id(settlement.network)
     return rail.terms_from_columns({name: getattr(settlement, name) for name in (*COMMON_COLUMNS, *rail.columns)})
+
+
+def settlement_claim(settlement: Settlement) -> Claim:
+    """The settlement as its rail sees it: terms and our own transaction (``rails.base.Claim``)."""
+    return Claim(
+        settlement_id=settlement.id,
+        intent_id=settlement.intent_id,
+        asset=settlement.asset,
+        terms=settlement_terms(settlement),
+        tx_id=settlement.tx_hash,
+        relay_address=settlement.relay_address,
+        start_block=settlement.start_block,
+    )
 
 
 class PayeeAccount(Model):

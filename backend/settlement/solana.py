@@ -16,7 +16,8 @@ missing again on the same chain was closed by its owner, who took the rent back;
 not asked to pay it again (``409 PAYEE_ACCOUNT_CLOSED``) until the merchant opens the account
 itself. A chain with another genesis hash is a new chain, and another mint another account, where
 the first payment opens it as at first. The record is written before the landed settlement is
-marked paid (``finish_from_chain``), so a finished payment is never without it.
+marked paid (the rail's ``before_paid`` through ``PayeeLedger.record_landed``, called by
+``reconcile.paid``), so a finished payment is never without it.
 """
 
 from __future__ import annotations
@@ -40,12 +41,11 @@ from backend.extensions import db
 from backend.intents.models import Intent
 from backend.money import from_atomic
 from backend.rails.registry import rail_for
-from backend.rails.solana.rail import SOLANA_RAIL, SolanaTerms, account_closed, payee_account_ready, relay
+from backend.rails.solana.rail import SolanaTerms, account_closed, payee_account_ready, relay
 from backend.rails.solana.rail import unavailable as _unavailable
 from backend.relaybudget import services as relaybudget
-from backend.relaybudget.models import FEE
 from backend.settlement import services
-from backend.settlement.models import PayeeAccount, settlement_terms
+from backend.settlement.models import PayeeAccount
 from payintent import solana_tx as stx
 
 log = logging.getLogger(__name__)
@@ -180,13 +180,12 @@ def _landed(network_id: str, owner: str, mint: str, genesis: str) -> bool:
     return found is not None
 
 
-def record_payee_account(settlement: Any, genesis: str) -> None:
-    """Remember that the settlement's payment landed in the merchant's account of its mint on the chain whose
-    genesis hash is ``genesis`` (idempotent). Commits. Called before the settlement is marked paid: once it is,
-    nothing looks at it again, and a record lost then would let the next buyer pay the rent again."""
+def record_payee_account(network_id: str, owner: str, mint: str, genesis: str) -> None:
+    """Remember that a settlement's payment landed in ``owner``'s account of ``mint`` on the chain whose genesis
+    hash is ``genesis`` (idempotent). Commits. Called before the settlement is marked paid: once it is, nothing
+    looks at it again, and a record lost then would let the next buyer pay the rent again."""
     dialect = postgresql if db.engine.dialect.name == "postgresql" else sqlite
-    values = {"network": settlement.network, "owner": settlement.pay_to, "mint": settlement.asset,
-              "genesis_hash": genesis, "created_at": clock.now()}  # fmt: skip
+    values = {"network": network_id, "owner": owner, "mint": mint, "genesis_hash": genesis, "created_at": clock.now()}
     db.session.execute(
         dialect.insert(PayeeAccount)
         .values(**values)
@@ -196,66 +195,13 @@ def record_payee_account(settlement: Any, genesis: str) -> None:
 
 
 SolanaAuthorization = SolanaTerms  # the name tests know
-_RAIL = SOLANA_RAIL  # finish_from_chain moves into the rail in stage 2 (docs/architecture.md, "Rails")
 
 
 class PayeeLedger:
-    """The settlement store's answer to the Solana rail (``rails.base.PayeeLedger``): ``PayeeAccount`` rows."""
+    """The settlement store's answer to the rails (``rails.base.PayeeLedger``): ``PayeeAccount`` rows."""
 
     def landed_before(self, network_id: str, owner: str, mint: str, genesis_hash: str) -> bool:
         return _landed(network_id, owner, mint, genesis_hash)
 
-
-def finish_from_chain(chain: SolanaChain, settlement: Any) -> bool:
-    """Finish a Solana settlement if the chain has decided it; returns whether it is finished.
-
-    The relay's signature (the transaction id) is recorded before sending, so a crash after the
-    send still leaves the signature to look up. Executed (confirmed) → paid; failed (at confirmed
-    or finalized commitment) → failed. The intent is released unexecuted only when the finalized
-    height is past ``last_valid_block_height`` and the node no longer accepts the blockhash: then the
-    transaction can never land. The height is read before the status, so a transaction landing
-    in between is seen.
-
-    A payment that landed is recorded in its account (``record_payee_account``) before it is marked
-    paid, with the chain's genesis hash read first: if that cannot be read, the settlement is left
-    open (False) and the reconciler finishes it later.
-    """
-    height = chain.block_height("finalized")
-    if settlement.tx_hash:
-        status = chain.signature_status(settlement.tx_hash)
-        if status is not None and status.get("confirmationStatus") in ("confirmed", "finalized"):
-            if status.get("err") is not None:
-                charge_fee(settlement)  # first: the settlement is not looked at again once finished
-                services.fail_settlement(settlement.id, "SETTLEMENT_FAILED", f"transaction failed: {status['err']}")
-                return True
-            try:
-                genesis = chain.genesis_hash()
-            except SolanaRpcError as exc:
-                log.warning("settlement %s landed; genesis hash unreadable, left open (%s)", settlement.id, exc)
-                return False
-            charge_fee(settlement)
-            record_payee_account(settlement, genesis)  # both first, for the same reason
-            services.complete_settlement(settlement.id, settlement.tx_hash)
-            return True
-        if status is not None:
-            return False  # seen but not yet confirmed
-    terms = settlement_terms(settlement)
-    assert isinstance(terms, SolanaTerms)
-    if _RAIL.may_still_execute(terms, height):
-        return False
-    blockhash = str(stx.decode(terms.transaction).message.recent_blockhash)
-    if chain.is_blockhash_valid(blockhash):
-        return False
-    services.fail_settlement(
-        settlement.id, "AUTHORIZATION_EXPIRED", "the transaction's blockhash expired before it executed"
-    )
-    return True
-
-
-def charge_fee(settlement: Any) -> None:
-    """Record the fee the relay paid for the settlement's landed transaction (successful or not) to the
-    merchant's relay budget, once."""
-    terms = settlement_terms(settlement)
-    assert isinstance(terms, SolanaTerms)
-    fee = stx.transaction_fee(stx.decode(terms.transaction).message)
-    relaybudget.charge(settlement.merchant_id, settlement.network, FEE, fee, settlement.tx_hash, settlement.id)
+    def record_landed(self, network_id: str, owner: str, mint: str, genesis_hash: str) -> None:
+        record_payee_account(network_id, owner, mint, genesis_hash)

@@ -171,17 +171,19 @@ def relay_in_process(stack: Stack, chain: Any, accounts: list[Any], settlement_i
     as the relayer's job has), then the /pay call woken as the relayer wakes it."""
     from backend.extensions import db
     from backend.intents.models import Intent
+    from backend.rails.evm import relay
+    from backend.rails.evm import watch as relay_watch
     from backend.settlement import flow, services
     from backend.settlement import models as st
+    from backend.settlement.models import settlement_terms
     from backend.settlement.reconcile import finish_from_chain
-    from relayer import evm as relay
 
     log = rec.log
     settlement = rec.timed("load settlement", services.get_settlement, settlement_id)
-    if settlement.status != st.PENDING and rec.timed("pre-check", finish_from_chain, chain, settlement):
+    if settlement.status != st.PENDING and rec.timed("pre-check", finish_from_chain, chain.network, settlement):
         raise BenchError("breakdown: the chain already decided a new settlement")
     rec.timed("intent check", db.session.get, Intent, settlement.intent_id)
-    call = relay.transfer_call(chain, settlement)
+    call = relay.transfer_call(chain, settlement_terms(settlement))
     rec.timed("code read again", chain.has_code, settlement.payer)
     rec.timed("latest block time", chain.block_timestamp, "latest")
     fee_fields = rec.timed("fees", relay.fees, chain)
@@ -206,12 +208,12 @@ def relay_in_process(stack: Stack, chain: Any, accounts: list[Any], settlement_i
     sample["broadcast"] = (ended - marks["b1"], *log.between(marks["m1"], end_mark), marks["w1"], w_end)
     log.note("lease, nonce, fees, sign", mark, marks["m0"])
     log.note("broadcast", marks["m1"], end_mark)
-    receipt = rec.timed("receipt", relay.wait_receipt, chain, tx_hash, 60)
+    receipt = rec.timed("receipt", relay_watch.wait_receipt, chain, tx_hash, 60)
     if receipt is None or receipt.get("status") != 1:
         raise BenchError(f"breakdown: transaction {tx_hash} did not succeed")
-    if hasattr(relay, "wait_confirmations"):
+    if hasattr(relay_watch, "wait_confirmations"):
         block = int(receipt["blockNumber"])
-        if not rec.timed("confirmations", relay.wait_confirmations, chain, block, 60):
+        if not rec.timed("confirmations", relay_watch.wait_confirmations, chain, block, 60):
             raise BenchError(f"breakdown: transaction {tx_hash} did not reach its confirmations")
     rec.timed(
         "complete",

@@ -177,6 +177,9 @@ def test_an_executed_payment_short_of_its_confirmations_is_never_released_then_p
 
 
 def test_a_reorg_that_undoes_the_payment_is_not_paid_and_the_payment_is_sent_again(careful, chain):
+    from backend.rails.evm.watch import status_of
+    from backend.rails.registry import rail_for
+    from backend.settlement.models import settlement_claim
     from relayer.tasks import _finish
 
     intent = create_intent(careful.client, careful.shop, 3)
@@ -206,7 +209,9 @@ def test_a_reorg_that_undoes_the_payment_is_not_paid_and_the_payment_is_sent_aga
     assert careful.devnet.balance(NETWORK, careful.payout) == 0  # the money did not move after all
     # The relayer, back from waiting for the receipt's confirmations, must not take the height for finality.
     settlement = careful.settlement(intent_id)
-    outcome = _finish(evm_chain(careful.chains.get(NETWORK)), settlement, tx_hash, receipt)
+    network = careful.chains.get(NETWORK)
+    landed = status_of(evm_chain(network), receipt, None)  # what the relayer saw, as its rail's watch says it
+    outcome = _finish(rail_for(network), network, settlement, settlement_claim(settlement), landed)
     row = careful.intent_row(intent_id)
     assert row.status == "pending" and row.tx_hash is None, outcome  # not paid with money that never moved
     assert careful.events("payment.completed", intent_id) == []

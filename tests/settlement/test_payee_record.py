@@ -152,6 +152,13 @@ def land_first_payment(app: Any, chain: FakeChain, shop: Any, owner: Keypair, mi
     return settlement_id
 
 
+def finish(app: Any, settlement_id: str) -> bool:
+    """The settlement finished from the chain (the stand-in), as the relayer and the reconciler do."""
+    settlement = services.get_settlement(settlement_id)
+    assert settlement is not None
+    return reconcile.finish_from_chain(app.extensions["payintent.chains"].get(NET), settlement)
+
+
 def records() -> list[tuple[str, str, str]]:
     db.session.expire_all()
     rows = db.session.execute(select(PayeeAccount.owner, PayeeAccount.mint, PayeeAccount.genesis_hash))
@@ -174,7 +181,7 @@ def test_an_rpc_error_at_finishing_leaves_the_settlement_open_and_the_record_is_
     funded(chain, mint, first, second)
     settlement_id = land_first_payment(app, chain, shop, owner, mint, first)
     chain.genesis_fails = True  # one RPC hiccup as the relayer finishes the landed payment
-    assert solana.finish_from_chain(chain, services.get_settlement(settlement_id)) is False  # type: ignore[arg-type]
+    assert finish(app, settlement_id) is False
     db.session.expire_all()
     assert services.get_settlement(settlement_id).status == "submitted"  # open: the reconciler visits it
     assert records() == []
@@ -205,7 +212,7 @@ def test_the_record_is_written_before_the_payment_is_marked_paid(world, monkeypa
 
     monkeypatch.setattr(services, "complete_settlement", complete_then_die)
     with pytest.raises(SystemExit):
-        solana.finish_from_chain(chain, services.get_settlement(settlement_id))  # type: ignore[arg-type]
+        finish(app, settlement_id)
     db.session.rollback()
     db.session.expire_all()
     assert services.get_settlement(settlement_id).status == "confirmed"
@@ -223,8 +230,7 @@ def test_a_new_usdc_mint_does_not_make_merchants_paid_before_look_closed(world, 
     owner, buyer = Keypair(), Keypair()
     shop = create_merchant(app, f"m-{uuid.uuid4().hex[:6]}@example.com", {NET: str(owner.pubkey())})
     funded(chain, mint, buyer)
-    assert solana.finish_from_chain(chain, services.get_settlement(  # type: ignore[arg-type]
-        land_first_payment(app, chain, shop, owner, mint, buyer)))  # fmt: skip
+    assert finish(app, land_first_payment(app, chain, shop, owner, mint, buyer))
     assert records() == [(str(owner.pubkey()), mint, GENESIS)]
     new_mint = str(Keypair().pubkey())
     moved = make_app(db_url, tmp_path, new_mint)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,10 +25,11 @@ from sqlalchemy import select
 from backend.chains.evm import evm_chain
 from backend.events.models import Event
 from backend.extensions import db
+from backend.rails.evm import relay as evm
+from backend.rails.evm.rail import EVM_RAIL
 from backend.relaybudget.services import EVM_SETTLEMENT_GAS
 from backend.settlement.models import Settlement
 from payintent.eip3009 import sign_authorization
-from relayer import evm
 from tests.settlement.conftest import stop_process
 from tests.settlement.test_pay import create_intent, pay, requirement
 from tests.settlement.test_recovery import NETWORK, _send_as, _token, iso  # noqa: F401  (fixture)
@@ -163,12 +163,12 @@ def test_code_that_appears_after_the_claim_is_refused_by_the_relayer_before_it_s
 def _relay_call(iso: Any, buyer: Any, intent: dict[str, Any]) -> tuple[Any, Any]:  # noqa: F811
     chain = evm_chain(iso.devnet.chains.get(NETWORK))
     auth = sign_authorization(buyer.key, requirement(intent, NETWORK))
-    settlement = SimpleNamespace(
-        network=NETWORK, payer=auth["from"], pay_to=auth["to"], amount_atomic=int(auth["value"]),
-        valid_after=int(auth["validAfter"]), valid_before=int(auth["validBefore"]), nonce=auth["nonce"],
-        signature=auth["signature"],
+    terms = EVM_RAIL.terms_from_columns(
+        {"payer": auth["from"], "pay_to": auth["to"], "amount_atomic": int(auth["value"]),
+         "valid_after": int(auth["validAfter"]), "valid_before": int(auth["validBefore"]), "nonce": auth["nonce"],
+         "signature": auth["signature"]}
     )  # fmt: skip
-    return chain, evm.transfer_call(chain, settlement)
+    return chain, evm.transfer_call(chain, terms)
 
 
 def test_the_estimate_uses_the_sends_fee_fields(iso):  # noqa: F811

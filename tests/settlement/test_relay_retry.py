@@ -34,12 +34,12 @@ def test_a_settle_job_promises_no_retry_that_no_scheduler_would_run(redis_url):
 
 
 def test_what_ends_a_settlement_and_what_is_tried_again():
-    """A node's answer that the transfer cannot succeed ends the settlement (``relayer.evm.final_refusal``);
+    """A node's answer that the transfer cannot succeed ends the settlement (``rails.evm.relay.final_refusal``);
     anything that may pass on another try (a timeout, a nonce race, a relay short of ETH) does not."""
     import requests
     from web3.exceptions import ContractLogicError, Web3RPCError
 
-    from relayer.evm import final_refusal
+    from backend.rails.evm.relay import final_refusal
 
     final = [
         ContractLogicError("execution reverted: FiatTokenV2: invalid signature"),

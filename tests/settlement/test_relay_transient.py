@@ -30,8 +30,8 @@ from redis import Redis
 from rq.job import Job
 from web3.exceptions import ContractLogicError, Web3RPCError
 
+from backend.rails.evm import relay as evm
 from payintent.eip3009 import MESSAGE_TYPES, domain_of, message_of, sign_authorization
-from relayer import evm
 from tests.settlement.conftest import stop_process
 from tests.settlement.test_pay import create_intent, pay, requirement
 from tests.settlement.test_payer_code import _relay_call, events, funded_buyer, relay_nonces, settlement_of

@@ -66,6 +66,9 @@ def _revert_behind_a_front_run(careful: Any, chain: Any, relay_tx: str, buyer: A
 
 def test_a_revert_not_yet_final_keeps_the_claim_and_a_reorg_that_executes_it_pays_once(careful, chain, monkeypatch):  # noqa: F811
     import relayer.tasks as tasks
+    from backend.rails.evm.watch import status_of
+    from backend.rails.registry import rail_for
+    from backend.settlement.models import settlement_claim
 
     w3, token = _token(careful.devnet, NETWORK)
     buyer = _funded_buyer(w3, token, careful.devnet, 7_000_000)
@@ -87,7 +90,9 @@ def test_a_revert_not_yet_final_keeps_the_claim_and_a_reorg_that_executes_it_pay
 
     # The relayer's finish of that revert (its wait for the confirmations cut short): the claim is kept.
     monkeypatch.setattr(tasks, "RECEIPT_TIMEOUT_SECONDS", 1)
-    outcome = tasks._finish(evm_chain(careful.chains.get(NETWORK)), settlement, relay_tx, receipt)
+    network = careful.chains.get(NETWORK)
+    landed = status_of(evm_chain(network), receipt, None)  # what the relayer read, as its rail's watch says it
+    outcome = tasks._finish(rail_for(network), network, settlement, settlement_claim(settlement), landed)
     assert outcome == "waiting-for-confirmations"
     row = careful.intent_row(intent_id)
     assert row.status == "pending" and row.settlement_id == settlement.id  # still claimed, not released

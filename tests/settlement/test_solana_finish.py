@@ -7,13 +7,16 @@ The chain is a stand-in (those states cannot be made on one in-process SVM); the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from solders.hash import Hash
 from solders.keypair import Keypair
 
-from backend.settlement import services
+from backend.rails.base import COMMON_COLUMNS, Claim
+from backend.rails.solana import rail as solana_rail
+from backend.settlement import reconcile, services
 from backend.settlement import solana as settlement_solana
 from payintent import solana_tx as stx
 
@@ -48,10 +51,14 @@ class Row:
     merchant_id: str = "mer_1"
     network: str = "solana:test"
     tx_hash: str | None = "5sig"
-    payer: str = "BUYER"
-    pay_to: str = "PAYEE"
+    intent_id: str = "int_1"
+    asset: str = "mint"
+    payer: str = "payer"
+    pay_to: str = "owner"
     amount_atomic: int = 1
     nonce: str = "0x" + "ab" * 32
+    relay_address: str | None = "relay"
+    start_block: int | None = None
     last_valid_block_height: int = 1000
     signed_transaction: str = field(
         default_factory=lambda: stx.encode(
@@ -85,9 +92,28 @@ def charged(monkeypatch) -> list[tuple[Any, ...]]:
     monkeypatch.setattr(settlement_solana.relaybudget, "charge", lambda *args: calls.append(args) or True)
     # The payee account a landed payment is recorded in (the table is tested on a database elsewhere).
     monkeypatch.setattr(
-        settlement_solana, "record_payee_account", lambda row, genesis: calls.append(("payee", row.id, genesis))
-    )
+        settlement_solana, "record_payee_account",
+        lambda network_id, owner, mint, genesis: calls.append(("payee", owner, genesis)),
+    )  # fmt: skip
     return calls
+
+
+@pytest.fixture(autouse=True)
+def settlement_solana_finish(monkeypatch) -> None:
+    """``settlement_solana.finish_from_chain(chain, row)``: the generic finish (``reconcile.finish_from_chain``) of
+    a Solana settlement on the stand-in chain (the rail's client), its claim read from the row's columns."""
+
+    def claim_of(row: Row) -> Claim:
+        columns = {name: getattr(row, name) for name in (*COMMON_COLUMNS, *solana_rail.SOLANA_RAIL.columns)}
+        terms = solana_rail.SOLANA_RAIL.terms_from_columns(columns)
+        return Claim(row.id, row.intent_id, row.asset, terms, row.tx_hash, row.relay_address, row.start_block)
+
+    def finish_from_chain(chain: FakeChain, row: Row) -> bool:
+        monkeypatch.setattr(solana_rail, "solana_chain", lambda network: chain)
+        return reconcile.finish_from_chain(SimpleNamespace(network=row.network, kind="solana"), row)
+
+    monkeypatch.setattr(reconcile, "settlement_claim", claim_of)
+    monkeypatch.setattr(settlement_solana, "finish_from_chain", finish_from_chain, raising=False)
 
 
 def test_height_is_read_before_status_so_a_late_landing_is_seen(decided, charged):
@@ -96,7 +122,7 @@ def test_height_is_read_before_status_so_a_late_landing_is_seen(decided, charged
     assert chain.calls == ["height:finalized", "status", "genesis"]
     assert decided == [("paid", "stl_1", "5sig")]
     assert charged == [("mer_1", "solana:test", "fee", 10_040, "5sig", "stl_1"),  # two signatures + 40 priority
-                       ("payee", "stl_1", "G1")]  # fmt: skip
+                       ("payee", "owner", "G1")]  # fmt: skip
 
 
 def test_not_released_while_the_node_still_accepts_the_blockhash(decided, charged):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
 import requests
+from redis import Redis
 from web3 import Web3
 
 from backend.chains.addresses import normalize_evm_address
@@ -19,7 +20,22 @@ from backend.chains.registry import Network
 from backend.config import Settings
 from backend.errors import ChainUnavailable, DomainError
 from backend.money import from_atomic
-from backend.rails.base import Checked, PayeeLedger, ProbeError, Terms, common_columns
+from backend.rails.base import (
+    BeforeBroadcast,
+    ChainOutcome,
+    Checked,
+    Claim,
+    PayeeLedger,
+    ProbeError,
+    RelayKeys,
+    Submission,
+    Terms,
+    TxStatus,
+    common_columns,
+)
+from backend.rails.evm import outcome, relay, watch
+from backend.rails.evm.outcome import EXPIRY_GRACE_SECONDS as EXPIRY_GRACE_SECONDS
+from backend.rails.evm.relay import EVM_SETTLEMENT_GAS as EVM_SETTLEMENT_GAS
 from backend.rails.evm.terms import PAYLOAD_FIELDS, EvmTerms, parse_evm_payload, verify_evm_authorization
 from backend.timing import step
 
@@ -27,13 +43,8 @@ log = logging.getLogger(__name__)
 
 # The most Retry-After of a validAfter the chain's latest block has not passed yet (it passed by our clock).
 NOT_YET_VALID_RETRY_MAX_SECONDS = 60
-# Chain clocks and ours may differ: give up on an unexecuted authorization only this long after validBefore
-# (the newest final block's timestamp past it by this much: no block that can still join the chain executes it).
-EXPIRY_GRACE_SECONDS = 60
-# Gas one transferWithAuthorization may use: 60,000-90,000 for USDC's FiatToken and our TestUSDC (a
-# first payment to an address, a fresh nonce); the bound leaves room for the rest. It is also the gas
-# limit of every relay transaction (relayer.evm.GAS_LIMIT), so no settlement's execution gas exceeds it.
-EVM_SETTLEMENT_GAS = 120_000
+# EXPIRY_GRACE_SECONDS (rails/evm/outcome.py): an unexecuted authorization is given up on only this long after
+# validBefore. EVM_SETTLEMENT_GAS (rails/evm/relay.py): the gas bound and limit of every relay transaction.
 COST_CACHE_SECONDS = 30.0
 # network -> (monotonic time read, cost floor): the gas price is read at most every COST_CACHE_SECONDS.
 cost_cache: dict[str, tuple[float, int]] = {}
@@ -196,10 +207,8 @@ class EvmRail:
         return evm_chain(network).balance_of(address)
 
     def may_still_execute(self, terms: Terms, chain_now: int) -> bool:
-        # The token executes it only in a block with timestamp < validBefore; the grace covers final blocks
-        # whose timestamps lag (``chain_now`` is the newest final block's timestamp).
         assert isinstance(terms, EvmTerms)
-        return chain_now <= terms.valid_before + EXPIRY_GRACE_SECONDS
+        return outcome.may_still_execute(terms.valid_before, chain_now)
 
     def released_may_execute(self) -> bool:
         return True  # the buyer's signature is out: anyone may submit it until validBefore
@@ -233,6 +242,51 @@ class EvmRail:
 
     def settlement_cost(self, terms: Terms, most: int) -> int:
         return most  # gas is known only once mined
+
+    spend_kind = "gas"
+
+    def load_relay_keys(self, network: Network, secrets: Sequence[str]) -> RelayKeys | None:
+        return relay.load_keys(network, secrets)
+
+    def check_relay_network(self, network: Network) -> None:
+        relay.check_chain_id(network)
+
+    def submit(
+        self,
+        network: Network,
+        claim: Claim,
+        keys: RelayKeys,
+        leases: Redis,
+        ledger: PayeeLedger,
+        before_broadcast: BeforeBroadcast,
+    ) -> Submission:
+        assert isinstance(keys, relay.EvmRelayKeys)
+        return relay.submit(network, claim, keys.accounts, leases, before_broadcast)
+
+    def watch(self, network: Network, claims: Sequence[Claim]) -> dict[str, TxStatus]:
+        return watch.watch(evm_chain(network), claims)
+
+    def wait_landed(self, network: Network, claim: Claim, timeout: float) -> TxStatus | None:
+        chain = evm_chain(network)
+        receipt = watch.wait_receipt(chain, claim.tx_id, timeout) if claim.tx_id else None
+        return None if receipt is None else watch.status_of(chain, receipt, None)
+
+    def wait_final(self, network: Network, status: TxStatus, timeout: float) -> bool:
+        return status.block is not None and watch.wait_confirmations(evm_chain(network), status.block, timeout)
+
+    def read_outcome(
+        self,
+        network: Network,
+        claim: Claim,
+        *,
+        deadline: float | None = None,
+        pins: MutableMapping[str, int] | None = None,
+        with_cost: bool = True,
+    ) -> ChainOutcome:
+        return outcome.read_outcome(evm_chain(network), claim, deadline, pins, with_cost)
+
+    def before_paid(self, network: Network, claim: Claim, ledger: PayeeLedger) -> bool:
+        return True  # nothing to record: the token's state is the whole truth
 
     def probe(self, network: Network, timeout: float) -> _Probe:
         return _Probe(network, timeout)

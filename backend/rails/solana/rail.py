@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, MutableMapping, Sequence
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
+from redis import Redis
 from solders.pubkey import Pubkey
 
 from backend.chains.addresses import normalize_solana_address
@@ -24,7 +24,22 @@ from backend.chains.registry import Network
 from backend.chains.solana import SolanaChain, SolanaRpcError, solana_chain
 from backend.config import Settings
 from backend.errors import ChainUnavailable, DomainError
-from backend.rails.base import Checked, PayeeLedger, ProbeError, Terms, common_columns
+from backend.rails.base import (
+    BeforeBroadcast,
+    ChainOutcome,
+    Checked,
+    Claim,
+    PayeeLedger,
+    ProbeError,
+    RelayKeys,
+    Submission,
+    Terms,
+    TxStatus,
+    common_columns,
+)
+from backend.rails.solana import outcome
+from backend.rails.solana import relay as relay_module
+from backend.rails.solana.terms import SolanaTerms as SolanaTerms
 from payintent import solana_tx as stx
 
 log = logging.getLogger(__name__)
@@ -40,22 +55,6 @@ PROGRAMS = {
     "ComputeBudget111111111111111111111111111111": "the Compute Budget program",
     "MemoSq4gqABAXKb96qnH8TysNcWxMyWCqXgDLGmfcHr": "the Memo program",
 }
-
-
-@dataclass(frozen=True)
-class SolanaTerms:
-    """A checked buyer-signed transaction, in the settlement row's terms."""
-
-    payer: str
-    pay_to: str
-    value: int
-    # A block height past which its blockhash surely expired (generous upper bound; 0 until ``check_on_chain``).
-    last_valid_block_height: int
-    nonce_hex: str  # sha256 of the signed message: one settlement per transaction
-    transaction: str  # the buyer-signed transaction, base64 (the relay co-signs it as fee payer)
-    # It opens the merchant's USDC account (the buyer funds the rent). Known when /pay parses the transaction;
-    # terms read back from a row leave it False (the relayer checks the transaction again before co-signing).
-    creates_payee_account: bool = False
 
 
 def unavailable(network: Network, exc: Exception) -> DomainError:
@@ -216,8 +215,9 @@ class SolanaRail:
         return solana_chain(network).token_balance(str(account)) or 0
 
     def may_still_execute(self, terms: Terms, chain_now: int) -> bool:
-        # ``chain_now``: the finalized block height; past last_valid_block_height the blockhash has surely expired
-        # (finish_from_chain also asks the node whether it still accepts the blockhash).
+        # ``chain_now``: a block height (finalized for the reconciler; the relay's confirmed one before it signs);
+        # past last_valid_block_height the blockhash has surely expired (read_outcome also asks the node whether
+        # it still accepts the blockhash).
         assert isinstance(terms, SolanaTerms)
         return chain_now <= terms.last_valid_block_height
 
@@ -240,6 +240,50 @@ class SolanaRail:
     def settlement_cost(self, terms: Terms, most: int) -> int:
         assert isinstance(terms, SolanaTerms)
         return stx.transaction_fee(stx.decode(terms.transaction).message)  # exact, from the signed message
+
+    spend_kind = "fee"
+
+    def load_relay_keys(self, network: Network, secrets: Sequence[str]) -> RelayKeys | None:
+        return relay_module.load_keys(network, secrets)
+
+    def check_relay_network(self, network: Network) -> None:
+        return None  # the fee payer signs messages bound to a blockhash of the chain /pay read
+
+    def submit(
+        self,
+        network: Network,
+        claim: Claim,
+        keys: RelayKeys,
+        leases: Redis,
+        ledger: PayeeLedger,
+        before_broadcast: BeforeBroadcast,
+    ) -> Submission:
+        assert isinstance(keys, relay_module.SolanaRelayKeys)
+        return relay_module.submit(network, claim, keys.keypair, ledger, self.may_still_execute, before_broadcast)
+
+    def watch(self, network: Network, claims: Sequence[Claim]) -> dict[str, TxStatus]:
+        return relay_module.watch(solana_chain(network), claims)
+
+    def wait_landed(self, network: Network, claim: Claim, timeout: float) -> TxStatus | None:
+        timeout = min(timeout, relay_module.CONFIRM_TIMEOUT_SECONDS)
+        return relay_module.wait_landed(solana_chain(network), claim, timeout)
+
+    def wait_final(self, network: Network, status: TxStatus, timeout: float) -> bool:
+        return status.final  # confirmed is what a payment waits for (a failure is final once confirmed)
+
+    def read_outcome(
+        self,
+        network: Network,
+        claim: Claim,
+        *,
+        deadline: float | None = None,
+        pins: MutableMapping[str, int] | None = None,
+        with_cost: bool = True,
+    ) -> ChainOutcome:
+        return outcome.read_outcome(solana_chain(network), claim, self.may_still_execute)
+
+    def before_paid(self, network: Network, claim: Claim, ledger: PayeeLedger) -> bool:
+        return outcome.before_paid(solana_chain(network), network.network, claim, ledger)
 
     def probe(self, network: Network, timeout: float) -> _Probe:
         return _Probe(network, timeout)

@@ -1,4 +1,4 @@
-"""Submitting ``transferWithAuthorization`` from relay accounts: leases, nonces, fees.
+"""The EVM rail's submit: ``transferWithAuthorization`` from relay accounts (leases, nonces, fees), and the relay keys.
 
 Several relay accounts per chain are used in parallel: a job leases a free account (a Redis lock),
 takes its next nonce, signs and broadcasts, then releases the lease before waiting for the
@@ -12,19 +12,33 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+from eth_account import Account
 from eth_account.signers.local import LocalAccount
-from eth_typing import HexStr
 from eth_utils import to_checksum_address
 from redis import Redis
 from web3.exceptions import ContractLogicError, Web3RPCError
 
-from backend.chains.evm import EvmChain
+from backend.chains.evm import EvmChain, evm_chain
+from backend.chains.registry import Network
+from backend.rails.base import (
+    BeforeBroadcast,
+    CannotSucceed,
+    Claim,
+    LeftOpen,
+    RelayKeyError,
+    Submission,
+    Terms,
+)
 from backend.rails.evm.terms import EvmTerms
-from backend.relaybudget.services import EVM_SETTLEMENT_GAS
-from backend.settlement.models import Settlement, settlement_terms
+from backend.rails.evm.watch import is_pending
+
+# Gas one transferWithAuthorization may use: 60,000-90,000 for USDC's FiatToken and our TestUSDC (a
+# first payment to an address, a fresh nonce); the bound leaves room for the rest. It is also the gas
+# limit of every relay transaction (GAS_LIMIT), so no settlement's execution gas exceeds it.
+EVM_SETTLEMENT_GAS = 120_000
 
 log = logging.getLogger(__name__)
 LEASE_SECONDS = 120  # longer than the RPC calls and the database write a send makes
@@ -149,17 +163,6 @@ def _next_nonce(redis: Redis, chain: EvmChain, account: LocalAccount) -> int:
     return pending
 
 
-def is_pending(chain: EvmChain, tx_hash: str) -> bool:
-    """Whether the node still holds the transaction unmined (so it may yet be mined)."""
-    from web3.exceptions import TransactionNotFound
-
-    try:
-        tx = chain.w3.eth.get_transaction(HexStr(tx_hash))
-    except TransactionNotFound:
-        return False
-    return tx.get("blockNumber") is None
-
-
 FEE_CACHE_SECONDS = 3.0
 _fee_cache: dict[str, tuple[float, dict[str, int]]] = {}
 
@@ -181,8 +184,7 @@ def fees(chain: EvmChain) -> dict[str, int]:
     return fees
 
 
-def transfer_call(chain: EvmChain, settlement: Settlement) -> Any:
-    terms = settlement_terms(settlement)
+def transfer_call(chain: EvmChain, terms: Terms) -> Any:
     assert isinstance(terms, EvmTerms)
     signature = bytes.fromhex(terms.signature_hex[2:])
     r, s, v = signature[:32], signature[32:64], signature[64]
@@ -289,20 +291,101 @@ def send(
     raise RelayUnavailable("could not send the transaction")
 
 
-def wait_confirmations(chain: EvmChain, block_number: int, timeout: float) -> bool:
-    """Wait until the block is buried under the network's confirmations (1 = mined)."""
-    deadline = time.monotonic() + timeout
-    while not chain.is_final(block_number):
+# failure_code of a settlement whose payer has code when the relayer is about to send (docs/security.md).
+PAYER_HAS_CODE = "PAYER_HAS_CODE"
+PAYER_CODE_REASON = (
+    "the payer's address has contract code (a smart wallet or an EIP-7702 delegation): the relay does not "
+    "settle such authorizations; pay from a plain address"
+)
+# An authorization whose validAfter the chain's latest block has not passed yet (the token needs
+# block.timestamp > validAfter) is waited for this long, then left open for the reconciler to send again.
+NOT_YET_VALID_WAIT_SECONDS = 10.0
+
+
+def valid_on_chain(chain: EvmChain, valid_after: int) -> bool:
+    """Whether the chain's latest block is past validAfter (then every later block is too), waiting for it up
+    to NOT_YET_VALID_WAIT_SECONDS."""
+    deadline = time.monotonic() + NOT_YET_VALID_WAIT_SECONDS
+    while chain.block_timestamp("latest") <= valid_after:
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.5)
+        time.sleep(1.0)
     return True
 
 
-def wait_receipt(chain: EvmChain, tx_hash: str, timeout: float) -> dict[str, Any] | None:
-    from web3.exceptions import TimeExhausted
+def submit(
+    network: Network, claim: Claim, accounts: list[LocalAccount], leases: Redis, before_broadcast: BeforeBroadcast
+) -> Submission:
+    """The last checks, then the transfer from a leased relay account (``send``); raises a ``SubmitError``."""
+    chain = evm_chain(network)
+    terms = claim.terms
+    assert isinstance(terms, EvmTerms)
+    # /pay refused a payer with code, but code can appear since (an EIP-7702 delegation): look again, now,
+    # right before the estimate and the send (the code's answer at estimate time proves nothing).
+    if chain.has_code(terms.payer):
+        raise CannotSucceed(PAYER_CODE_REASON, PAYER_HAS_CODE)
+    # Not before the chain's clock passes validAfter: the transaction would revert (docs/security.md).
+    if not valid_on_chain(chain, terms.valid_after):
+        raise LeftOpen("validAfter has not passed on chain yet", "not-yet-valid")  # the reconciler sends it again
+    call = transfer_call(chain, terms)
+    fee_fields = fees(chain)  # the estimate and the send use the same fee fields
+    sent: list[str] = []
+
+    def recorded(tx_hash: str, address: str) -> None:
+        before_broadcast(tx_hash, address)
+        sent.append(address)
 
     try:
-        return dict(chain.w3.eth.wait_for_transaction_receipt(HexStr(tx_hash), timeout=timeout, poll_latency=0.05))
-    except TimeExhausted:
-        return None
+        # Estimated from the leased account that then sends it, with its fees (send).
+        tx_hash = send(leases, chain, accounts, call, fee_fields, before_broadcast=recorded)
+    except Refused as exc:
+        # The node refused it for good: final, not retried (the chain still decides first).
+        raise CannotSucceed(f"the node refused it: {exc}") from None
+    except Reverted as exc:  # the estimate, from the account that would send it
+        raise CannotSucceed(f"the transfer would revert: {exc}") from None
+    except NotYetValid:
+        # The node's clock disagrees with its latest block's: transient, left open.
+        raise LeftOpen("validAfter has not passed on chain yet", "not-yet-valid") from None
+    except RelayShortOfFunds as exc:
+        # Our relay's trouble, never the payment's: left open (the reconciler sends it again) and said loudly.
+        raise LeftOpen(f"waits: {exc}", "relay-short-of-eth", loud=True) from None
+    return Submission(tx_hash, sent[-1])
+
+
+class EvmRelayKeys:
+    """A network's relay accounts (several: each job leases a free one)."""
+
+    def __init__(self, accounts: list[LocalAccount]) -> None:
+        self.accounts = accounts
+
+    def addresses(self) -> tuple[str, ...]:
+        return tuple(account.address for account in self.accounts)
+
+    def secrets(self) -> tuple[str, ...]:
+        return tuple(account.key.hex() for account in self.accounts)
+
+    def summary(self, network_id: str) -> str:
+        return f"{len(self.accounts)} relay account(s) on {network_id}: {', '.join(self.addresses())}"
+
+
+def load_keys(network: Network, secrets: Sequence[str]) -> EvmRelayKeys | None:
+    """Hex private keys; they must be the chains file's relay_addresses (when it lists them)."""
+    try:
+        loaded = [Account.from_key(k) for k in secrets]
+    except Exception:
+        raise RelayKeyError(f"a relay key for {network.network} is not a valid private key") from None
+    expected = set(network.relay_addresses)
+    if expected and {a.address for a in loaded} != expected:
+        raise RelayKeyError(f"the relay keys for {network.network} do not match relay_addresses in the chains file")
+    return EvmRelayKeys(loaded) if loaded else None
+
+
+def check_chain_id(network: Network) -> None:
+    """Refuse to sign for a network whose RPC answers with another chain id (a misconfigured URL)."""
+    try:
+        answered = evm_chain(network).w3.eth.chain_id
+    except Exception as exc:
+        log.warning("relayer: %s unreachable at start-up (%s); will retry per job", network.network, type(exc).__name__)
+        return
+    if answered != network.chain_id:
+        raise RelayKeyError(f"the RPC of {network.network} answers chain id {answered}, not {network.chain_id}")
