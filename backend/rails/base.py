@@ -1,12 +1,14 @@
 """The rail interface: what every chain kind implements, and the typed terms a claim stores.
 
-A rail owns everything that differs between chain kinds on the API side (docs/architecture.md,
-"Rails"): what an address is, the kind's part of a payment requirement, parsing and verifying a
-buyer's payment into typed terms, the chain reads before a claim and their refusals, what a
-settlement costs the relay, when a payment's terms may still execute, and the readiness probes.
-Rails take plain values (networks, requirements, payloads, a settlement row's column values): they import no
-domain model, so the domains above (settlement, intents, checkout, relaybudget, merchants, observability) call
-them instead of branching on ``network.kind``. ``backend.rails.registry.rail_for`` picks the rail.
+A rail owns everything that differs between chain kinds (docs/architecture.md, "Rails"): what an address
+is, the kind's part of a payment requirement, parsing and verifying a buyer's payment into typed terms and
+mapping them to and from a settlement row's columns, the chain reads before a claim and their refusals, what a
+settlement costs the relay, when a payment's terms may still execute, the relay's keys, submit and watch, what
+the chain says about a claim (finish-from-chain), and the readiness probes. Rails take plain values (networks,
+requirements, payloads, a settlement row's column values, a ``Claim``) and write nothing to the database: they
+import no domain model, so the domains above (settlement, intents, checkout, relaybudget, merchants,
+observability) and the relayer call them instead of branching on ``network.kind``.
+``backend.rails.registry.rail_for`` picks the rail.
 """
 
 from __future__ import annotations
