@@ -75,6 +75,29 @@ def test_domain_name_may_be_left_to_the_chain(tmp_path):
     assert network.usdc_domain_name is None  # read from the token's name() when first needed
 
 
+def test_the_domain_name_is_the_files_else_read_once_from_the_chain(monkeypatch, tmp_path):
+    """``chains.evm.domain_name`` (the EVM rail's): the chains file's name without any RPC, else the token's
+    ``name()`` read once per network client; a chain that cannot be asked raises (intents answer 503)."""
+    from backend.chains import evm
+
+    calls: list[str] = []
+    monkeypatch.setattr(evm.EvmChain, "token_name", lambda chain: calls.append(chain.network.network) or "USD Coin")
+    monkeypatch.setattr(evm, "_chains", {})
+    token = "0x036CbD53842c5426634e7929541eC2318f3dCF7e"
+    path = tmp_path / "chains.json"
+    path.write_text(json.dumps({"networks": [
+        {"network": "eip155:1", "usdc_address": token, "usdc_domain_name": "USDC"},
+        {"network": "eip155:2", "usdc_address": token, "rpc_url": "http://127.0.0.1:9"},
+        {"network": "eip155:3", "usdc_address": token},
+    ]}))  # fmt: skip
+    registry = ChainRegistry.load(path)
+    assert evm.domain_name(registry.get("eip155:1")) == "USDC" and calls == [] and evm._chains == {}
+    assert [evm.domain_name(registry.get("eip155:2")) for _ in range(3)] == ["USD Coin"] * 3
+    assert calls == ["eip155:2"]
+    with pytest.raises(ValueError, match="no RPC URL"):
+        evm.domain_name(registry.get("eip155:3"))
+
+
 def test_x402_v1_names_default_to_the_libraries_names_by_chain_id_and_genesis():
     from backend.chains.registry import default_x402_v1_name, resolve_x402_network
 

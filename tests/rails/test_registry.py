@@ -146,3 +146,11 @@ def test_a_rail_is_one_object_and_the_wallet_guard_does_not_depend_on_the_instan
     by_registry = service_addresses(registry, rail_of_kind("solana"))
     assert any(network.usdc_address in by_registry for network in registry if rail_for(network).kind == "solana")
     assert service_addresses(registry, SolanaRail()) == by_registry
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rails_example_address_is_a_valid_payout_address_of_its_kind(kind):
+    """The dev stack's demo merchant is paid to each rail's ``example_address`` (``devstack.seed_demo_merchant``)."""
+    rail = rail_of_kind(kind)
+    assert rail.normalize_address(rail.example_address) == rail.example_address
+    assert rail.example_address not in rail.reserved_addresses()
