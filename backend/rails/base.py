@@ -245,6 +245,9 @@ class Rail(Protocol):
     def normalize_address(self, address: str) -> str:
         """The canonical form of ``address``; raises ``chains.addresses.AddressError`` (message safe to show)."""
 
+    def same_address(self, a: str, b: str) -> bool:
+        """Whether two addresses of this kind name the same account (EVM: hex letters in any case; Solana: exact)."""
+
     def reserved_addresses(self) -> dict[str, str]:
         """Addresses of this kind that are never a merchant's wallet on any network (programs), with what each is."""
 

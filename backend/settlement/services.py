@@ -32,7 +32,7 @@ from backend.intents.services import effective_status
 from backend.merchants.models import Wallet
 from backend.money import from_atomic
 from backend.rails.base import Terms
-from backend.rails.registry import rail_for
+from backend.rails.registry import rail_for, rail_of_network_id
 from backend.settlement import models as st
 from backend.settlement.models import Settlement
 from backend.settlement.x402 import X402_VERSIONS, X402Payment, check_accepted
@@ -83,10 +83,6 @@ def requirement_for(
     )
 
 
-def _same_payee(network_id: str, a: str, b: str) -> bool:
-    return a.lower() == b.lower() if network_id.startswith("eip155:") else a == b
-
-
 def check_pay_to_current(intent: Intent, network_id: str, pay_to: str, *, lock: bool = False) -> None:
     """Refuse a payment to a payTo that is no longer the merchant's wallet on the network (409
     REQUIREMENT_OUTDATED): the merchant changed or removed it after the intent was created.
@@ -99,7 +95,7 @@ def check_pay_to_current(intent: Intent, network_id: str, pay_to: str, *, lock: 
     """
     query = select(Wallet.address).where(Wallet.merchant_id == intent.merchant_id, Wallet.network == network_id)
     current = db.session.scalar(query.with_for_update() if lock else query)
-    if current is None or not _same_payee(network_id, current, pay_to):
+    if current is None or not rail_of_network_id(network_id).same_address(current, pay_to):
         raise DomainError(
             "REQUIREMENT_OUTDATED",
             f"The merchant's payout wallet on {network_id} changed or was removed since this intent was created; "

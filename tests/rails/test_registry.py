@@ -154,3 +154,13 @@ def test_a_rails_example_address_is_a_valid_payout_address_of_its_kind(kind):
     rail = rail_of_kind(kind)
     assert rail.normalize_address(rail.example_address) == rail.example_address
     assert rail.example_address not in rail.reserved_addresses()
+
+
+def test_same_address_is_the_rails_rule():
+    """The claim's "is payTo still the merchant's wallet" check compares through the rail: EVM addresses in any hex
+    case are one account; Solana keys are case-sensitive base58."""
+    evm, solana = rail_of_kind("evm"), rail_of_kind("solana")
+    assert evm.same_address("0x70997970c51812dc3a010c7d01b50e0d17dc79c8", "0x70997970C51812dc3A010C7d01b50e0d17dc79C8")
+    assert not evm.same_address("0x70997970C51812dc3A010C7d01b50e0d17dc79C8", "0x" + "00" * 20)
+    key = "9WzDXwBbmkg8ZTbNMqUxvQRAyrZzDsGYdLVL9zYtAWWM"
+    assert solana.same_address(key, key) and not solana.same_address(key, key.lower())

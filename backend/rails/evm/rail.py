@@ -151,6 +151,9 @@ class EvmRail:
     def normalize_address(self, address: str) -> str:
         return normalize_evm_address(address)
 
+    def same_address(self, a: str, b: str) -> bool:
+        return a.lower() == b.lower()  # EIP-55 case is a checksum, not part of the address
+
     def reserved_addresses(self) -> dict[str, str]:
         return {}
 

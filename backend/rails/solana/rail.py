@@ -124,6 +124,9 @@ class SolanaRail:
     def normalize_address(self, address: str) -> str:
         return normalize_solana_address(address)
 
+    def same_address(self, a: str, b: str) -> bool:
+        return a == b  # base58 is case-sensitive
+
     def reserved_addresses(self) -> dict[str, str]:
         return dict(PROGRAMS)
 
