@@ -7,7 +7,9 @@ terms (``settlement.reconcile.settle_from_chain``); what is written to the datab
 Rules that keep it exactly once:
 - one job at a time per settlement (a Redis lock held for the whole job);
 - the chain is asked first (a retry may find the authorization already executed);
-- nothing is sent for an intent that another settlement has already paid;
+- nothing is sent for an intent that another settlement has already paid; such a settlement is released
+  (and watched, on EVM) unless a transaction of ours for it may still land unwatched (Solana: its co-signed
+  transaction, until its blockhash expires): then it stays open until the chain decides (``_may_land_unwatched``);
 - a revert releases the intent only when none of our transactions for it can still be mined, our
   reverted transaction's block is final, and the authorization is not used on chain (final or not);
   the reconciler keeps watching such a settlement until the chain can no longer execute it;
@@ -144,10 +146,14 @@ def _settle(settlement_id: str, redis: Redis) -> str:
         status = rail.watch(network, [claim]).get(claim.tx_id)
         if status is not None and status.state in (TxState.SUCCEEDED, TxState.FAILED):
             return _finish(rail, network, settlement, claim, status)
-        if status is not None and status.state is TxState.PENDING:
+        if status is not None and status.state is TxState.PENDING and not rail.resends_same_transaction:
             return "still-pending"  # our earlier transaction may still be mined: never send a second one
+        # Seen, not landed, on a rail whose send repeats the very same transaction (Solana: one signature): it is
+        # sent again below, as a dropped broadcast would otherwise just expire (our sends ask for no retries).
     intent = db.session.get(Intent, settlement.intent_id, populate_existing=True)
     if intent is not None and intent.status == PAID and intent.settlement_id != settlement_id:
+        if _may_land_unwatched(rail, claim):
+            return "waiting-for-chain"  # nothing sent, nothing released: the chain decides (the reconciler)
         services.fail_settlement(settlement_id, "ALREADY_PAID", "the intent was paid by another authorization")
         return "intent-already-paid"
     try:
@@ -159,9 +165,11 @@ def _settle(settlement_id: str, redis: Redis) -> str:
     except CannotSucceed as exc:
         # Final, not retried: the chain still decides first (someone may have executed it), in _reverted.
         return _reverted(rail, network, services.get_settlement(settlement_id) or settlement, exc.reason, exc.code)
-    except RelayRefuses as exc:  # nothing of ours was ever sent: it cannot land
+    except RelayRefuses as exc:  # nothing is sent now
         if exc.logged:
             log.error("settlement %s: %s", settlement_id, exc.logged)
+        if _may_land_unwatched(rail, claim):
+            return "waiting-for-chain"  # what the relay signed before may still land: the chain decides
         services.fail_settlement(settlement_id, exc.code, exc.reason)
         return exc.result
     except LeftOpen as exc:
@@ -181,6 +189,14 @@ def _settle(settlement_id: str, redis: Redis) -> str:
     if landed is None:
         return "waiting-for-receipt"  # the reconciler finishes it
     return _finish(rail, network, services.get_settlement(settlement_id) or settlement, claim, landed)
+
+
+def _may_land_unwatched(rail: Rail, claim: Claim) -> bool:
+    """Whether releasing the claim now could let a payment go unrecorded: a transaction of ours for it was
+    signed (the chain was asked first: it has not landed, and may still) and this rail does not watch released
+    settlements (Solana). Such a settlement stays open until the chain decides: landed → paid (a duplicate
+    payment if the intent is paid by then), can never land (its blockhash expired) → failed."""
+    return claim.tx_id is not None and not rail.released_may_execute()
 
 
 def _submitted(settlement_id: str, tx_id: str, relay_address: str) -> None:

@@ -193,7 +193,8 @@ class CannotSucceed(SubmitError):
 
 
 class RelayRefuses(SubmitError):
-    """The relay will not sign it, and nothing of ours for it was ever sent: the settlement fails now."""
+    """The relay will not sign it: the settlement fails now, unless a transaction the relay signed for it earlier
+    may still land and this rail does not watch released settlements (then it is left open: the chain decides)."""
 
     def __init__(self, code: str, reason: str, result: str, *, logged: str | None = None) -> None:
         super().__init__(reason, result)
@@ -292,7 +293,9 @@ class Rail(Protocol):
         before it signs)."""
 
     def released_may_execute(self) -> bool:
-        """Whether a released (failed) settlement's terms may still execute on chain (and need watching)."""
+        """Whether a released (failed) settlement's terms may still execute on chain (and need watching). False
+        (Solana): nothing watches a released settlement, so one is never released while a transaction of ours for
+        it may still land (the relayer leaves it open until the chain decides)."""
 
     # The relay's costs
     def native_decimals(self, network: Network) -> int:
@@ -314,6 +317,11 @@ class Rail(Protocol):
     spend_kind: str  # what the relay's cost of a transaction is recorded as (relay_spending.kind: "gas", "fee")
 
     # The relay: keys, submit, watch
+    # A second ``submit`` for a claim sends the very same transaction (Solana: the relay's signature over the same
+    # message), so one seen but not landed (``TxState.PENDING``) is sent again, harmlessly; False (EVM): a second
+    # submit is a new transaction, never sent while ours is pending.
+    resends_same_transaction: bool
+
     def load_relay_keys(self, network: Network, secrets: Sequence[str]) -> RelayKeys | None:
         """The relay's keys for ``network`` from the key file's entry (None: none); raises RelayKeyError when they
         are malformed or do not match the chains file."""

@@ -145,6 +145,7 @@ class EvmRail:
     address_hint = "0x followed by 40 hex characters"
     example_address = "0x70997970C51812dc3A010C7d01b50e0d17dc79C8"  # Anvil's test account 1
     prepares_transaction = False  # the buyer's wallet signs EIP-712 typed data (checkout-ui/src/evm.ts)
+    resends_same_transaction = False  # each send is a new transaction (its own relay nonce)
     # The EIP-3009 window (unix times) and the buyer's signature (0x-hex, 65 bytes).
     columns: tuple[str, ...] = ("valid_after", "valid_before", "signature")
 

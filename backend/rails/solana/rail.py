@@ -118,6 +118,7 @@ class SolanaRail:
     address_hint = "A base58 public key"
     example_address = "9WzDXwBbmkg8ZTbNMqUxvQRAyrZzDsGYdLVL9zYtAWWM"  # the example key of Solana's documentation
     prepares_transaction = True  # settlement.solana.prepare_transaction: the buyer's wallet signs it as is
+    resends_same_transaction = True  # the relay's signature over the same message is the transaction id
     # The buyer-signed transaction (base64) and the block height its blockhash surely expired by.
     columns: tuple[str, ...] = ("last_valid_block_height", "signed_transaction")
 
