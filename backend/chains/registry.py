@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,31 @@ from backend.chains.addresses import AddressError, normalize_evm_address, normal
 from payintent.x402 import V1_NETWORK_NAMES
 
 DEFAULT_CHAINS_FILE = Path(__file__).with_name("testnets.json")
-KINDS = ("evm", "solana")
+
+
+@dataclass(frozen=True)
+class _KindRules:
+    """What the chains file's loader must know of a chain kind to read a network's entry (it sits below the rails,
+    which serve the kinds: ``backend.rails.registry``). The one table of kinds below the rails."""
+
+    namespace: str  # the CAIP-2 namespace of its network ids
+    id_form: str  # how its network ids look, for the error text
+    valid_reference: Callable[[str], bool]  # the CAIP-2 reference's syntax
+    normalize: Callable[[str], str]  # an address's canonical form (AddressError otherwise)
+    eip3085: bool  # wallets add its networks by chain id with a native currency (EIP-3085); else Wallet Standard
+
+
+_KIND_RULES = {
+    "evm": _KindRules(
+        "eip155", "EVM network ids look like eip155:<chain id>", str.isdigit, normalize_evm_address, True
+    ),
+    "solana": _KindRules(
+        "solana", "Solana network ids look like solana:<genesis>", lambda _: True, normalize_solana_address, False
+    ),
+}
+KINDS = tuple(_KIND_RULES)
+# A network id of no known namespace is read as this kind's, whose id check then names the expected form.
+_FALLBACK_KIND = KINDS[-1]
 
 
 class ChainConfigError(ValueError):
@@ -57,7 +81,7 @@ class Network:
 
     @property
     def chain_id(self) -> int | None:
-        if self.kind != "evm":
+        if not _KIND_RULES[self.kind].eip3085:
             return None
         return int(self.network.split(":", 1)[1])
 
@@ -82,7 +106,9 @@ class Network:
             "kind": self.kind,
             "chain_id": self.chain_id,
             "wallet_rpc_url": self.wallet_rpc_url,
-            "native_currency": {"name": name, "symbol": symbol, "decimals": decimals} if self.kind == "evm" else None,
+            "native_currency": (
+                {"name": name, "symbol": symbol, "decimals": decimals} if _KIND_RULES[self.kind].eip3085 else None
+            ),
             "wallet_chain": self.wallet_chain,
             "explorer_tx_url": self.explorer_tx_url,
         }
@@ -91,18 +117,15 @@ class Network:
 def _parse_network(raw: dict[str, Any], source: str) -> Network:
     try:
         network_id = str(raw["network"])
-        kind = str(raw.get("kind") or ("evm" if network_id.startswith("eip155:") else "solana"))
+        namespace, colon, reference = network_id.partition(":")
+        by_namespace = {rules.namespace: kind for kind, rules in _KIND_RULES.items()}
+        kind = str(raw.get("kind") or by_namespace.get(namespace, _FALLBACK_KIND))
         if kind not in KINDS:
             raise ChainConfigError(f"{source}: {network_id}: kind must be one of {KINDS}")
-        if kind == "evm":
-            namespace, _, reference = network_id.partition(":")
-            if namespace != "eip155" or not reference.isdigit():
-                raise ChainConfigError(f"{source}: EVM network ids look like eip155:<chain id>, not {network_id}")
-            address = normalize_evm_address(str(raw["usdc_address"]))
-        else:
-            if not network_id.startswith("solana:"):
-                raise ChainConfigError(f"{source}: Solana network ids look like solana:<genesis>, not {network_id}")
-            address = normalize_solana_address(str(raw["usdc_address"]))
+        rules = _KIND_RULES[kind]
+        if not colon or namespace != rules.namespace or not rules.valid_reference(reference):
+            raise ChainConfigError(f"{source}: {rules.id_form}, not {network_id}")
+        address = rules.normalize(str(raw["usdc_address"]))
         rpc_url = raw.get("rpc_url")
         env_name = raw.get("rpc_url_env")
         if env_name and os.environ.get(env_name):
@@ -115,7 +138,7 @@ def _parse_network(raw: dict[str, Any], source: str) -> Network:
             network=network_id,
             wallet_rpc_url=raw.get("wallet_rpc_url"),
             native_currency=_parse_native_currency(raw.get("native_currency"), network_id, source),
-            wallet_chain=raw.get("wallet_chain") or (_WALLET_CHAINS.get(network_id) if kind == "solana" else None),
+            wallet_chain=raw.get("wallet_chain") or _WALLET_CHAINS.get(network_id),
             name=str(raw.get("name") or network_id),
             kind=kind,
             rpc_url=rpc_url,
@@ -180,7 +203,7 @@ def _parse_native_currency(raw: Any, network_id: str, source: str) -> tuple[str,
 def _parse_relay_addresses(raw: Any, kind: str, network_id: str, source: str) -> tuple[str, ...]:
     if not isinstance(raw, list):
         raise ChainConfigError(f"{source}: {network_id}: relay_addresses must be a list")
-    normalize = normalize_evm_address if kind == "evm" else normalize_solana_address
+    normalize = _KIND_RULES[kind].normalize
     try:
         return tuple(normalize(str(address)) for address in raw)
     except AddressError as exc:

@@ -20,12 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # A comparison of a chain kind with a literal kind, in code or templates ('evm' or "solana", either side).
 KIND_BRANCH = re.compile(r"""kind\s*(==|!=)\s*['"](evm|solana)['"]|['"](evm|solana)['"]\s*(==|!=)\s*\S*kind\b""")
 # Where a kind branch may remain, how many, and why. Everything else asks its rail (``rail_for``).
-ALLOWED = {
-    # The chains-file loader sits below the rails (they read its Network): it decides a network's kind from
-    # its CAIP-2 id and which fields a kind's entry has (chain id, native currency, wallet chain, relay
-    # address form, domain names).
-    "backend/chains/registry.py": 5,
-}
+# None: the chains-file loader, below the rails, reads a kind's entry through its one table of kinds
+# (``chains.registry._KIND_RULES``), and everything above asks the kind's rail.
+ALLOWED: dict[str, int] = {}
 
 
 def test_every_kind_has_one_rail():
@@ -164,3 +161,11 @@ def test_same_address_is_the_rails_rule():
     assert not evm.same_address("0x70997970C51812dc3A010C7d01b50e0d17dc79C8", "0x" + "00" * 20)
     key = "9WzDXwBbmkg8ZTbNMqUxvQRAyrZzDsGYdLVL9zYtAWWM"
     assert solana.same_address(key, key) and not solana.same_address(key, key.lower())
+
+
+def test_each_rail_serves_the_namespace_the_chains_file_gives_its_kind():
+    from backend.chains.registry import _KIND_RULES
+
+    assert {kind: rules.namespace for kind, rules in _KIND_RULES.items()} == {
+        kind: rail.namespace for kind, rail in RAILS.items()
+    }
