@@ -101,6 +101,15 @@ CATALOG: dict[str, ErrorKind] = {
 }
 # fmt: on
 
+# The codes a settlement may fail with (``failure_code``, and the ``code`` of its ``payment.failed``) that are no
+# API answer: the chain decided after the claim. A settlement's other failure codes are the catalog's (above).
+# docs/webhooks.md lists each ("Settlement failure codes"); tests/test_error_catalog.py checks both.
+SETTLEMENT_FAILURES: dict[str, str] = {
+    "AUTHORIZATION_CANCELED": "the buyer cancelled the authorization on chain before it executed",
+    "AUTHORIZATION_USED_ELSEWHERE": "the buyer used the authorization's nonce for other terms first: nothing moved",
+    "DUPLICATE_PAYMENT": "it executed after the intent was paid by another (a second charge: payment.duplicate)",
+}
+
 
 class DomainError(Exception):
     """A failure a service reports to its caller: a catalog ``code``, a message safe to show, and details.

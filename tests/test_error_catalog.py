@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.errors import CATALOG, ChainUnavailable, DomainError
+from backend.errors import CATALOG, SETTLEMENT_FAILURES, ChainUnavailable, DomainError
 
 ROOT = Path(__file__).resolve().parent.parent
 # Where error codes are raised: the services and entry points, and the Solana rules whose codes /pay answers.
@@ -189,3 +189,35 @@ def test_the_catalog_module_imports_no_flask_and_no_domain() -> None:
         elif isinstance(node, ast.ImportFrom):
             imported.append(node.module or "")
     assert not [name for name in imported if name.startswith(("flask", "werkzeug", "backend"))]
+
+
+def _settlement_failure_literals() -> set[str]:
+    """The literal codes handed to ``fail_settlement(id, CODE, ...)`` and ``CannotSucceed(reason, CODE)``."""
+    found: set[str] = set()
+    for path in SOURCES:
+        for node in ast.walk(_tree(path)):
+            if not isinstance(node, ast.Call) or len(node.args) < 2:
+                continue
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            code = node.args[1]
+            if name in {"fail_settlement", "CannotSucceed"} and isinstance(code, ast.Constant):
+                found.add(str(code.value))
+    return found
+
+
+def test_every_settlement_failure_code_is_known_and_documented() -> None:
+    """A settlement's failure code reaches the merchant as payment.failed's ``code``: each is an API code of the
+    catalog or one of SETTLEMENT_FAILURES (the chain decided after the claim), which docs/webhooks.md lists."""
+    from backend.rails.evm.relay import PAYER_HAS_CODE
+    from backend.settlement.reconcile import FAILURE_CODES
+    from backend.settlement.services import DUPLICATE_PAYMENT
+
+    codes = _settlement_failure_literals() | set(FAILURE_CODES.values()) | {DUPLICATE_PAYMENT, PAYER_HAS_CODE}
+    assert {"ALREADY_PAID", "SETTLEMENT_FAILED", "AUTHORIZATION_CANCELED"} <= codes  # the scan finds them
+    assert sorted(codes - set(CATALOG) - set(SETTLEMENT_FAILURES)) == []
+    assert not set(SETTLEMENT_FAILURES) & set(CATALOG)
+    assert set(SETTLEMENT_FAILURES) <= codes, "an entry no settlement fails with"
+    webhooks = (ROOT / "docs" / "webhooks.md").read_text(encoding="utf-8")
+    table = webhooks.split("Settlement failure codes", 1)[-1]
+    assert [code for code in SETTLEMENT_FAILURES if f"`{code}`" not in table] == []
