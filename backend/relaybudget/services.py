@@ -39,7 +39,6 @@ from backend.chains.registry import Network
 from backend.config import Settings
 from backend.errors import DomainError
 from backend.extensions import db, rowcount
-from backend.rails.evm.rail import EVM_SETTLEMENT_GAS as EVM_SETTLEMENT_GAS
 from backend.rails.evm.watch import gas_cost as evm_gas_cost  # noqa: F401  (tests and tools use the name)
 from backend.rails.registry import rail_for
 from backend.relaybudget.metrics import OPEN_SETTLEMENT_REFUSALS, RELAY_BUDGET_REFUSALS

@@ -23,7 +23,6 @@ from backend.chains.solana import SolanaRpcError
 from backend.rails.base import FINISHED as FINISHED
 from backend.rails.base import Claim, Rail
 from backend.rails.base import Outcome as Outcome
-from backend.rails.evm.outcome import EXPIRY_GRACE_SECONDS as EXPIRY_GRACE_SECONDS  # the watch's tests use it
 from backend.rails.registry import rail_for
 from backend.relaybudget import services as relaybudget
 from backend.settlement import services

@@ -65,7 +65,7 @@ def run_sig_worker(seconds: float) -> int:
     from eth_account.messages import _hash_eip191_message, encode_typed_data
     from eth_keys.backends import get_backend
 
-    from backend.settlement.verify import parse_evm_payload, verify_evm_authorization
+    from backend.rails.evm.terms import parse_evm_payload, verify_evm_authorization
     from payintent.eip3009 import MESSAGE_TYPES, domain_of, message_of, recover_authorizer, sign_authorization
 
     accounts = [Account.from_key(secrets.token_bytes(32)) for _ in range(16)]

@@ -244,9 +244,9 @@ def breakdown(
     from backend.extensions import db
     from backend.intents.models import Intent
     from backend.queueing import relayer_queue
+    from backend.rails.evm.terms import parse_evm_payload
     from backend.settlement import flow
     from backend.settlement import models as st
-    from backend.settlement.verify import parse_evm_payload
     from payintent.eip3009 import domain_of, recover_authorizer
 
     print(f"- breakdown: {len(payments) - warm} payments (+{warm} warm-up) paid in-process, one at a time", flush=True)

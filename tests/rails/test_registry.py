@@ -11,7 +11,7 @@ import pytest
 from backend.chains.addresses import AddressError
 from backend.chains.registry import KINDS, ChainRegistry
 from backend.rails.base import Rail
-from backend.rails.evm.rail import EXPIRY_GRACE_SECONDS
+from backend.rails.evm.outcome import EXPIRY_GRACE_SECONDS
 from backend.rails.evm.terms import EvmTerms
 from backend.rails.registry import RAILS, rail_for, rail_of_kind, rail_of_network_id
 from backend.rails.solana.rail import SolanaTerms

@@ -14,6 +14,7 @@ from backend.config import Settings
 from backend.errors import DomainError
 from backend.extensions import db
 from backend.rails.evm import rail as evm_rail
+from backend.rails.evm.relay import EVM_SETTLEMENT_GAS
 from backend.relaybudget import services as budget
 from backend.relaybudget.models import FEE, GAS, RelaySpend
 from tests.conftest import make_settings
@@ -173,7 +174,7 @@ def test_one_merchants_costly_settlement_is_not_every_merchants_estimate(app, me
     limits = settings()
     room = budget.budget_atomic(BASE, limits)
     assert room is not None
-    floor = budget.EVM_SETTLEMENT_GAS * 2 * gwei
+    floor = EVM_SETTLEMENT_GAS * 2 * gwei
 
     def pays(merchant_id: str) -> None:
         cost = budget.max_settlement_cost(BASE, limits, merchant_id)  # what flow._budget computes

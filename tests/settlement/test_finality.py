@@ -30,8 +30,9 @@ from backend.chains.evm import evm_chain
 from backend.chains.registry import ChainRegistry
 from backend.events.models import Event
 from backend.extensions import db
+from backend.rails.evm.outcome import EXPIRY_GRACE_SECONDS
 from backend.settlement.models import Settlement
-from backend.settlement.reconcile import EXPIRY_GRACE_SECONDS, reconcile
+from backend.settlement.reconcile import reconcile
 from payintent.eip3009 import sign_authorization
 from relayer.faults import CRASH_EXIT_CODE
 from tests.conftest import make_settings, truncate_all

@@ -27,7 +27,7 @@ from backend.events.models import Event
 from backend.extensions import db
 from backend.rails.evm import relay as evm
 from backend.rails.evm.rail import EVM_RAIL
-from backend.relaybudget.services import EVM_SETTLEMENT_GAS
+from backend.rails.evm.relay import EVM_SETTLEMENT_GAS
 from backend.settlement.models import Settlement
 from payintent.eip3009 import sign_authorization
 from tests.settlement.conftest import stop_process

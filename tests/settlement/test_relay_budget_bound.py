@@ -27,6 +27,7 @@ from sqlalchemy import func, select
 from backend.chains.solana import SolanaChain
 from backend.extensions import db
 from backend.rails.evm import rail as evm_rail
+from backend.rails.evm.relay import EVM_SETTLEMENT_GAS
 from backend.relaybudget import services as relaybudget
 from backend.relaybudget.models import GAS, RelaySpend
 from payintent import solana_tx as stx
@@ -136,7 +137,7 @@ def test_the_most_a_settlement_costs(bounded, devnet, clock):
     other = create_merchant(bounded.app, f"cost2-{uuid.uuid4().hex[:8]}@example.com", {EVM: EVM_PAYOUT})
     assert relaybudget.max_settlement_cost(devnet.chains.get(SOLANA), settings, shop.id) == SOL_MAX == 10_500
     evm_rail.cost_cache.pop(EVM, None)
-    least = relaybudget.EVM_SETTLEMENT_GAS * 2 * devnet.w3(EVM).eth.gas_price
+    least = EVM_SETTLEMENT_GAS * 2 * devnet.w3(EVM).eth.gas_price
     assert bounded.evm_cost(EVM, shop.id) == least
     relaybudget.charge(shop.id, EVM, GAS, least * 3, "0xspike")  # an L1 fee, a fee spike: the ledger shows it
     assert bounded.evm_cost(EVM, shop.id) == least * 3

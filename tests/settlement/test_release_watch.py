@@ -25,9 +25,10 @@ from sqlalchemy import select
 from backend import clock as clock_module
 from backend.chains.evm import evm_chain
 from backend.extensions import db
+from backend.rails.evm.outcome import EXPIRY_GRACE_SECONDS
 from backend.settlement import services
 from backend.settlement.models import Settlement
-from backend.settlement.reconcile import EXPIRY_GRACE_SECONDS, WATCH_PER_TICK
+from backend.settlement.reconcile import WATCH_PER_TICK
 from payintent.eip3009 import sign_authorization
 from relayer.faults import CRASH_EXIT_CODE
 from tests.settlement.conftest import stop_process

@@ -1,4 +1,4 @@
-"""Properties of signature checking: ``payintent.eip3009`` and ``settlement.verify``, offline.
+"""Properties of signature checking: ``payintent.eip3009`` and ``rails.evm.terms``, offline.
 
 A correctly signed authorization for a requirement always passes; change any one thing it was
 signed over (a field of the authorization, or the EIP-712 domain: chain id, token name, version,
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backend.errors import DomainError
-from backend.settlement.verify import PAYLOAD_FIELDS, parse_evm_payload, verify_evm_authorization
+from backend.rails.evm.terms import PAYLOAD_FIELDS, parse_evm_payload, verify_evm_authorization
 from backend.settlement.x402 import check_accepted
 from payintent.eip3009 import SECP256K1_HALF_N, domain_of, recover_authorizer, sign_authorization
 

@@ -175,7 +175,7 @@ def test_malformed_nested_payloads(payload, field):
 
 def test_flatten_leaves_field_checks_to_the_verifier():
     # A nested authorization missing a field flattens without it; parse_evm_payload names it.
-    from backend.settlement.verify import parse_evm_payload
+    from backend.rails.evm.terms import parse_evm_payload
 
     partial = {"signature": SIGNATURE, "authorization": {k: v for k, v in AUTH.items() if k != "nonce"}}
     with pytest.raises(DomainError) as info:

@@ -34,8 +34,7 @@ from backend.rails.base import (
     common_columns,
 )
 from backend.rails.evm import outcome, relay, watch
-from backend.rails.evm.outcome import EXPIRY_GRACE_SECONDS as EXPIRY_GRACE_SECONDS
-from backend.rails.evm.relay import EVM_SETTLEMENT_GAS as EVM_SETTLEMENT_GAS
+from backend.rails.evm.relay import EVM_SETTLEMENT_GAS
 from backend.rails.evm.terms import PAYLOAD_FIELDS, EvmTerms, parse_evm_payload, verify_evm_authorization
 from backend.timing import step
 
