@@ -22,7 +22,6 @@ from harness.env import PAYINTENT, ROOT, SERVICE_VARS, service_env
 from harness.errors import HarnessError
 from harness.ports import HOST
 from harness.processes import ProcessSet, process_tree
-from harness.ready import wait_all_registered
 from harness.report import BENCHMARKS_DOC as DOC
 from harness.report import finish, git_commit, machine, package_version, write_section
 from harness.servers import Handler, run_server, start_helper
@@ -32,7 +31,7 @@ __all__ = [
     "DOC", "HOST", "PAYINTENT", "ROOT", "SERVICE_VARS", "BenchError", "CpuGroups", "Handler", "ProcessSet",
     "Session", "argument_parser", "cpu_seconds", "create_merchant", "finish", "git_commit", "machine",
     "machine_busy", "package_version", "payintent", "pct", "process_tree", "run_server", "service_env",
-    "start_helper", "start_service", "stop_on_signals", "wait_for_quiet", "wait_registered", "write_section",
+    "start_helper", "start_service", "stop_on_signals", "wait_for_quiet", "write_section",
 ]  # fmt: skip
 
 BenchError = HarnessError  # the run is broken (not slow): a process failed, a status was wrong, a check found errors
@@ -114,21 +113,6 @@ def pct(values: list[float], q: float) -> float:
 def start_service(procs: ProcessSet, command: str, env: dict[str, str], log: Path) -> subprocess.Popen[Any]:
     """A long-running `payintent <command>` process, its output to `log`."""
     return procs.start_logged([PAYINTENT, command], log, env)
-
-
-def wait_registered(
-    redis: Any,
-    queue: str,
-    started: list[subprocess.Popen[Any]],
-    what: str,
-    check: Callable[[], None],
-    *,
-    timeout: float,
-    poll: float,
-) -> None:
-    """Wait (up to `timeout` s, polling every `poll` s) until every process of `started` has registered
-    with Redis as an RQ worker of `queue`; `check()` raises when one of them died."""
-    wait_all_registered(redis, queue, started, what, check, timeout=timeout, poll=poll)
 
 
 # --- a run's start and end ----------------------------------------------------------------------

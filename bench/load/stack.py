@@ -17,6 +17,7 @@ from bench.load.measure import WEBHOOK_EVENTS, WEBHOOKS, Merchant, call
 from bench.pay.stack import Stack as PayStack
 from bench.webhooks.measure import ReceiverClient
 from harness import servers
+from harness.ready import wait_all_registered
 
 # --- the stack ---------------------------------------------------------------------------------------
 
@@ -100,7 +101,7 @@ class LoadStack(PayStack):
                 tail = (self.workdir / "worker.log").read_text(errors="replace")[-2000:]
                 raise BenchError(f"the worker exited with {worker.returncode}:\n{tail}")
 
-        common.wait_registered(self.redis, WEBHOOK_QUEUE, [worker], "worker", check, timeout=90, poll=0.2)
+        wait_all_registered(self.redis, WEBHOOK_QUEUE, [worker], "worker", check, timeout=90, poll=0.2)
 
     def stop_worker(self) -> None:
         if self.worker is not None:

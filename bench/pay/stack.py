@@ -32,6 +32,7 @@ from bench.pay.measure import (
     ts,
 )
 from harness import audit, proxy
+from harness.ready import wait_all_registered
 
 # --- the stack ---------------------------------------------------------------------------------------
 
@@ -182,7 +183,7 @@ class Stack:
         from backend.queueing import relayer_queue
 
         first = relayer_queue("relayer", self.networks[0])  # a relayer listens on every network it has keys for
-        common.wait_registered(self.redis, first, self.relayers, "relayers", check, timeout=90, poll=0.2)
+        wait_all_registered(self.redis, first, self.relayers, "relayers", check, timeout=90, poll=0.2)
         self.relayer_setup = (accounts, count)
 
     def stop_relayers(self) -> None:

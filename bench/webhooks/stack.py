@@ -17,6 +17,7 @@ from bench import api as bench_api
 from bench._common import HOST, BenchError
 from bench.webhooks.measure import EVENT_TYPE, JOB_START, ReceiverClient, RunResult, Sent, clock_offset
 from harness import servers
+from harness.ready import wait_all_registered
 
 # --- the stack ---------------------------------------------------------------------------------------
 
@@ -122,7 +123,7 @@ class Stack:
         for i in range(count):
             log = self.workdir / f"worker-{count}-{i}.log"
             self.workers.append(common.start_service(self.procs, "worker", env, log))
-        common.wait_registered(
+        wait_all_registered(
             self.redis, WEBHOOK_QUEUE, self.workers, "workers", self.check_workers, timeout=60, poll=0.1
         )
 
