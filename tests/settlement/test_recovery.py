@@ -28,6 +28,7 @@ from backend.events.models import Event
 from backend.extensions import db
 from backend.intents.models import Intent
 from backend.intents.services import expire_overdue
+from backend.rails.evm import relay as evm_relay
 from backend.settlement.models import Settlement
 from backend.settlement.reconcile import reconcile
 from payintent.eip3009 import sign_authorization
@@ -98,6 +99,14 @@ class Isolated:
 @pytest.fixture
 def iso(db_url: str, redis_server_url: str, devnet: Any) -> Iterator[Isolated]:
     queue = f"relayer-test-{uuid.uuid4().hex[:8]}"
+    # The devnet and Redis are shared by the tests of this xdist worker, and no relayer of an earlier test is alive
+    # now; but one killed at a crash point inside its send (after-mark-submitted) left its relay-account lease in
+    # Redis for LEASE_SECONDS. A test that needs that account (the one funded account of
+    # test_drained_relay_accounts...) then waited on it and timed out, depending on test order: free them.
+    redis = Redis.from_url(redis_server_url)
+    stale = list(redis.scan_iter(match=evm_relay.LEASE_KEY.format("*", "*")))
+    if stale:
+        redis.delete(*stale)
     app = make_pay_app(db_url, redis_server_url, devnet, relayer_queue=queue, pay_wait_seconds=3)
     with app.app_context():
         yield Isolated(app, queue, db_url, redis_server_url, devnet)
