@@ -299,6 +299,25 @@ def test_resync_after_nonce_too_low_moves_past_what_someone_else_sent(w3, token,
     assert nonces.allocate() == 2
 
 
+def test_stuck_lists_what_waited_longer_than_asked_by_the_managers_clock(w3, token, relay, redis, no_mining):
+    now = [1_000.0]
+    nonces = NonceManager(w3, NETWORK, relay.address, CHAIN_ID, redis, monotonic=lambda: now[0])
+    nonces.start(None)
+    payee = Account.create().address
+    for _ in range(2):
+        nonce = nonces.allocate()
+        tx_hash, raw = transfer(w3, token, relay, payee, 1_000, nonce)
+        broadcast(w3, raw)
+        nonces.sent(nonce, tx_hash)
+        now[0] += 10
+    assert nonces.stuck(older_than=30) == []  # sent 20 s and 10 s ago
+    now[0] += 15
+    assert [tx.nonce for tx in nonces.stuck(older_than=30)] == [0]
+    mine(w3)
+    now[0] += 100
+    assert nonces.stuck(older_than=30) == [] and nonces.in_flight() == []  # both mined
+
+
 # replacement_fees: pure
 
 
