@@ -233,3 +233,36 @@ def test_0010s_check_is_the_models():
     spec.loader.exec_module(migration)
     checks = [c for c in Settlement.__table__.constraints if isinstance(c, sa.CheckConstraint)]
     assert [(c.name, str(c.sqltext)) for c in checks] == [("ck_settlements_terms_of_rail", migration.TERMS_OF_RAIL)]
+
+
+def test_0011_adds_relay_nonce_null_on_old_rows_and_a_downgrade_keeps_the_rows(empty_url):
+    """Rows written before 0011 have no relay nonce (NULL); a large nonce fits (BigInteger); a downgrade drops the
+    column and keeps every row, and upgrading again gives NULL."""
+    upgrade(empty_url, "0010")
+    engine = sa.create_engine(empty_url, poolclass=sa.pool.NullPool)
+    insert = sa.text(
+        "INSERT INTO settlements (id, intent_id, merchant_id, network, asset, payer, pay_to, amount_atomic, nonce, "
+        "status, created_at, updated_at, valid_after, valid_before, signature, tx_hash, relay_address) VALUES "
+        "(:id, 'int_x', 'mer_x', 'eip155:84532', 'A', 'P', 'Q', 1, :nonce, 'submitted', '2026-11-24 12:00:00', "
+        "'2026-11-24 12:00:00', 0, 1, '0x', '0xhash', '0xrelay')"
+    )
+    with engine.begin() as conn:
+        _merchant_and_intent(conn)
+        conn.execute(insert, {"id": "stl_1", "nonce": "0x01"})
+    upgrade(empty_url)
+    with engine.begin() as conn:
+        assert conn.exec_driver_sql("SELECT relay_nonce FROM settlements").scalar_one() is None
+        conn.execute(insert, {"id": "stl_2", "nonce": "0x02"})
+        conn.exec_driver_sql(f"UPDATE settlements SET relay_nonce = {2**40} WHERE id = 'stl_2'")
+        rows = conn.exec_driver_sql("SELECT id, relay_nonce FROM settlements ORDER BY id")
+        assert [tuple(row) for row in rows] == [("stl_1", None), ("stl_2", 2**40)]
+    downgrade(empty_url, "0010")
+    with engine.connect() as conn:
+        columns = {c["name"] for c in sa.inspect(conn).get_columns("settlements")}
+        assert "relay_nonce" not in columns
+        rows = conn.exec_driver_sql("SELECT id, tx_hash, relay_address FROM settlements ORDER BY id")
+        assert [tuple(row) for row in rows] == [("stl_1", "0xhash", "0xrelay"), ("stl_2", "0xhash", "0xrelay")]
+    upgrade(empty_url)
+    with engine.connect() as conn:
+        assert [r[0] for r in conn.exec_driver_sql("SELECT relay_nonce FROM settlements")] == [None, None]
+    engine.dispose()

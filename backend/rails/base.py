@@ -143,10 +143,11 @@ class Submission:
 
 
 class BeforeBroadcast(Protocol):
-    """Called by ``Rail.submit`` with a transaction's id and sender before it is broadcast (``mark_submitted``):
-    only for an id not recorded yet (``Claim.tx_id``)."""
+    """Called by ``Rail.submit`` with a transaction's id, sender and nonce (EVM: the nonce it was signed with;
+    None on rails without account nonces, Solana) before it is broadcast (``mark_submitted``): only for an id not
+    recorded yet (``Claim.tx_id``)."""
 
-    def __call__(self, tx_id: str, relay_address: str) -> None: ...
+    def __call__(self, tx_id: str, relay_address: str, relay_nonce: int | None) -> None: ...
 
 
 class RelayKeyError(RuntimeError):

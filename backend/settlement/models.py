@@ -71,6 +71,9 @@ class Settlement(Model):
     # Chain height when the intent was claimed: the reconciler searches logs from here.
     start_block: Mapped[int | None] = mapped_column(BigInteger)
     relay_address: Mapped[str | None] = mapped_column(String(64))
+    # EVM: the nonce of our transaction from relay_address (recorded with tx_hash, before the broadcast); a
+    # replacement only ever goes at this (relay_address, relay_nonce). NULL on Solana and before it was sent.
+    relay_nonce: Mapped[int | None] = mapped_column(BigInteger)
     failure_code: Mapped[str | None] = mapped_column(String(64))
     failure_reason: Mapped[str | None] = mapped_column(String(500))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)

@@ -311,14 +311,16 @@ def oldest_open_at() -> datetime | None:
     return db.session.scalar(select(func.min(Settlement.created_at)).where(Settlement.status.in_(st.OPEN)))
 
 
-def mark_submitted(settlement_id: str, tx_hash: str, relay_address: str) -> None:
-    """Record the transaction hash before it is broadcast, so a crash after sending is recoverable."""
+def mark_submitted(settlement_id: str, tx_hash: str, relay_address: str, relay_nonce: int | None = None) -> None:
+    """Record the transaction hash (and its sender and, on EVM, its nonce) before it is broadcast, so a crash after
+    sending is recoverable."""
     now = clock.now()
     db.session.execute(
         update(Settlement)
         .where(Settlement.id == settlement_id, Settlement.status.in_(st.OPEN))
-        .values(status=st.SUBMITTED, tx_hash=tx_hash, relay_address=relay_address, submitted_at=now, updated_at=now)
-    )
+        .values(status=st.SUBMITTED, tx_hash=tx_hash, relay_address=relay_address, relay_nonce=relay_nonce,
+                submitted_at=now, updated_at=now)
+    )  # fmt: skip
     db.session.commit()
 
 

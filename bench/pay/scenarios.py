@@ -189,9 +189,9 @@ def relay_in_process(stack: Stack, chain: Any, accounts: list[Any], settlement_i
     fee_fields = rec.timed("fees", relay.fees, chain)
     marks: dict[str, Any] = {}
 
-    def before_broadcast(tx_hash: str, address: str) -> None:
+    def before_broadcast(tx_hash: str, address: str, nonce: int | None) -> None:
         marks["b0"], marks["m0"], marks["w0"] = time.perf_counter(), log.mark(), time.time()
-        services.mark_submitted(settlement_id, tx_hash, address)
+        services.mark_submitted(settlement_id, tx_hash, address, nonce)
         marks["b1"], marks["m1"], marks["w1"] = time.perf_counter(), log.mark(), time.time()
 
     mark, started, w_start = log.mark(), time.perf_counter(), time.time()

@@ -209,7 +209,7 @@ def test_code_that_appears_at_the_last_moment_costs_the_relay_at_most_the_gas_ca
     set_code(w3, wallet, two_faced_wallet(burn_iterations=150_000))
     tx_hash = evm.send(
         Redis.from_url(iso.redis_url), chain, [relay], call, fees,
-        before_broadcast=lambda _h, _a: set_code(w3, buyer.address, delegation(wallet)),
+        before_broadcast=lambda _h, _a, _n: set_code(w3, buyer.address, delegation(wallet)),
     )  # fmt: skip
     receipt = w3.eth.wait_for_transaction_receipt(tx_hash, timeout=30)
     assert receipt["status"] == 0  # the payer's code made it revert

@@ -233,8 +233,8 @@ def send(
     fee_fields: dict[str, int],
     before_broadcast: Any,
 ) -> str:
-    """Estimate from a leased account, then sign and broadcast from it; ``before_broadcast(tx_hash, address)``
-    runs first.
+    """Estimate from a leased account, then sign and broadcast from it; ``before_broadcast(tx_hash, address,
+    nonce)`` runs first.
 
     The transaction has ``GAS_LIMIT`` gas and the fees it was estimated with. A relay account that cannot pay
     that (``RelayShortOfFunds``, or the node's "insufficient funds") is left aside and another one is leased;
@@ -267,7 +267,7 @@ def send(
             )
             signed = account.sign_transaction(tx)
             tx_hash = "0x" + bytes(signed.hash).hex()
-            before_broadcast(tx_hash, account.address)
+            before_broadcast(tx_hash, account.address, nonce)
             try:
                 chain.w3.eth.send_raw_transaction(signed.raw_transaction)
             except Exception as exc:
@@ -331,8 +331,8 @@ def submit(
     fee_fields = fees(chain)  # the estimate and the send use the same fee fields
     sent: list[str] = []
 
-    def recorded(tx_hash: str, address: str) -> None:
-        before_broadcast(tx_hash, address)
+    def recorded(tx_hash: str, address: str, nonce: int) -> None:
+        before_broadcast(tx_hash, address, nonce)
         sent.append(address)
 
     try:

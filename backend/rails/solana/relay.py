@@ -91,7 +91,7 @@ def submit(
     tx = stx.sign_as(tx, relay)
     signature = str(tx.signatures[0])
     if claim.tx_id != signature:
-        before_broadcast(signature, str(relay.pubkey()))
+        before_broadcast(signature, str(relay.pubkey()), None)
     try:
         chain.send(stx.encode(tx))
     except SolanaRpcError as exc:
