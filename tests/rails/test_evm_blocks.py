@@ -425,3 +425,28 @@ def test_a_transaction_tracked_after_it_was_buried_is_mined_and_final_in_one_pol
     assert watcher.poll() == [Mined(*landed), Final(*landed)]
     # The head, the receipt, then the canonical block at its height (read only because it was deep enough).
     assert counts(watcher.counter) == (3, 3, 0)
+
+
+class FlakyProvider(FakeProvider):
+    """A batch whose first try meets a reset connection (a stale pooled connection), answered on the second."""
+
+    def __init__(self, resets: int) -> None:
+        super().__init__([{"jsonrpc": "2.0", "id": 1, "result": "0xa"}, {"jsonrpc": "2.0", "id": 2, "result": "0xb"}])
+        self.resets = resets
+
+    def make_batch_request(self, calls: list[tuple[str, Any]]) -> Any:
+        if self.resets:
+            self.resets -= 1
+            raise requests.ConnectionError("connection reset")
+        return super().make_batch_request(calls)
+
+
+def test_a_reset_connection_is_tried_again_once_then_raises():
+    calls = [("eth_blockNumber", []), ("eth_chainId", [])]
+    w3: Any = type("W3", (), {"provider": FlakyProvider(resets=1)})()
+    assert [a.result for a in call_many(w3, calls, RpcCounter())] == ["0xa", "0xb"]
+    w3 = type("W3", (), {"provider": FlakyProvider(resets=2)})()
+    counter = RpcCounter()
+    with pytest.raises(requests.ConnectionError):
+        call_many(w3, calls, counter)
+    assert not counter.batches_refused and w3.provider.single == 0

@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from web3.exceptions import Web3RPCError
+
 from backend.chains.evm import EvmChain
 from backend.rails.evm.rpcbatch import Answer, RpcCounter, call_many, call_one, quantity
 from backend.rails.evm.watch import gas_cost
@@ -214,7 +216,7 @@ def _hash(tx_hash: str) -> str:
 
 def _result(answer: Answer, method: str) -> Any:
     if not answer.ok:
-        raise RuntimeError(f"{method}: {answer.error}")
+        raise Web3RPCError(f"{method}: {answer.error}")  # as web3 raises an RPC's error
     return answer.result
 
 

@@ -21,6 +21,8 @@ import requests
 from web3 import Web3
 from web3.types import RPCEndpoint
 
+from backend.chains.evm import RPC_CONNECT_ATTEMPTS
+
 # The most calls sent in one batch: providers cap a batch's size (often 100 to 1,000 calls); more calls are sent
 # as several batches of at most this many.
 MAX_BATCH = 100
@@ -88,7 +90,7 @@ def _batch(w3: Web3, calls: Sequence[tuple[str, Sequence[Any]]], counter: RpcCou
     counter.round_trips += 1
     counter.batches += 1
     try:
-        response = provider.make_batch_request([(RPCEndpoint(method), list(params)) for method, params in calls])
+        response = _post_batch(provider, [(RPCEndpoint(method), list(params)) for method, params in calls])
     except requests.HTTPError as exc:
         # A 4xx for the batch as a whole (400, 405, 413, "batch not supported") is a refusal; a rate limit (429) or
         # a 5xx is the RPC's trouble and raises, as one call's would.
@@ -110,6 +112,18 @@ def _batch(w3: Web3, calls: Sequence[tuple[str, Sequence[Any]]], counter: RpcCou
         counter.batches_refused = True
         return None
     return [_answer(item) for item in response]
+
+
+def _post_batch(provider: Any, calls: list[tuple[RPCEndpoint, list[Any]]]) -> Any:
+    """The provider's batch, tried again once if the connection was refused or reset (a stale pooled connection):
+    what web3's retry (``EvmChain``: RPC_CONNECT_ATTEMPTS) does for one call but not for a batch."""
+    for attempt in range(1, RPC_CONNECT_ATTEMPTS + 1):
+        try:
+            return provider.make_batch_request(calls)
+        except requests.ConnectionError:
+            if attempt == RPC_CONNECT_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _answer(response: Any) -> Answer:
