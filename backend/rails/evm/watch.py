@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ from web3.exceptions import TimeExhausted, TransactionNotFound
 
 from backend.chains.evm import EvmChain
 from backend.rails.base import Claim, TxState, TxStatus
+from backend.rails.evm.rpcbatch import RpcCounter, call_many, quantity
 
 
 def gas_cost(receipt: Mapping[str, Any]) -> int:
@@ -54,19 +56,55 @@ def status_of(chain: EvmChain, receipt: Mapping[str, Any], head: int | None) -> 
 
 def watch(chain: EvmChain, claims: Sequence[Claim]) -> dict[str, TxStatus]:
     """Each claim's transaction: its receipt, else whether the node still holds it. The height is read first
-    (once per call) when the network needs more than one confirmation."""
+    (once per call) when the network needs more than one confirmation.
+
+    The receipts are read in one JSON-RPC batch, and the transactions of the missing ones in a second
+    (``rpcbatch.call_many``: one call each where the node refuses batches). An element the batch answered with an
+    error is asked again alone, through web3, and that call's error raises as before: an RPC error is never "not
+    mined" or "unknown" (UNKNOWN lets the caller release the claim)."""
     head = chain.block_number() if chain.network.confirmations > 1 else None
+    counter = rpc_counter(chain)
+    hashes = list(dict.fromkeys(claim.tx_id for claim in claims if claim.tx_id))
+    answers = call_many(chain.w3, [("eth_getTransactionReceipt", [tx_hash]) for tx_hash in hashes], counter)
     statuses: dict[str, TxStatus] = {}
-    for claim in claims:
-        if not claim.tx_id:
-            continue
-        receipt = chain.receipt(claim.tx_id)
+    unmined: list[str] = []
+    for tx_hash, answer in zip(hashes, answers, strict=True):
+        receipt = receipt_of(answer.result) if answer.ok else chain.receipt(tx_hash)
         if receipt is not None:
-            statuses[claim.tx_id] = status_of(chain, receipt, head)
+            statuses[tx_hash] = status_of(chain, receipt, head)
         else:
-            state = TxState.PENDING if is_pending(chain, claim.tx_id) else TxState.UNKNOWN
-            statuses[claim.tx_id] = TxStatus(state)
-    return statuses
+            unmined.append(tx_hash)
+    answers = call_many(chain.w3, [("eth_getTransactionByHash", [tx_hash]) for tx_hash in unmined], counter)
+    for tx_hash, answer in zip(unmined, answers, strict=True):
+        if answer.ok:
+            pending = isinstance(answer.result, Mapping) and answer.result.get("blockNumber") is None
+        else:
+            pending = is_pending(chain, tx_hash)
+        statuses[tx_hash] = TxStatus(TxState.PENDING if pending else TxState.UNKNOWN)
+    return {claim.tx_id: statuses[claim.tx_id] for claim in claims if claim.tx_id}
+
+
+def receipt_of(raw: Any) -> dict[str, Any] | None:
+    """A raw receipt (a JSON-RPC answer, hex quantities) with the fields the rail reads as web3 gives them:
+    ``blockNumber`` and ``status`` as ints (``gas_cost`` reads the hex gas fields as they are). None: no receipt."""
+    if not isinstance(raw, Mapping):
+        return None
+    receipt = dict(raw)
+    receipt["blockNumber"] = quantity(receipt.get("blockNumber"))
+    if receipt.get("status") is not None:
+        receipt["status"] = quantity(receipt["status"])
+    return receipt
+
+
+_counters: weakref.WeakKeyDictionary[EvmChain, RpcCounter] = weakref.WeakKeyDictionary()
+
+
+def rpc_counter(chain: EvmChain) -> RpcCounter:
+    """What ``watch`` asked of this chain's RPC in this process (and whether its node refused a batch)."""
+    counter = _counters.get(chain)
+    if counter is None:
+        counter = _counters[chain] = RpcCounter()
+    return counter
 
 
 def wait_receipt(chain: EvmChain, tx_hash: str, timeout: float) -> dict[str, Any] | None:
