@@ -12,7 +12,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from eth_account import Account
@@ -231,7 +231,7 @@ def send(
     accounts: list[LocalAccount],
     call: Any,
     fee_fields: dict[str, int],
-    before_broadcast: Any,
+    before_broadcast: Callable[[str, str, int], None],
 ) -> str:
     """Estimate from a leased account, then sign and broadcast from it; ``before_broadcast(tx_hash, address,
     nonce)`` runs first.
