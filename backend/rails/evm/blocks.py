@@ -2,13 +2,14 @@
 
 ``BlockWatcher`` has no clock and no thread: its owner (the relayer's pipeline) calls ``poll()`` on its own timer.
 A poll reads the head (``eth_blockNumber``); if the head has not moved since the last poll, that is all it asks.
-On a new head it reads, in ONE JSON-RPC batch, the receipt of every tracked transaction not final yet and the
-canonical block at each height holding a receipt seen before (``eth_getBlockByNumber(n, false)``), and says what
-changed as events:
+On a new head it reads, in ONE JSON-RPC batch, the head again, the receipt of every tracked transaction not final
+yet and the canonical block at each height holding a receipt seen before (``eth_getBlockByNumber(n, false)``), and
+says what changed as events:
 
 - ``Mined``: a receipt appeared (succeeded or reverted, its block and what it cost the relay);
 - ``Final``: the receipt's block is buried under the network's ``confirmations`` (head - block + 1 >= them, the head
-  read before the receipt) and its hash is still the canonical hash at that height; with ``confirmations`` <= 1
+  the lower of the poll's and the batch's: behind a load balancer, the batch's node may lag the one that gave the
+  head) and its hash is still the canonical hash at that height; with ``confirmations`` <= 1
   ``Final`` comes with ``Mined``. A final transaction is no longer tracked (no more reads, no more events);
 - ``Reorged``: a transaction seen mined has no receipt any more, its receipt names another block, or the canonical
   block at its height is another: it is tracked again as unmined (``Mined`` follows when it lands again, in the
@@ -20,12 +21,14 @@ A lagging node behind a load balancer may answer "no receipt" for a mined transa
 again, never a wrong ``Final`` (``Reorged`` only means "not final after all").
 A receipt whose height's canonical block (read in the same batch) is another block is a stale answer of a node
 behind a reorg: it is not taken as mined. An element the node answered with an error says nothing: that
-transaction keeps its state until the next new head. A failed batch (a timeout, a connection refused) raises
-and the head is not taken as seen: the next poll reads it all again.
+transaction keeps its state until the next new head (an unmined one still counts the heads toward ``Missing``).
+A failed batch (a timeout, a connection refused, a rate limit), the first or the second, raises and changes
+nothing: the head is not taken as seen and the next poll reads it all again (no event is lost).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -93,7 +96,11 @@ class _Tracked:
 
 
 class BlockWatcher:
-    """The tracked transactions of one chain, and what each new head says about them (module docstring)."""
+    """The tracked transactions of one chain, and what each new head says about them (module docstring).
+
+    Thread-safe: ``track``/``untrack``/``tracked`` may be called from any thread, also while ``poll`` reads (a lock
+    guards the tracked state, never held during I/O; polls run one at a time). A transaction untracked, or
+    untracked and tracked again, while a poll reads is left out of that poll's events."""
 
     def __init__(self, chain: EvmChain, missing_after: int = DEFAULT_MISSING_AFTER) -> None:
         self.chain = chain
@@ -101,6 +108,8 @@ class BlockWatcher:
         self.counter = RpcCounter()
         self._tracked: dict[str, _Tracked] = {}
         self._head: int | None = None  # the head of the last poll that read everything
+        self._lock = threading.Lock()  # the tracked state and the head
+        self._polling = threading.Lock()  # one poll at a time (its I/O outside ``_lock``)
 
     @property
     def head(self) -> int | None:
@@ -115,44 +124,87 @@ class BlockWatcher:
         """Watch ``tx_hash`` (on behalf of ``key``, given back in its events) from the next new head on. Tracking a
         hash already tracked changes its key only."""
         tx_hash = _hash(tx_hash)
-        tracked = self._tracked.get(tx_hash)
-        if tracked is None:
-            self._tracked[tx_hash] = _Tracked(key)
-        else:
-            tracked.key = key
+        with self._lock:
+            tracked = self._tracked.get(tx_hash)
+            if tracked is None:
+                self._tracked[tx_hash] = _Tracked(key)
+            else:
+                tracked.key = key
 
     def untrack(self, tx_hash: str) -> None:
-        self._tracked.pop(_hash(tx_hash), None)
+        with self._lock:
+            self._tracked.pop(_hash(tx_hash), None)
 
     def tracked(self) -> dict[str, str]:
         """The tracked hashes (lowercase) and their keys."""
-        return {tx_hash: tracked.key for tx_hash, tracked in self._tracked.items()}
+        with self._lock:
+            return {tx_hash: tracked.key for tx_hash, tracked in self._tracked.items()}
 
     def poll(self) -> list[Event]:
-        """Read the head; on a new one, the tracked transactions' receipts and their blocks, in one batch."""
-        head = _result(call_one(self.chain.w3, "eth_blockNumber", [], self.counter), "eth_blockNumber")
-        head_number = quantity(head)
-        if head_number == self._head:
-            return []
-        events: list[Event] = []
-        if self._tracked:
-            events = self._read(head_number)
-        self._head = head_number
-        return events
+        """Read the head; on a new one, the tracked transactions' receipts and their blocks, in one batch (with the
+        head again: depth is judged by the lower of the two). Nothing changes unless every read succeeded."""
+        with self._polling:
+            head = quantity(_result(call_one(self.chain.w3, "eth_blockNumber", [], self.counter), "eth_blockNumber"))
+            if head == self._head:
+                return []
+            with self._lock:
+                snapshot = dict(self._tracked)
+                landed = {tx_hash: t.landing for tx_hash, t in snapshot.items()}
+            reads = self._read(head, landed) if snapshot else None
+            with self._lock:
+                events = self._apply(snapshot, *reads) if reads is not None else []
+                self._head = head
+            return events
 
-    def _read(self, head: int) -> list[Event]:
-        hashes = list(self._tracked)
-        heights = sorted({t.landing.block_number for t in self._tracked.values() if t.landing is not None})
-        calls: list[tuple[str, list[Any]]] = [("eth_getTransactionReceipt", [tx_hash]) for tx_hash in hashes]
+    def _read(self, poll_head: int, landed: dict[str, _Landing | None]) -> tuple[int, dict[str, Answer], _Canon]:
+        """All of a poll's I/O: the batch (head, receipts, canonical blocks at the heights seen before), then the
+        canonical block at the height of each new receipt already deep enough (a second batch, only then). Raises
+        if a batch fails; changes nothing."""
+        hashes = list(landed)
+        heights = sorted({landing.block_number for landing in landed.values() if landing is not None})
+        calls: list[tuple[str, list[Any]]] = [("eth_blockNumber", [])]
+        calls += [("eth_getTransactionReceipt", [tx_hash]) for tx_hash in hashes]
         calls += [("eth_getBlockByNumber", [hex(height), False]) for height in heights]
         answers = call_many(self.chain.w3, calls, self.counter)
-        canonical = _canonical(heights, answers[len(hashes) :])
+        head = min(poll_head, quantity(_result(answers[0], "eth_blockNumber")))
+        receipts = dict(zip(hashes, answers[1 : 1 + len(hashes)], strict=True))
+        canonical = _canonical(heights, answers[1 + len(hashes) :])
+        unverified = sorted(
+            {
+                landing.block_number
+                for answer in receipts.values()
+                if answer.ok
+                and isinstance(answer.result, Mapping)
+                and (landing := _landing(answer.result)) is not None
+                and landing.block_number not in canonical
+                and head - landing.block_number + 1 >= self.confirmations > 1
+            }
+        )
+        verified: dict[int, str] = {}
+        verified_head = head
+        if unverified:
+            calls = [("eth_blockNumber", []), *(("eth_getBlockByNumber", [hex(h), False]) for h in unverified)]
+            answers = call_many(self.chain.w3, calls, self.counter)
+            verified_head = min(head, quantity(_result(answers[0], "eth_blockNumber")))
+            verified = _canonical(unverified, answers[1:])
+        return head, receipts, _Canon(canonical, verified, verified_head)
+
+    def _apply(
+        self, snapshot: dict[str, _Tracked], read_head: int, receipts: dict[str, Answer], canon: _Canon
+    ) -> list[Event]:
+        """The poll's state changes and events (under ``_lock``), for the transactions still tracked as read;
+        ``read_head``: the lower of the poll's head and the batch's."""
+        canonical = canon.canonical
         events: list[Event] = []
-        unverified: list[str] = []  # new receipts deep enough to be final, their block's hash not read yet
-        for tx_hash, answer in zip(hashes, answers[: len(hashes)], strict=True):
+        for tx_hash, answer in receipts.items():
+            tracked = self._tracked.get(tx_hash)
+            if tracked is not snapshot[tx_hash]:
+                continue  # untracked (or tracked anew) while the poll read: the next new head reads it
             if not answer.ok:
-                continue  # the node said nothing about it: its state stands until the next head
-            tracked = self._tracked[tx_hash]
+                # The node said nothing about it: its state stands; an unmined one still counts toward Missing.
+                if tracked.landing is None:
+                    events.extend(self._missing(tx_hash, tracked, read_head))
+                continue
             receipt = answer.result if isinstance(answer.result, Mapping) else None
             landing = _landing(receipt) if receipt is not None else None
             if landing is not None and canonical.get(landing.block_number, landing.block_hash) != landing.block_hash:
@@ -161,37 +213,21 @@ class BlockWatcher:
             moved = canonical.get(previous.block_number, previous.block_hash) if previous is not None else None
             if previous is not None and (landing != previous or moved != previous.block_hash):
                 events.append(Reorged(tx_hash, tracked.key))
-                tracked.landing, tracked.since, tracked.missing_reported = None, head, 0
+                tracked.landing, tracked.since, tracked.missing_reported = None, read_head, 0
                 previous = None
             if landing is not None and previous is None:
                 tracked.landing = landing
                 events.append(Mined(tx_hash, tracked.key, *_fields(landing)))
             if tracked.landing is None:
-                events.extend(self._missing(tx_hash, tracked, head))
+                events.extend(self._missing(tx_hash, tracked, read_head))
                 continue
-            if head - tracked.landing.block_number + 1 < self.confirmations:
+            number, block_hash = tracked.landing.block_number, tracked.landing.block_hash
+            if read_head - number + 1 < self.confirmations:
                 continue
-            if self.confirmations <= 1 or canonical.get(tracked.landing.block_number) == tracked.landing.block_hash:
+            if self.confirmations <= 1 or canonical.get(number) == block_hash:
                 events.append(self._final(tx_hash, tracked))
-            elif tracked.landing.block_number not in canonical:
-                unverified.append(tx_hash)
-        events.extend(self._verify(unverified))
-        return events
-
-    def _verify(self, hashes: list[str]) -> list[Event]:
-        """Final events for new receipts already deep enough (tracked late, or many blocks in one poll) whose block is
-        still the canonical one at its height: a second batch, only then."""
-        if not hashes:
-            return []
-        heights = sorted({landing.block_number for h in hashes if (landing := self._tracked[h].landing) is not None})
-        calls: list[tuple[str, list[Any]]] = [("eth_getBlockByNumber", [hex(height), False]) for height in heights]
-        canonical = _canonical(heights, call_many(self.chain.w3, calls, self.counter))
-        events: list[Event] = []
-        for tx_hash in hashes:
-            tracked = self._tracked[tx_hash]
-            landing = tracked.landing
-            if landing is not None and canonical.get(landing.block_number) == landing.block_hash:
-                events.append(self._final(tx_hash, tracked))
+            elif number not in canonical and canon.verify(number, block_hash, self.confirmations):
+                events.append(self._final(tx_hash, tracked))  # tracked late (or many blocks in one poll)
         return events
 
     def _final(self, tx_hash: str, tracked: _Tracked) -> Final:
@@ -208,6 +244,19 @@ class BlockWatcher:
             return []
         tracked.missing_reported += 1
         return [Missing(tx_hash, tracked.key, heads)]
+
+
+@dataclass(frozen=True)
+class _Canon:
+    """The canonical block hashes a poll read: at the heights seen before (same batch as the receipts), and at the
+    heights of new receipts already deep enough (``verified``, a second batch, with its own head)."""
+
+    canonical: dict[int, str]
+    verified: dict[int, str]
+    verified_head: int
+
+    def verify(self, number: int, block_hash: str, confirmations: int) -> bool:
+        return self.verified.get(number) == block_hash and self.verified_head - number + 1 >= confirmations
 
 
 def _hash(tx_hash: str) -> str:

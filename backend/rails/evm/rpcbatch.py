@@ -2,23 +2,36 @@
 
 Raw answers (hex quantities, ``None`` for "not found"), one per call, in the order asked. web3's own
 ``w3.batch_requests()`` is not used: it raises for the whole batch when one element errors, and turns a ``null``
-receipt (not mined yet, the usual answer) into ``TransactionNotFound`` for the whole batch too.
+receipt (not mined yet, the usual answer) into ``TransactionNotFound`` for the whole batch too. Nor is the
+provider's ``make_batch_request``: it numbers the calls itself and sorts the answers by id, so which answer is
+which call's is never checked. The batch is posted here, through the provider's own HTTP session, with ids of
+this module's own, and each answer is matched to its call by id: the ids must be exactly the ones sent (ints,
+each once), and a receipt, a transaction or a block must be the one asked (its hash or its number). An answer
+that is someone else's is asked again alone.
 
-A node that refuses batches (a single error object instead of a list, an HTTP 4xx other than 429, a list that
-does not answer each call once) is asked one call each instead, and not asked for a batch again by this process
-(``RpcCounter.batches_refused``). One element's error is that element's ``Answer.error``, never the batch's. A
-timeout, a refused connection, a 429 or a 5xx raises (``requests``' exceptions): the RPC, not one call, is in
-trouble.
+A node that says it does not take batches (a JSON-RPC error for the whole batch with code -32600 or -32601, or an
+HTTP 400, 405, 413 or 415 to a batch) is asked one call each instead, for ``BATCH_RETRY_SECONDS``
+(``RpcCounter.batches_refused``), then a batch again. Any other answer that is not one answer per call (a single
+error object, ids missing, repeated, renumbered or of another type) makes that batch unusable: its calls are asked
+one each, this time only. One element's error is that element's ``Answer.error``, never the batch's. A timeout,
+a refused connection, a 5xx or a rate limit (HTTP 429, or an error whose code or message says so, for the batch
+or an element) raises (``requests``' exceptions, ``Web3RPCError``): the RPC, not one call, is in trouble, and
+asking each call alone would only add to its load.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import json
+import re
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import requests
 from web3 import Web3
+from web3.exceptions import Web3RPCError
 from web3.types import RPCEndpoint
 
 from backend.chains.evm import RPC_CONNECT_ATTEMPTS
@@ -26,6 +39,31 @@ from backend.chains.evm import RPC_CONNECT_ATTEMPTS
 # The most calls sent in one batch: providers cap a batch's size (often 100 to 1,000 calls); more calls are sent
 # as several batches of at most this many.
 MAX_BATCH = 100
+# After a node said it does not take batches, one call each for this long, then a batch again (a deploy, a
+# proxy's setting changed back).
+BATCH_RETRY_SECONDS = 600.0
+# Reads: a batch of them only is sent again after a reset connection (it may have been processed already).
+READ_METHODS = frozenset(
+    {
+        "eth_getTransactionReceipt",
+        "eth_getTransactionByHash",
+        "eth_getBlockByNumber",
+        "eth_blockNumber",
+        "eth_getCode",
+        "eth_getBalance",
+        "eth_call",
+        "eth_chainId",
+        "eth_getTransactionCount",
+    }
+)
+# "This is not a batch I take": invalid request, method not found (the batch, a list, is no method).
+REFUSAL_CODES = frozenset({-32600, -32601})
+REFUSAL_STATUSES = frozenset({400, 405, 413, 415})
+# Rate limits sent in a JSON-RPC error: EIP-1474's "limit exceeded" (-32005), -32007 and 429 some providers use.
+RATE_LIMIT_CODES = frozenset({-32005, -32007, 429})
+RATE_LIMIT_MESSAGE = re.compile(r"rate[\s_-]*limit|too many requests", re.IGNORECASE)
+
+_ids = itertools.count(1)  # this module's JSON-RPC ids (next() on a count is atomic in CPython)
 
 
 @dataclass(frozen=True)
@@ -44,12 +82,20 @@ class Answer:
 @dataclass
 class RpcCounter:
     """What a reader asked of its RPC: JSON-RPC calls, HTTP round trips (a batch is one), and the batches among
-    them. ``batches_refused``: the node refused a batch once; later reads ask one call each."""
+    them. ``refused_at``: when the node last said it takes no batches (``time.monotonic()``)."""
 
     calls: int = 0
     round_trips: int = 0
     batches: int = 0
-    batches_refused: bool = False
+    refused_at: float | None = None
+
+    @property
+    def batches_refused(self) -> bool:
+        """Whether the node refused a batch less than BATCH_RETRY_SECONDS ago (reads ask one call each)."""
+        return self.refused_at is not None and time.monotonic() - self.refused_at < BATCH_RETRY_SECONDS
+
+    def refuse(self) -> None:
+        self.refused_at = time.monotonic()
 
     def snapshot(self) -> tuple[int, int, int]:
         return self.calls, self.round_trips, self.batches
@@ -63,16 +109,19 @@ def quantity(value: Any) -> int:
 
 
 def call_one(w3: Web3, method: str, params: Sequence[Any], counter: RpcCounter) -> Answer:
-    """One call (through the provider, with its retry of a refused connection), its error as an ``Answer``."""
+    """One call (through the provider, with its retry of a refused connection), its error as an ``Answer`` (an
+    answer that is not the receipt, transaction or block asked is an error too)."""
     counter.calls += 1
     counter.round_trips += 1
-    response = w3.provider.make_request(RPCEndpoint(method), list(params))
-    return _answer(response)
+    answer = _answer(w3.provider.make_request(RPCEndpoint(method), list(params)))
+    if answer.ok and not _matches(method, params, answer.result):
+        return Answer(error=f"{method}: the answer is not the one asked")
+    return answer
 
 
 def call_many(w3: Web3, calls: Sequence[tuple[str, Sequence[Any]]], counter: RpcCounter) -> list[Answer]:
     """Each ``(method, params)``'s answer, in order: in batches of at most MAX_BATCH calls (one batch for up to
-    MAX_BATCH calls), or one call each where the node refuses batches (then for good, ``counter``)."""
+    MAX_BATCH calls), or one call each where the node refuses batches or a batch's answer is unusable."""
     answers: list[Answer] = []
     for start in range(0, len(calls), MAX_BATCH):
         chunk = calls[start : start + MAX_BATCH]
@@ -84,44 +133,98 @@ def call_many(w3: Web3, calls: Sequence[tuple[str, Sequence[Any]]], counter: Rpc
 
 
 def _batch(w3: Web3, calls: Sequence[tuple[str, Sequence[Any]]], counter: RpcCounter) -> list[Answer] | None:
-    """The answers of one batch, or None (and ``counter.batches_refused``) if the node refused it."""
+    """The answers of one batch, or None: the node refused it (then ``counter.refuse()``) or its answer is unusable."""
     provider: Any = w3.provider
+    if getattr(provider, "_request_session_manager", None) is None:  # not an HTTP provider: no batches
+        counter.refuse()
+        return None
+    ids = [next(_ids) for _ in calls]
     counter.calls += len(calls)
     counter.round_trips += 1
     counter.batches += 1
     try:
-        response = _post_batch(provider, [(RPCEndpoint(method), list(params)) for method, params in calls])
+        response = _post_batch(provider, calls, ids)
     except requests.HTTPError as exc:
-        # A 4xx for the batch as a whole (400, 405, 413, "batch not supported") is a refusal; a rate limit (429) or
-        # a 5xx is the RPC's trouble and raises, as one call's would.
+        # 429 and 5xx are the RPC's trouble and raise, as one call's would; so does a 401/403/404 (the URL, the key).
         status = exc.response.status_code if exc.response is not None else 0
-        if status == 429 or not 400 <= status < 500:
+        if status not in REFUSAL_STATUSES:
             raise
-        counter.batches_refused = True
+        counter.refuse()
         return None
-    except NotImplementedError:  # a provider without batches
-        counter.batches_refused = True
+    except ValueError:  # not JSON (a proxy's error page)
         return None
-    # A list answering each call once, each with its id (sorted by id by web3: the order asked). Anything else (a
-    # single error object, a shorter list, answers without ids whose order nothing proves) is a refusal.
-    if (
-        not isinstance(response, list)
-        or len(response) != len(calls)
-        or any(not isinstance(item, dict) or item.get("id") is None for item in response)
-    ):
-        counter.batches_refused = True
+    if isinstance(response, Mapping):  # one answer for the whole batch: an error
+        error = response.get("error")
+        _raise_if_rate_limited(error)
+        if isinstance(error, Mapping) and error.get("code") in REFUSAL_CODES:
+            counter.refuse()
         return None
-    return [_answer(item) for item in response]
+    by_id = _by_id(response, ids)
+    if by_id is None:
+        return None
+    answers: list[Answer] = []
+    for call_id, (method, params) in zip(ids, calls, strict=True):
+        _raise_if_rate_limited(by_id[call_id].get("error"))
+        answer = _answer(by_id[call_id])
+        if answer.ok and not _matches(method, params, answer.result):
+            answer = call_one(w3, method, params, counter)  # another call's answer: asked again alone
+        answers.append(answer)
+    return answers
 
 
-def _post_batch(provider: Any, calls: list[tuple[RPCEndpoint, list[Any]]]) -> Any:
-    """The provider's batch, tried again once if the connection was refused or reset (a stale pooled connection):
-    what web3's retry (``EvmChain``: RPC_CONNECT_ATTEMPTS) does for one call but not for a batch."""
-    for attempt in range(1, RPC_CONNECT_ATTEMPTS + 1):
+def _by_id(response: Any, ids: list[int]) -> dict[int, Mapping[str, Any]] | None:
+    """The answers by id, if they are one per call with exactly the ids sent (ints, each once); else None."""
+    if not isinstance(response, list) or len(response) != len(ids):
+        return None
+    by_id: dict[int, Mapping[str, Any]] = {}
+    for item in response:
+        call_id = item.get("id") if isinstance(item, Mapping) else None
+        if type(call_id) is not int or call_id in by_id:  # True is an int, "7" is not 7
+            return None
+        by_id[call_id] = item
+    return by_id if by_id.keys() == set(ids) else None
+
+
+def _matches(method: str, params: Sequence[Any], result: Any) -> bool:
+    """Whether a receipt, a transaction or a block (not ``None``) is the one asked: its hash, its number."""
+    if result is None or not params:
+        return True
+    field = {"eth_getTransactionReceipt": "transactionHash", "eth_getTransactionByHash": "hash"}.get(method)
+    if field is not None:
+        return isinstance(result, Mapping) and str(result.get(field) or "").lower() == str(params[0]).lower()
+    if method == "eth_getBlockByNumber" and isinstance(params[0], str) and params[0].startswith("0x"):
+        return (
+            isinstance(result, Mapping)
+            and result.get("number") is not None
+            and (quantity(result["number"]) == quantity(params[0]))
+        )
+    return True
+
+
+def _raise_if_rate_limited(error: Any) -> None:
+    if error is None:
+        return
+    code = error.get("code") if isinstance(error, Mapping) else None
+    message = str(error.get("message") if isinstance(error, Mapping) else error)
+    if code in RATE_LIMIT_CODES or RATE_LIMIT_MESSAGE.search(message):
+        raise Web3RPCError(f"rate limited: {message}")
+
+
+def _post_batch(provider: Any, calls: Sequence[tuple[str, Sequence[Any]]], ids: list[int]) -> Any:
+    """The node's answer to the batch (decoded JSON), posted through the provider's HTTP session (its pooled
+    connections, its headers and timeouts). A batch of reads only (READ_METHODS) is sent again once if the
+    connection was refused or reset (a stale pooled connection), as web3 does for one call but not a batch."""
+    body = [{"jsonrpc": "2.0", "id": i, "method": m, "params": list(p)} for i, (m, p) in zip(ids, calls, strict=True)]
+    data = json.dumps(body).encode()
+    attempts = RPC_CONNECT_ATTEMPTS if all(method in READ_METHODS for method, _ in calls) else 1
+    for attempt in range(1, attempts + 1):
         try:
-            return provider.make_batch_request(calls)
+            raw = provider._request_session_manager.make_post_request(
+                provider.endpoint_uri, data, **provider.get_request_kwargs()
+            )
+            return json.loads(raw)
         except requests.ConnectionError:
-            if attempt == RPC_CONNECT_ATTEMPTS:
+            if attempt == attempts:
                 raise
     raise AssertionError("unreachable")
 

@@ -43,6 +43,15 @@ def is_pending(chain: EvmChain, tx_hash: str) -> bool:
     return tx.get("blockNumber") is None
 
 
+def is_known(chain: EvmChain, tx_hash: str) -> bool:
+    """Whether the node has the transaction at all (in its pool or in a block)."""
+    try:
+        chain.w3.eth.get_transaction(HexStr(tx_hash))
+    except TransactionNotFound:
+        return False
+    return True
+
+
 def status_of(chain: EvmChain, receipt: Mapping[str, Any], head: int | None) -> TxStatus:
     """A mined transaction. Final at once where one confirmation is final. Else a success is never final here
     (the chain decides once it is buried: the log and its finality read then, in case a reorg dropped it), and a
@@ -64,30 +73,30 @@ def watch(chain: EvmChain, claims: Sequence[Claim]) -> dict[str, TxStatus]:
     mined" or "unknown" (UNKNOWN lets the caller release the claim)."""
     head = chain.block_number() if chain.network.confirmations > 1 else None
     counter = rpc_counter(chain)
-    hashes = list(dict.fromkeys(claim.tx_id for claim in claims if claim.tx_id))
+    hashes = list(dict.fromkeys(claim.tx_id.lower() for claim in claims if claim.tx_id))  # each once, any case
     answers = call_many(chain.w3, [("eth_getTransactionReceipt", [tx_hash]) for tx_hash in hashes], counter)
     statuses: dict[str, TxStatus] = {}
     unmined: list[str] = []
     for tx_hash, answer in zip(hashes, answers, strict=True):
-        receipt = receipt_of(answer.result) if answer.ok else chain.receipt(tx_hash)
+        receipt = receipt_of(answer.result if answer.ok else chain.receipt(tx_hash))
         if receipt is not None:
             statuses[tx_hash] = status_of(chain, receipt, head)
         else:
             unmined.append(tx_hash)
     answers = call_many(chain.w3, [("eth_getTransactionByHash", [tx_hash]) for tx_hash in unmined], counter)
     for tx_hash, answer in zip(unmined, answers, strict=True):
-        if answer.ok:
-            pending = isinstance(answer.result, Mapping) and answer.result.get("blockNumber") is None
-        else:
-            pending = is_pending(chain, tx_hash)
-        statuses[tx_hash] = TxStatus(TxState.PENDING if pending else TxState.UNKNOWN)
-    return {claim.tx_id: statuses[claim.tx_id] for claim in claims if claim.tx_id}
+        # Known to the node, in its pool or already in a block whose receipt it has not given (a lagging node, or
+        # mined between the two reads): PENDING, never UNKNOWN (which lets the caller release the claim).
+        known = isinstance(answer.result, Mapping) if answer.ok else is_known(chain, tx_hash)
+        statuses[tx_hash] = TxStatus(TxState.PENDING if known else TxState.UNKNOWN)
+    return {claim.tx_id: statuses[claim.tx_id.lower()] for claim in claims if claim.tx_id}
 
 
 def receipt_of(raw: Any) -> dict[str, Any] | None:
     """A raw receipt (a JSON-RPC answer, hex quantities) with the fields the rail reads as web3 gives them:
-    ``blockNumber`` and ``status`` as ints (``gas_cost`` reads the hex gas fields as they are). None: no receipt."""
-    if not isinstance(raw, Mapping):
+    ``blockNumber`` and ``status`` as ints (``gas_cost`` reads the hex gas fields as they are). None: no receipt,
+    or a pending "receipt" without a block (some nodes answer one for a transaction in their pool): not mined."""
+    if not isinstance(raw, Mapping) or raw.get("blockNumber") is None or raw.get("blockHash") is None:
         return None
     receipt = dict(raw)
     receipt["blockNumber"] = quantity(receipt.get("blockNumber"))
