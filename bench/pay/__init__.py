@@ -5,6 +5,7 @@ Usage::
     .venv/bin/python -m bench.pay            # about 3 minutes; prints markdown tables
     .venv/bin/python -m bench.pay --write    # ... and replaces its section in docs/benchmarks.md
     .venv/bin/python -m bench.pay --runs acc4,acc1 --payments 100
+    .venv/bin/python -m bench.pay --scenarios all    # [3/5]: ours and the peer at 2 s blocks and on automine
 
 Everything it needs is started here and stopped on exit, error, Ctrl-C or SIGTERM: a throwaway
 devnet (three Anvil chains with our TestUSDC, ``devnet.up`` in a temporary PAYINTENT_VAR_DIR), a
@@ -30,6 +31,15 @@ Three measurements:
 3. Signature verifications per second (``recover_authorizer``), with eth_keys on coincurve and on its
    pure-Python backend.
 
+``--scenarios`` runs, instead of the above, the chain-speed scenarios of issue [3/5] (``chainspeed``):
+floods of /pay at 2 s blocks (32 and 256 concurrent payers, with a side reader GETting intents), on automine
+(32 payers, CPU per settlement), and on ``payintent dev`` (``make run``'s stack) at 2 s blocks; each followed by
+the peer, the x402 reference facilitator (``peer``: ``shared/bench/peer-x402``'s run.mjs, its own Anvil) in the
+same chain mode and concurrency, and a table of both side by side with their ratio and the aims
+(``runscenarios``). A client gives up on /pay after ``--pay-cap`` s; the run then waits for the service and
+checks every payment on chain (``harness.audit``). The peer is never installed here: without its
+node_modules the run says how to install it and reports ours alone.
+
 This is a benchmark, not a test: nothing fails on speed. It exits non-zero only when the run itself is
 broken or a payment went wrong (an error answer, a timeout, a settlement not confirmed exactly once,
 balances on chain that do not add up).
@@ -38,5 +48,6 @@ balances on chain that do not add up).
 
 Layout: ``stack`` (what it starts), ``scenarios`` (the runs and the breakdown it drives), ``measure``
 (the proxy, the signature workers, the data of a run), ``report`` (the printed tables), ``__main__``
-(the command line). Run from the repository's root.
+(the command line); for ``--scenarios``: ``chainspeed`` (the scenarios, the drain and audit), ``peer`` (the
+peer's runs), ``runscenarios`` (the run). Run from the repository's root.
 """

@@ -16,6 +16,7 @@ from typing import Any
 import bench.pay
 from bench import _common as common
 from bench import api as bench_api
+from bench.pay import chainspeed
 from bench.pay.measure import SECTION, Payment, RunResult, Sample, run_sig_worker, signature_rates
 from bench.pay.report import (
     aims,
@@ -61,9 +62,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--pg-url", default=None, help="use this PostgreSQL server (a private database is made)")
     parser.add_argument("--wait-idle", type=float, default=30, help="seconds to wait for an idle machine first")
     parser.add_argument("--wait-idle-run", type=float, default=10, help="... and before each run")
+    parser.add_argument(
+        "--scenarios",
+        default="",
+        help="the chain-speed scenarios of [3/5] instead of the runs, comma-separated, each next to the peer (the "
+        f"x402 reference facilitator, bench/pay/peer.py), or 'all': {chainspeed.help_text()}",
+    )
+    parser.add_argument("--sizes", default="", help="payments per scenario, e.g. blocks2-32=64,makerun-32=48")
+    parser.add_argument("--pay-cap", type=float, default=60, help="scenarios: a client gives up on /pay after s")
+    parser.add_argument("--drain-cap", type=float, default=300, help="scenarios: wait at most s for the rest")
+    parser.add_argument("--peer-timeout", type=float, default=500, help="scenarios: stop the peer after s")
+    parser.add_argument("--peer-payments", type=int, default=0, help="scenarios: the peer's N (0: as ours)")
+    parser.add_argument("--no-peer", action="store_true", help="scenarios: ours only")
     parser.add_argument("--sig-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = argv
+    keys = [s.key for s in chainspeed.SCENARIOS]
+    args.scenarios = keys if args.scenarios == "all" else [k.strip() for k in args.scenarios.split(",") if k.strip()]
+    if set(args.scenarios) - set(keys):
+        parser.error(f"unknown scenario(s) {sorted(set(args.scenarios) - set(keys))}; known: {', '.join(keys)}")
+    try:
+        args.sizes = {k.strip(): int(v) for k, v in (x.split("=") for x in args.sizes.split(",") if x.strip())}
+    except ValueError:
+        parser.error("--sizes: scenario=payments, comma-separated")
+    if set(args.sizes) - set(keys):
+        parser.error(f"--sizes: unknown scenario(s) {sorted(set(args.sizes) - set(keys))}")
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     known = {"serial", "acc4", "blocks", "acc1-rel4", "acc1"}
     if set(args.runs) - known:
@@ -76,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.sig_worker:
         return run_sig_worker(args.sig_seconds)
+    if args.scenarios:
+        from bench.pay.runscenarios import run_scenarios
+
+        return run_scenarios(args)
     common.stop_on_signals()
     started = dt.datetime.now(dt.UTC)
     clock_started = time.monotonic()

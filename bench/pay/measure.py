@@ -155,6 +155,8 @@ def rpc_batch(url: str, method: str, params_list: list[list[Any]], chunk: int = 
 def ts(value: Any) -> float | None:
     if value is None:
         return None
+    if isinstance(value, str):  # SQLite (payintent dev's database) gives raw SQL's timestamps as text
+        value = dt.datetime.fromisoformat(value)
     if value.tzinfo is None:
         value = value.replace(tzinfo=dt.UTC)
     return float(value.timestamp())

@@ -12,6 +12,7 @@ from typing import Any
 
 from bench import _common as common
 from bench._common import pct
+from bench.pay.chainspeed import READER_AIM_MS, Outcome
 from bench.pay.measure import (
     AMOUNT_ATOMIC,
     BREAKDOWN_STEPS,
@@ -368,3 +369,73 @@ def section(
         ]
     parts += ["Settings:", "", *settings, ""]
     return "\n".join(parts)
+
+
+# --- the chain-speed scenarios ([3/5]): ours next to the peer --------------------------------------------
+
+
+def _peer_cells(o: Outcome) -> tuple[str, str, str]:
+    """Peer settlements/s, p50, and ours / peer."""
+    peer = o.peer
+    if peer is None:
+        return "not run", "", ""
+    if not peer.measured:
+        return peer.note, "", ""
+    rate = f"{peer.rate:.1f}" + ("" if peer.fail == 0 else f" ({peer.fail} failed)")
+    ratio = f"{o.rate / peer.rate:.2f}" if peer.rate else "-"
+    return rate, f"{peer.p50_ms / 1000:.2f} s", ratio
+
+
+def scenarios_table(outcomes: list[Outcome]) -> str:
+    rows = [
+        "| scenario | ours settlements/s | ours /pay p50 | peer settlements/s | peer p50 | ratio (ours / peer) | aim "
+        "| met |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for o in outcomes:
+        met, missed = o.verdict()
+        peer_rate, peer_p50, ratio = _peer_cells(o)
+        p50 = f"{o.p50_s:.2f} s" if o.ok else "-"
+        rows.append(
+            f"| {o.scenario.key} | {o.rate:.1f} | {p50} | {peer_rate} | {peer_p50} | {ratio} | {o.scenario.aim} "
+            f"| {'met' if met else 'not met: ' + '; '.join(missed)} |"
+        )
+    return "\n".join(rows)
+
+
+def _answers(o: Outcome) -> str:
+    """What the payments not answered 200 got: status and error code (0: the client gave up, --pay-cap)."""
+    got = Counter(f"{p.status} {p.code[:40]}".strip() for p in o.sent if p.status != 200 or not p.tx_hash)
+    return f": {', '.join(f'{n} x {what}' for what, n in got.most_common())}" if got else ""
+
+
+def scenarios_lines(outcomes: list[Outcome]) -> list[str]:
+    """Per scenario: sizes, what did not finish, CPU per settlement, the side reader; and the peer's runs."""
+    lines = []
+    for o in outcomes:
+        s = o.scenario
+        line = (
+            f"- {s.key} ({s.what}): {len(o.sent)} payments from {s.clients} client threads; "
+            f"{len(o.ok)} answered 200 (p99 {1000 * pct([p.latency for p in o.ok], 99):.0f} ms), "
+            f"{o.unfinished} not{_answers(o)} (settled afterwards {o.late}, never {o.unpaid}; "
+            f"drain {o.drain_s:.0f} s); "
+            f"{o.cpu_ms or 0:.1f} CPU ms per settlement (service and chains)"
+        )
+        if s.block_time:
+            verdict = "met" if o.reads and o.reads_p99_ms <= READER_AIM_MS else "not met"
+            line += (
+                f"; side reader: GET /api/v1/x402/intents/{{id}} p99 {o.reads_p99_ms:.0f} ms over {len(o.reads)} "
+                f"reads ({o.read_errors} not 200), aim ≤ {READER_AIM_MS:.0f} ms: {verdict}"
+            )
+        if o.peer is not None:
+            p = o.peer
+            how = f"N={p.n} CONC={p.conc} BLOCK_TIME={p.block_time or 'unset (automine)'} NONCE_MANAGER=1"
+            if p.measured:
+                line += (
+                    f"; peer ({how}): {p.ok} ok, {p.fail} failed, p99 {p.p99_ms:.0f} ms, its chain check "
+                    f"{'matched' if p.chain_ok else 'did NOT match'}, {p.seconds:.0f} s in all"
+                )
+            else:
+                line += f"; peer ({how}): {p.note}"
+        lines.append(line)
+    return lines

@@ -53,6 +53,7 @@ class Stack:
         self.paid_intents: set[str] = set()
         self.tx_hashes: set[str] = set()
         self.seen_failed_jobs: set[str] = set()
+        self.pay_timeout = 90.0  # a client gives up on /pay after this many seconds (status 0)
 
     # devnet ---------------------------------------------------------------------------------------
 
@@ -307,7 +308,9 @@ class Stack:
         p.t0 = time.time()
         started = time.perf_counter()
         try:
-            p.status, answer = bench_api.request(self.api_port, "POST", PAY, self.api_key, p.body, timeout=90)
+            p.status, answer = bench_api.request(
+                self.api_port, "POST", PAY, self.api_key, p.body, timeout=self.pay_timeout
+            )
         except OSError as exc:
             p.status, answer = 0, {"error": {"code": f"socket: {exc}"}}
         p.t1 = p.t0 + (time.perf_counter() - started)
