@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from backend.chains.registry import Network
 
 _ids = itertools.count(1)
+# Signatures one getSignatureStatuses may ask about (the node's limit).
+MAX_SIGNATURE_STATUSES = 256
 
 
 class SolanaRpcError(RuntimeError):
@@ -126,14 +129,62 @@ class SolanaChain:
         value = self.call("simulateTransaction", [tx_base64, options])["value"]
         return Simulation(value.get("err"), list(value.get("logs") or []), value.get("unitsConsumed"))
 
-    def send(self, tx_base64: str) -> str:
-        options = {"encoding": "base64", "skipPreflight": False, "preflightCommitment": "confirmed", "maxRetries": 0}
+    def send(self, tx_base64: str, *, skip_preflight: bool = False) -> str:
+        """``skip_preflight``: sent as is, without the node's simulation (a re-send of a transaction it accepted)."""
+        options = {"encoding": "base64", "skipPreflight": skip_preflight, "preflightCommitment": "confirmed",
+                   "maxRetries": 0}  # fmt: skip
         return str(self.call("sendTransaction", [tx_base64, options]))
+
+    SEND_BATCH = 25  # transactions per JSON-RPC batch (~1 KB each: well under a node's body limit)
+
+    def send_again(self, transactions: Sequence[str]) -> int:
+        """Send transactions the node accepted before once more (``skipPreflight``), in JSON-RPC batches; how many
+        the node took. An element's error is left alone (the signature's status tells); a node refusing batches
+        is sent one call each."""
+        options = {"encoding": "base64", "skipPreflight": True, "maxRetries": 0}
+        taken = 0
+        for start in range(0, len(transactions), self.SEND_BATCH):
+            chunk = transactions[start : start + self.SEND_BATCH]
+            body = [{"jsonrpc": "2.0", "id": next(_ids), "method": "sendTransaction", "params": [tx, options]}
+                    for tx in chunk]  # fmt: skip
+            try:
+                response = self._session.post(self.rpc_url, json=body, timeout=self.timeout)
+                answer = jsonlimits.loads(response.content)
+            except (requests.RequestException, ValueError):
+                answer = None
+            if isinstance(answer, list):
+                taken += sum(1 for item in answer if isinstance(item, dict) and item.get("result"))
+                continue
+            for tx in chunk:  # no batch answer: one call each
+                try:
+                    self.send(tx, skip_preflight=True)
+                    taken += 1
+                except SolanaRpcError:
+                    pass
+        return taken
 
     def signature_status(self, signature: str) -> dict[str, Any] | None:
         """The node's status of a transaction signature (``err``, ``confirmationStatus``), or None if unknown."""
         statuses = self.call("getSignatureStatuses", [[signature], {"searchTransactionHistory": True}])["value"]
         return statuses[0] if statuses else None
+
+    def signature_statuses(
+        self, signatures: Sequence[str], *, search_history: bool = True
+    ) -> list[dict[str, Any] | None]:
+        """The statuses of many signatures, in their order: one ``getSignatureStatuses`` per
+        ``MAX_SIGNATURE_STATUSES`` of them (the node's limit). ``search_history=False``: the node's recent status
+        cache only (cheaper; enough for a transaction whose blockhash is still valid)."""
+        statuses: list[dict[str, Any] | None] = []
+        for start in range(0, len(signatures), MAX_SIGNATURE_STATUSES):
+            chunk = list(signatures[start : start + MAX_SIGNATURE_STATUSES])
+            result = self.call("getSignatureStatuses", [chunk, {"searchTransactionHistory": search_history}])
+            value = result.get("value") if isinstance(result, dict) else None
+            if not isinstance(value, list) or len(value) != len(chunk):
+                raise SolanaRpcError("getSignatureStatuses: malformed answer")
+            if any(item is not None and not isinstance(item, dict) for item in value):
+                raise SolanaRpcError("getSignatureStatuses: malformed answer")  # never taken for "unknown"
+            statuses.extend(value)
+        return statuses
 
 
 _chains: dict[str, SolanaChain] = {}

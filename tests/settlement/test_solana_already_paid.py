@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -220,15 +221,14 @@ def test_a_transaction_seen_but_not_confirmed_is_sent_again(
     intent = create_intent(pay_client, sol_shop, 1)
     settlement_id, cosigned = _cosigned_claim(pay_client, devnet, sol_shop, intent, buyer(devnet, 1), claimed=True)
     signature = str(cosigned.signatures[0])
-    real = SolanaChain.signature_status
+    real = SolanaChain.signature_statuses  # what watch() reads (one call for many)
 
-    def seen(self: SolanaChain, wanted: str) -> dict[str, Any] | None:
-        status = real(self, wanted)
-        if status is None and wanted == signature:  # seen once, dropped since
-            return {"slot": 1, "confirmations": 0, "err": None, "confirmationStatus": "processed"}
-        return status
+    def seen(self: SolanaChain, wanted: Sequence[str], **kwargs: Any) -> list[dict[str, Any] | None]:
+        processed = {"slot": 1, "confirmations": 0, "err": None, "confirmationStatus": "processed"}  # seen, dropped
+        statuses = real(self, wanted, **kwargs)
+        return [processed if s is None and w == signature else s for w, s in zip(wanted, statuses, strict=True)]
 
-    monkeypatch.setattr(SolanaChain, "signature_status", seen)
+    monkeypatch.setattr(SolanaChain, "signature_statuses", seen)
     assert tasks._settle(settlement_id, None) == "confirmed"  # type: ignore[arg-type]
     settled = row(settlement_id)
     assert (settled.status, settled.tx_hash) == ("confirmed", signature)

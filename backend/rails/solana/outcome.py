@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 from backend.chains.solana import SolanaChain, SolanaRpcError
 from backend.rails.base import ChainOutcome, Claim, Outcome, PayeeLedger, Terms
-from backend.rails.solana.relay import LANDED, fee
+from backend.rails.solana.poller import LANDED
+from backend.rails.solana.relay import fee
 from backend.rails.solana.terms import SolanaTerms
 from payintent import solana_tx as stx
 

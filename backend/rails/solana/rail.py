@@ -270,7 +270,7 @@ class SolanaRail:
 
     def wait_landed(self, network: Network, claim: Claim, timeout: float) -> TxStatus | None:
         timeout = min(timeout, relay_module.CONFIRM_TIMEOUT_SECONDS)
-        return relay_module.wait_landed(solana_chain(network), claim, timeout)
+        return relay_module.wait_landed(solana_chain(network), claim, timeout, self.may_still_execute)
 
     def wait_final(self, network: Network, status: TxStatus, timeout: float) -> bool:
         return status.final  # confirmed is what a payment waits for (a failure is final once confirmed)

@@ -12,7 +12,6 @@ transaction is sent. Sending it again is harmless (the network processes a signa
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,14 +33,13 @@ from backend.rails.base import (
     TxState,
     TxStatus,
 )
+from backend.rails.solana.poller import LANDED, poller_for
 from backend.rails.solana.terms import SolanaTerms
 from payintent import solana_tx as stx
 
 log = logging.getLogger(__name__)
 
 CONFIRM_TIMEOUT_SECONDS = 60.0
-_POLL_SECONDS = 0.2
-LANDED = ("confirmed", "finalized")
 
 
 def associated_account(owner: str, mint: str) -> Pubkey:
@@ -92,12 +90,15 @@ def submit(
     signature = str(tx.signatures[0])
     if claim.tx_id != signature:
         before_broadcast(signature, str(relay.pubkey()), None)
+    encoded = stx.encode(tx)
     try:
-        chain.send(stx.encode(tx))
+        chain.send(encoded)
     except SolanaRpcError as exc:
         # Refused in preflight (or already processed). The intent is not released here: the
         # reconciler decides once the signature is known or the blockhash has expired.
         raise ChainDecides("refused", logged=f"the node refused the transaction ({exc})") from None
+    # The network's poller sends it again while it is in flight and may still execute (``wait_landed``).
+    poller_for(chain.rpc_url).track(signature, encoded, lambda height: may_still_execute(terms, height))
     return Submission(signature, str(relay.pubkey()))
 
 
@@ -120,18 +121,22 @@ def status_of(status: dict[str, Any] | None, claim: Claim) -> TxStatus:
 
 
 def watch(chain: SolanaChain, claims: Sequence[Claim]) -> dict[str, TxStatus]:
-    return {claim.tx_id: status_of(chain.signature_status(claim.tx_id), claim) for claim in claims if claim.tx_id}
+    """Every claim's status from one ``getSignatureStatuses`` (one per 256 claims)."""
+    sent = [claim for claim in claims if claim.tx_id]
+    statuses = chain.signature_statuses([claim.tx_id for claim in sent if claim.tx_id])
+    return {claim.tx_id: status_of(status, claim) for claim, status in zip(sent, statuses, strict=True) if claim.tx_id}
 
 
-def wait_landed(chain: SolanaChain, claim: Claim, timeout: float) -> TxStatus | None:
-    """Wait for the claim's signature to land (confirmed); None if it did not within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while claim.tx_id and time.monotonic() < deadline:
-        status = chain.signature_status(claim.tx_id)
-        if status is not None and status.get("confirmationStatus") in LANDED:
-            return status_of(status, claim)
-        time.sleep(_POLL_SECONDS)
-    return None
+def wait_landed(
+    chain: SolanaChain, claim: Claim, timeout: float, may_still_execute: Callable[[Terms, int], bool]
+) -> TxStatus | None:
+    """Wait for the claim's signature to land (confirmed) on the network's shared poller (``poller``); None if it
+    did not within ``timeout``, or can never land (no status and its blockhash expired: ``may_still_execute``)."""
+    if not claim.tx_id:
+        return None
+    terms = claim.terms
+    status = poller_for(chain.rpc_url).wait(claim.tx_id, lambda height: may_still_execute(terms, height), timeout)
+    return None if status is None else status_of(status, claim)
 
 
 class SolanaRelayKeys:

@@ -1,0 +1,288 @@
+"""The Solana signature poller (``backend.rails.solana.poller``) behind ``wait_landed``, on the devnet's SVM.
+
+Many transactions in flight cost one ``getSignatureStatuses`` per tick for all of them; a transaction the node
+never received (a small HTTP proxy in front of the devnet RPC swallows its send) is sent again by the poller and
+lands once; one whose blockhash expired before it landed is "not landed" at once, and the settlement ends as
+before (the chain decides: AUTHORIZATION_EXPIRED). Money is checked on chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+import requests
+from solders.keypair import Keypair
+from solders.signature import Signature
+
+from backend import appstate
+from backend.chains.registry import ChainRegistry, Network
+from backend.chains.solana import MAX_SIGNATURE_STATUSES, SolanaChain
+from backend.extensions import db
+from backend.rails.base import Claim, TxState, TxStatus
+from backend.rails.registry import rail_for
+from backend.rails.solana import poller as poller_module
+from backend.rails.solana.poller import poller_for
+from backend.rails.solana.relay import SolanaRelayKeys
+from backend.settlement.models import Settlement, settlement_claim
+from backend.settlement.reconcile import LEDGER
+from payintent import solana_tx as stx
+from relayer import tasks
+from tests.settlement.test_pay import create_intent, events
+from tests.settlement.test_pay_solana import (  # noqa: F401  (fixtures)
+    SOLANA,
+    buyer,
+    relay_keypair,
+    sol,
+    sol_shop,
+    usdc,
+)
+from tests.settlement.test_solana_already_paid import _cosigned_claim, relay_keys, row  # noqa: F401
+
+
+class Proxy:
+    """The devnet's Solana RPC behind a proxy that counts calls and swallows the next ``drop`` sends (answered
+    with the signature, as a node that accepted them and lost them would); ``refuse_batches``: as some RPCs."""
+
+    def __init__(self, upstream: str) -> None:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if isinstance(body, list) and proxy.refuse_batches:
+                    answer: Any = {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "no batches"}}
+                else:
+                    answers = [proxy.answer(call) for call in (body if isinstance(body, list) else [body])]
+                    proxy.batches += isinstance(body, list)
+                    answer = answers if isinstance(body, list) else answers[0]
+                data = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.upstream = upstream
+        self.batches = 0
+        self.refuse_batches = False
+        self.lock = threading.Lock()
+        self.calls: Counter[str] = Counter()
+        self.status_batches: list[int] = []
+        self.drop = 0
+        self.drop_all = False
+        self.dropped = 0
+        self.hang = 0.0
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def answer(self, call: dict[str, Any]) -> Any:
+        method = call.get("method")
+        with self.lock:
+            self.calls[method] += 1
+            if method == "getSignatureStatuses":
+                self.status_batches.append(len(call["params"][0]))
+            dropped = method == "sendTransaction" and (self.drop > 0 or self.drop_all)
+            if dropped:
+                self.drop -= 1
+                self.dropped += 1
+        if self.hang:
+            time.sleep(self.hang)
+        if dropped:
+            signature = str(stx.decode(call["params"][0]).signatures[0])
+            return {"jsonrpc": "2.0", "id": call["id"], "result": signature}
+        return requests.post(self.upstream, json=call, timeout=10).json()
+
+    def reset(self) -> None:
+        with self.lock:
+            self.calls.clear()
+            self.status_batches.clear()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxy(devnet: Any) -> Iterator[Proxy]:
+    server = Proxy(devnet.chains.get(SOLANA).rpc_url)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def proxied(devnet: Any, proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> Network:
+    """The Solana network reached through the proxy, for the relayer's job too (``appstate.chains``)."""
+    network = dataclasses.replace(devnet.chains.get(SOLANA), rpc_url=proxy.url)
+    registry = ChainRegistry([network if n.network == SOLANA else n for n in devnet.chains])
+    monkeypatch.setattr(appstate, "chains", lambda app=None: registry)
+    return network
+
+
+def submitted(pay_client: Any, devnet: Any, shop: Any, network: Network, amount: float, payer: Keypair,
+              last_valid_offset: int | None = None) -> tuple[str, Claim]:  # fmt: skip
+    """A claimed settlement of ``payer``'s transaction, co-signed and submitted through ``network`` (the proxy).
+    ``last_valid_offset``: its last valid block height is the height now plus this (the row's too)."""
+    intent = create_intent(pay_client, shop, amount)
+    settlement_id, _ = _cosigned_claim(pay_client, devnet, shop, intent, payer, claimed=True)
+    claim = settlement_claim(row(settlement_id))
+    if last_valid_offset is not None:
+        height = SolanaChain(network.rpc_url or "").block_height("finalized") + last_valid_offset
+        db.session.execute(db.update(Settlement).where(Settlement.id == settlement_id)
+                           .values(last_valid_block_height=height))  # fmt: skip
+        db.session.commit()
+        claim = dataclasses.replace(claim, terms=dataclasses.replace(claim.terms, last_valid_block_height=height))
+    keys = SolanaRelayKeys(relay_keypair(devnet))
+    submission = rail_for(network).submit(network, claim, keys, None, LEDGER, lambda *a: None)  # type: ignore[arg-type]
+    assert submission.tx_id == claim.tx_id  # the signature recorded before the send
+    return settlement_id, claim
+
+
+def test_many_waiters_cost_one_status_read_per_tick_and_a_dropped_send_is_sent_again(
+    pay_client,
+    devnet,
+    sol_shop,  # noqa: F811
+    sol,  # noqa: F811
+    proxy,
+    proxied,
+    monkeypatch,
+):
+    payers = [buyer(devnet, i % 3) for i in range(12)]
+    before = {str(p.pubkey()): usdc(sol, devnet, str(p.pubkey())) for p in payers}
+    proxy.drop = len(payers)  # every first send is lost: all twelve are in flight together
+    with monkeypatch.context() as patch:
+        patch.setattr(poller_module, "RESEND_SECONDS", 3600.0)  # none sent again while the others are submitted
+        claims = [submitted(pay_client, devnet, sol_shop, proxied, 1, p)[1] for p in payers]
+    assert proxy.dropped == len(payers) and usdc(sol, devnet, sol_shop.wallet) == 0  # the SVM received none
+    poller = poller_for(proxied.rpc_url or "")
+    ticks = poller.counter.ticks
+    proxy.reset()
+    rail = rail_for(proxied)
+    started = time.monotonic()
+    with ThreadPoolExecutor(len(claims)) as pool:
+        landed = list(pool.map(lambda c: rail.wait_landed(proxied, c, 30), claims))
+    elapsed = time.monotonic() - started
+    assert all(isinstance(s, TxStatus) and s.state is TxState.SUCCEEDED and s.final for s in landed), landed
+    # One getSignatureStatuses per tick for all twelve (not one per waiter per poll), one height read at most.
+    polls = poller.counter.ticks - ticks
+    # (A tick counted before the reset may reach the proxy after it: one more call.)
+    assert 1 <= polls <= proxy.calls["getSignatureStatuses"] <= polls + 1
+    # Each call asks about every signature still in flight: all twelve, then fewer as they land.
+    batches = proxy.status_batches[proxy.status_batches.index(len(claims)) :]
+    assert batches == sorted(batches, reverse=True) and len(batches) >= polls - 1
+    assert proxy.calls["getBlockHeight"] <= polls + 1
+    assert polls <= elapsed / poller_module.TICK_SECONDS + 2
+    # Each was sent again once by the poller and landed once: buyers debited once, the merchant credited once.
+    assert proxy.calls["sendTransaction"] == len(claims) and proxy.batches >= 1  # in JSON-RPC batches
+    assert usdc(sol, devnet, sol_shop.wallet) == 12_000_000
+    for owner, amount in before.items():
+        assert amount - usdc(sol, devnet, owner) == 4_000_000
+    assert all(sol.signature_status(c.tx_id or "") is not None for c in claims)
+
+
+@pytest.mark.parametrize("refuse_batches", [False, True])
+def test_the_relayer_job_with_a_lost_send_ends_paid_once(
+    refuse_batches,
+    pay_client,
+    devnet,
+    sol_shop,  # noqa: F811
+    sol,  # noqa: F811
+    proxy,
+    proxied,
+    relay_keys,  # noqa: F811
+):
+    payer = buyer(devnet, 1)
+    intent = create_intent(pay_client, sol_shop, 2)
+    settlement_id, cosigned = _cosigned_claim(pay_client, devnet, sol_shop, intent, payer, claimed=True)
+    signature = str(cosigned.signatures[0])
+    before = usdc(sol, devnet, str(payer.pubkey()))
+    proxy.drop = 1  # the job's send never reaches the SVM
+    proxy.refuse_batches = refuse_batches  # the poller's batched re-send falls back to one call each
+    assert tasks._settle(settlement_id, None) == "confirmed"  # type: ignore[arg-type]
+    assert proxy.dropped == 1 and proxy.calls["sendTransaction"] == 2  # the poller sent it again, once
+    settled = row(settlement_id)
+    assert (settled.status, settled.tx_hash) == ("confirmed", signature)
+    assert usdc(sol, devnet, sol_shop.wallet) == 2_000_000
+    assert before - usdc(sol, devnet, str(payer.pubkey())) == 2_000_000
+    assert len([e for e in events("payment.completed") if e["data"]["intent_id"] == intent["intent_id"]]) == 1
+
+
+def test_an_expired_blockhash_is_not_landed_at_once_and_the_settlement_fails_as_before(
+    pay_client,
+    devnet,
+    sol_shop,  # noqa: F811
+    sol,  # noqa: F811
+    proxy,
+    proxied,
+    relay_keys,  # noqa: F811
+):
+    payer = buyer(devnet, 2)
+    before = usdc(sol, devnet, str(payer.pubkey()))
+    proxy.drop_all = True  # lost, and every re-send too
+    settlement_id, claim = submitted(pay_client, devnet, sol_shop, proxied, 1, payer, last_valid_offset=5)
+    started = time.monotonic()
+    assert rail_for(proxied).wait_landed(proxied, claim, 60) is None  # not landed: it never can
+    assert time.monotonic() - started < 30  # the height passed its last valid one (~2 s), not the timeout
+    assert sol.signature_status(claim.tx_id or "") is None
+    # The settlement ends as it did before the poller: left for the chain, failed once the blockhash is dead.
+    sol.call("devnet_expireBlockhashes")
+    proxy.drop_all = False
+    assert tasks._settle(settlement_id, None) == "finished-from-chain"  # type: ignore[arg-type]
+    settled = row(settlement_id)
+    assert (settled.status, settled.failure_code) == ("failed", "AUTHORIZATION_EXPIRED")
+    assert usdc(sol, devnet, sol_shop.wallet) == 0 and usdc(sol, devnet, str(payer.pubkey())) == before
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread killed on purpose
+def test_a_waiter_never_waits_past_its_timeout_and_a_dead_poller_thread_is_started_again(
+    pay_client,
+    devnet,
+    sol_shop,  # noqa: F811
+    sol,  # noqa: F811
+    proxy,
+    proxied,
+    monkeypatch,
+):
+    poller = poller_for(proxied.rpc_url or "")
+    # The RPC hangs longer than the waiter's timeout: the waiter returns at its timeout all the same.
+    proxy.hang = 4.0
+    started = time.monotonic()
+    assert poller.wait(str(Signature.new_unique()), lambda height: True, 0.5) is None
+    assert time.monotonic() - started < 3.5
+    proxy.hang = 0.0
+    # The thread's next tick kills it (a SystemExit goes through its catch-all); the waiter starts it again.
+    real_tick = poller.tick
+    died = threading.Event()
+
+    def die_once() -> None:
+        if not died.is_set():
+            died.set()
+            raise SystemExit
+        real_tick()
+
+    monkeypatch.setattr(poller, "tick", die_once)
+    _, claim = submitted(pay_client, devnet, sol_shop, proxied, 1, buyer(devnet, 0))
+    status = rail_for(proxied).wait_landed(proxied, claim, 30)
+    assert died.is_set() and status is not None and status.state is TxState.SUCCEEDED
+    assert usdc(sol, devnet, sol_shop.wallet) == 1_000_000
+
+
+def test_statuses_of_more_than_the_nodes_limit_take_one_call_per_chunk(proxy):
+    chain = SolanaChain(proxy.url)
+    unknown = [str(Signature.new_unique()) for _ in range(MAX_SIGNATURE_STATUSES + 44)]
+    assert chain.signature_statuses(unknown) == [None] * len(unknown)
+    assert proxy.status_batches == [MAX_SIGNATURE_STATUSES, 44]
