@@ -13,7 +13,7 @@ from datetime import datetime
 from functools import wraps
 from typing import Any, ParamSpec, TypeVar
 
-from flask import Flask, current_app, has_app_context
+from flask import Flask, has_app_context
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -102,7 +102,9 @@ def app_redis(*, fast: bool = False) -> Redis | None:
         if not url:
             return None
         options = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5} if fast else {}
-        redis = slot.set(current_app, redis_from_url(url, **options))
+        # One client per app, shared by the worker's threads: redis-py's pool opens a connection per thread that
+        # needs one at once (its limit, 2**31, is never the bound), and a /pay waiting in BLPOP holds one.
+        redis = slot.get_or_make(lambda: redis_from_url(url, **options))
     return redis
 
 
