@@ -83,6 +83,10 @@ def app_job(func: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+# Connections each of the app's Redis clients may open: one per thread using it at once (a /pay waiting in BLPOP
+# holds one). redis-py's from_url caps its pool at 100 and then raises "Too many connections": above the most threads
+# `payintent serve --threads` runs (256).
+APP_REDIS_MAX_CONNECTIONS = 512
 _REDIS: AppSlot[Redis] = AppSlot("payintent.redis")
 _FAST_REDIS: AppSlot[Redis] = AppSlot("payintent.redis.fast")
 
@@ -101,9 +105,10 @@ def app_redis(*, fast: bool = False) -> Redis | None:
         url = appstate.settings().redis_url
         if not url:
             return None
-        options = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5} if fast else {}
-        # One client per app, shared by the worker's threads: redis-py's pool opens a connection per thread that
-        # needs one at once (its limit, 2**31, is never the bound), and a /pay waiting in BLPOP holds one.
+        options: dict[str, Any] = {"max_connections": APP_REDIS_MAX_CONNECTIONS}
+        if fast:
+            options |= {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}
+        # One client per app, made once (get_or_make: under a lock), shared by the worker's threads.
         redis = slot.get_or_make(lambda: redis_from_url(url, **options))
     return redis
 

@@ -152,8 +152,8 @@ def test_serve_runs_the_api_under_gunicorn(fresh_db):
     port = free_port()
     proc = subprocess.Popen(
         [PAYINTENT, "serve", "--port", str(port), "--workers", "2"],
-        env={**os.environ, "DATABASE_URL": fresh_db, "CHECKOUT_HOST": f"http://127.0.0.1:{port}", "WEB_THREADS": "7",
-             "PAY_WAIT_SECONDS": "12"},  # fmt: skip
+        env={**os.environ, "DATABASE_URL": fresh_db, "CHECKOUT_HOST": f"http://127.0.0.1:{port}"}
+        | {"WEB_THREADS": "7", "PAY_WAIT_SECONDS": "12"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
