@@ -6,6 +6,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from flask import Flask, request
+from sqlalchemy.engine import make_url
 
 from backend import appstate, passwords
 from backend.apidocs import bp as apidocs_bp
@@ -29,16 +30,27 @@ from backend.webhooks.views import blp as webhooks_blp
 MAX_REQUEST_BYTES = 64 * 1024
 
 
+# Each process's connection pool: up to POOL_SIZE + POOL_OVERFLOW connections. A gunicorn worker runs WEB_THREADS
+# (32) requests at once, more than the pool holds: a request holds a connection only while its transaction is open,
+# and a /pay ends its transaction before it waits on the chain or the relayer (settlement.flow). A request that
+# finds none free within POOL_TIMEOUT_SECONDS is answered 503 SERVICE_UNAVAILABLE (backend.http_errors), not 500.
+POOL_SIZE = 5
+POOL_OVERFLOW = 15
+POOL_TIMEOUT_SECONDS = 10
+
+
 def _engine_options(url: str) -> dict[str, Any]:
     options: dict[str, Any] = {
         "json_serializer": dumps,
         "json_deserializer": stored_loads,
         "connect_args": connect_args(url),
     }
+    if make_url(url).database not in (None, "", ":memory:"):  # an in-memory SQLite keeps one connection per thread
+        options.update(pool_size=POOL_SIZE, max_overflow=POOL_OVERFLOW, pool_timeout=POOL_TIMEOUT_SECONDS)
     if url.startswith("postgresql"):
         # pool_pre_ping: a pooled connection the server dropped (a restart, an idle timeout) is replaced when
         # checked out, instead of failing the request that gets it.
-        options.update(pool_pre_ping=True, pool_size=5, max_overflow=10, pool_recycle=1800)
+        options.update(pool_pre_ping=True, pool_recycle=1800)
     return options
 
 

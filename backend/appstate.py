@@ -13,6 +13,8 @@ Infrastructure: imports no domain package at run time; the domain types below ar
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 from flask import Flask, current_app
@@ -38,6 +40,7 @@ class AppSlot(Generic[T]):
 
     def __init__(self, key: str) -> None:
         self.key = key
+        self._lock = threading.Lock()
 
     def set(self, app: Flask, value: T) -> T:
         app.extensions[self.key] = value
@@ -46,6 +49,16 @@ class AppSlot(Generic[T]):
     def peek(self, app: Flask | None = None) -> T | None:
         """The value, or None when it was never set on this app."""
         return cast("T | None", _app(app).extensions.get(self.key))
+
+    def get_or_make(self, make: Callable[[], T], app: Flask | None = None) -> T:
+        """The value, made by ``make()`` and set the first time. Under a lock: gunicorn's threads share the app, and
+        two first requests at once would each make one (two Redis pools, two in-process stores, one lost)."""
+        found = self.peek(app)
+        if found is not None:
+            return found
+        with self._lock:
+            found = self.peek(app)
+            return found if found is not None else self.set(_app(app), make())
 
     def get(self, app: Flask | None = None) -> T:
         """The value; a KeyError when it was never set (``create_app`` sets every slot below)."""

@@ -7,6 +7,7 @@ Every command prints one JSON object on stdout. Bad input exits non-zero with
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -109,19 +110,22 @@ def _warn_about_development_settings(app: Flask, *, sessions: bool = False) -> N
 
 
 SLOW_CLIENTS_WARNING = "must run behind a buffering reverse proxy"
+# Threads per gunicorn worker of ``serve`` (WEB_THREADS): 32 /pay calls may wait for the chain at once per worker
+# and reads still get a thread. The database pool (backend.app) holds fewer connections: a waiting /pay holds none.
+DEFAULT_WEB_THREADS = 32
 
 
 def _warn_without_a_proxy(app: Flask, host: str) -> None:
-    """``serve`` reachable from other machines with no proxy declared (TRUSTED_PROXY_HOPS=0): gunicorn's sync workers
-    each hold one connection until its request is whole, so a few dozen clients sending a byte every few seconds
-    (slowloris) hold them all. Warned, not refused: a proxy may be in front whose headers the api ignores."""
+    """``serve`` reachable from other machines with no proxy declared (TRUSTED_PROXY_HOPS=0): each of gunicorn's
+    worker threads holds one connection until its request is whole, so a few dozen clients sending a byte every few
+    seconds (slowloris) hold them all. Warned, not refused: a proxy may be in front whose headers the api ignores."""
     settings: Settings = appstate.settings(app)
     if settings.trusted_proxy_hops == 0 and not _loopback(host):
         log.warning(
             "serving on %s, reachable from other machines, with no proxy in front (TRUSTED_PROXY_HOPS=0): the api %s "
-            "(nginx with deploy/nginx.conf, as docker-compose.yml runs it; docs/deploy.md#the-proxy). Its workers are "
-            "synchronous: a few dozen clients sending or reading a request a byte at a time hold every one of them "
-            "and the api stops answering. Behind the proxy, set TRUSTED_PROXY_HOPS=1",
+            "(nginx with deploy/nginx.conf, as docker-compose.yml runs it; docs/deploy.md#the-proxy). Each worker "
+            "thread reads a request whole with no timeout of its own: a few dozen clients sending or reading a request "
+            "a byte at a time hold every thread and the api stops answering. Behind the proxy set TRUSTED_PROXY_HOPS=1",
             host,
             SLOW_CLIENTS_WARNING,
         )
@@ -273,7 +277,13 @@ def _redact(url: str) -> str:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--workers", default=None, type=click.IntRange(1, 64), help="Default: WEB_CONCURRENCY or 2 x cores")
-def serve(host: str, port: int, workers: int | None) -> NoReturn:
+@click.option(
+    "--threads",
+    default=None,
+    type=click.IntRange(1, 256),
+    help=f"Threads per worker (gthread), each serving one request; default: WEB_THREADS or {DEFAULT_WEB_THREADS}",
+)
+def serve(host: str, port: int, workers: int | None, threads: int | None) -> NoReturn:
     # _app(): fail fast, with a clear message, on a bad configuration or schema. Warned here, once, rather than
     # by each gunicorn worker's create_app().
     _refuse_development_secret_key(host)
@@ -281,14 +291,20 @@ def serve(host: str, port: int, workers: int | None) -> NoReturn:
     _warn_about_development_settings(app, sessions=True)
     _warn_without_a_proxy(app, host)
     count = workers or int(os.environ.get("WEB_CONCURRENCY") or 2 * (os.cpu_count() or 1))
+    per_worker = threads or int(os.environ.get("WEB_THREADS") or DEFAULT_WEB_THREADS)
     argv = [
         sys.executable, "-m", "gunicorn",
         "--bind", f"{host}:{port}",
         "--workers", str(count),
-        "--worker-class", "sync",
+        # Threads: a /pay waiting up to PAY_WAIT_SECONDS for the chain holds a thread, not the whole worker
+        # (nor a database connection: settlement.flow ends its transaction before it waits).
+        "--worker-class", "gthread",
+        "--threads", str(per_worker),
         # Logging (no access log: the app logs each request) and metrics across workers.
         "--config", "python:backend.observability.gunicorn_conf",
         "--timeout", "60",
+        # On SIGTERM a worker finishes the requests it has: a /pay may still wait PAY_WAIT_SECONDS.
+        "--graceful-timeout", str(math.ceil(appstate.settings(app).pay_wait_seconds) + 5),
         # gunicorn's control socket would be ~/.gunicorn/gunicorn.ctl: a write outside the temporary directory
         # (the image's home is not writable) shared by every gunicorn of the user. Nothing of ours uses it.
         "--no-control-socket",

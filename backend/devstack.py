@@ -314,7 +314,7 @@ class _DevStack:
         demo_file.write_text(json.dumps(saved, indent=2) + "\n")
         payintent = str(Path(sys.executable).with_name("payintent"))
         children = [
-            self.spawn([payintent, "serve", "--port", str(self.port), "--workers", "2"]),
+            self.spawn([payintent, "serve", "--port", str(self.port), "--workers", "2", "--threads", "32"]),
             self.spawn([payintent, "worker"]),
         ]
         relayer = None

@@ -17,7 +17,6 @@ import threading
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from flask import current_app
 from redis import Redis, RedisError
 
 from backend import clock
@@ -171,10 +170,7 @@ T = TypeVar("T")
 
 def memory_store() -> MemoryStore:
     """The current app's in-process store (one per app, so tests never share one)."""
-    store = _MEMORY_STORE.peek()
-    if store is None:
-        store = _MEMORY_STORE.set(current_app, MemoryStore())
-    return store
+    return _MEMORY_STORE.get_or_make(MemoryStore)
 
 
 class _FallbackStore:

@@ -15,6 +15,7 @@ import re
 from typing import Any, Literal, NamedTuple
 
 from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 Where = Literal["api", "http", "admin"]
 
@@ -198,5 +199,8 @@ def not_found(what: str = "Resource") -> DomainError:
 
 def database_unavailable(exc: Exception) -> bool:
     """The database cannot be reached or answer now (down, restarting, refusing connections, a connection
-    timeout, a dropped connection, SQLite busy): worth retrying, unlike a failing statement."""
+    timeout, a dropped connection, SQLite busy, every connection of the process's pool taken past its
+    ``pool_timeout``): worth retrying, unlike a failing statement."""
+    if isinstance(exc, PoolTimeout):
+        return True
     return isinstance(exc, OperationalError) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)

@@ -12,6 +12,7 @@ from typing import Any
 
 from flask import Flask, Response, current_app, request
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from werkzeug.exceptions import HTTPException
 
 from backend.errors import CATALOG, DomainError, database_unavailable, validation_error
@@ -63,10 +64,10 @@ def _handle_http_exception(exc: HTTPException) -> Response:
     return response
 
 
-def _handle_database_error(exc: DBAPIError) -> Response:
+def _handle_database_error(exc: DBAPIError | PoolTimeout) -> Response:
     if not database_unavailable(exc):
         return _handle_unexpected(exc)
-    log.error("database unavailable on %s %s: %s", request.method, request.path, exc.orig or exc)
+    log.error("database unavailable on %s %s: %s", request.method, request.path, getattr(exc, "orig", None) or exc)
     return error_response(DomainError("SERVICE_UNAVAILABLE", "The database cannot be reached right now; try again"))
 
 
@@ -79,4 +80,5 @@ def register_error_handlers(app: Flask) -> None:
     app.register_error_handler(DomainError, error_response)
     app.register_error_handler(HTTPException, _handle_http_exception)
     app.register_error_handler(DBAPIError, _handle_database_error)
+    app.register_error_handler(PoolTimeout, _handle_database_error)  # every pooled connection taken: busy, not broken
     app.register_error_handler(Exception, _handle_unexpected)

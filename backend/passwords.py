@@ -5,7 +5,7 @@ defaults). Every log-in and sign-up runs one on the request's worker, so a flood
 number of addresses and for any emails, used to pin every core and leave nothing for the checkout and
 the API. Each hash now runs in one of ``LOGIN_HASH_CONCURRENCY`` slots (default: the machine's
 cores), shared by every process that uses the same ``LOGIN_HASH_SLOTS_DIR``: gunicorn's workers are
-processes (sync workers, one request each), so a lock inside one process would bound nothing. A slot is
+processes (each with its threads), so a lock inside one process would bound little. A slot is
 an exclusive ``flock`` on one of K files; the kernel frees it when its holder exits, however it exits.
 A request that finds every slot taken tries again for ``LOGIN_HASH_WAIT_SECONDS`` (default 2) and
 is then answered ``503 SERVER_BUSY`` with ``Retry-After: 1``: never queued without bound.

@@ -13,7 +13,7 @@ from datetime import datetime
 from functools import wraps
 from typing import Any, ParamSpec, TypeVar
 
-from flask import Flask, current_app, has_app_context
+from flask import Flask, has_app_context
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -83,6 +83,10 @@ def app_job(func: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+# Connections each of the app's Redis clients may open: one per thread using it at once (a /pay waiting in BLPOP
+# holds one). redis-py's from_url caps its pool at 100 and then raises "Too many connections": above the most threads
+# `payintent serve --threads` runs (256).
+APP_REDIS_MAX_CONNECTIONS = 512
 _REDIS: AppSlot[Redis] = AppSlot("payintent.redis")
 _FAST_REDIS: AppSlot[Redis] = AppSlot("payintent.redis.fast")
 
@@ -101,8 +105,11 @@ def app_redis(*, fast: bool = False) -> Redis | None:
         url = appstate.settings().redis_url
         if not url:
             return None
-        options = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5} if fast else {}
-        redis = slot.set(current_app, redis_from_url(url, **options))
+        options: dict[str, Any] = {"max_connections": APP_REDIS_MAX_CONNECTIONS}
+        if fast:
+            options |= {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}
+        # One client per app, made once (get_or_make: under a lock), shared by the worker's threads.
+        redis = slot.get_or_make(lambda: redis_from_url(url, **options))
     return redis
 
 

@@ -152,7 +152,8 @@ def test_serve_runs_the_api_under_gunicorn(fresh_db):
     port = free_port()
     proc = subprocess.Popen(
         [PAYINTENT, "serve", "--port", str(port), "--workers", "2"],
-        env={**os.environ, "DATABASE_URL": fresh_db, "CHECKOUT_HOST": f"http://127.0.0.1:{port}"},
+        env={**os.environ, "DATABASE_URL": fresh_db, "CHECKOUT_HOST": f"http://127.0.0.1:{port}"}
+        | {"WEB_THREADS": "7", "PAY_WAIT_SECONDS": "12"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -174,6 +175,11 @@ def test_serve_runs_the_api_under_gunicorn(fresh_db):
         assert data["checkout_url"] == f"{base}/pay/{data['intent_id']}"
         read = requests.get(f"{base}/api/v1/x402/intents/{data['intent_id']}", headers=headers, timeout=5)
         assert read.json()["data"]["amount_usdc"] == 2.5
+        # serve execs gunicorn (the same pid): threaded workers, WEB_THREADS each, PAY_WAIT_SECONDS + 5 s to finish.
+        argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode().split("\0")
+        assert argv[argv.index("--worker-class") + 1] == "gthread"
+        assert argv[argv.index("--threads") + 1] == "7"
+        assert argv[argv.index("--graceful-timeout") + 1] == "17"
     finally:
         proc.terminate()
         proc.wait(timeout=20)
@@ -287,7 +293,7 @@ def test_serve_refuses_the_development_secret_key_off_loopback(tmp_path, host):
 @pytest.mark.parametrize(("host", "hops", "warned"), [("0.0.0.0", "0", True), ("0.0.0.0", "1", False),
                                                      ("127.0.0.1", "0", False)])  # fmt: skip
 def test_serve_off_loopback_without_a_proxy_warns_about_slow_clients(tmp_path, host, hops, warned):
-    """Sync gunicorn workers reachable from other machines with no proxy declared: slowloris stops them
+    """gunicorn's worker threads reachable from other machines with no proxy declared: slowloris stops them
     (tests/observability/test_slow_clients.py), so serve says it belongs behind nginx, once."""
     from backend.cli import SLOW_CLIENTS_WARNING
     from backend.migrate import upgrade

@@ -299,7 +299,7 @@ def test_nginx_conf_buffers_and_bounds_slow_clients():
     assert str(MAX_REQUEST_BYTES) in NGINX_CONF.read_text()  # the 413 message
     for name in ("client_header_timeout", "client_body_timeout", "send_timeout", "keepalive_timeout"):
         assert _nginx_seconds(conf[name][0]) <= 15, name
-    # A /pay waits up to PAY_WAIT_SECONDS (30 by default) and gunicorn kills a worker after 60 s: nginx waits longer.
+    # A /pay waits up to PAY_WAIT_SECONDS (30 by default) on a gunicorn thread: nginx waits longer.
     assert _nginx_seconds(conf["proxy_read_timeout"][0]) > 60
     assert conf["limit_conn_zone"] == ["$binary_remote_addr zone=per_client:10m"]
     assert conf["limit_conn"] == ["per_client 32"] and conf["limit_conn_status"] == ["429"]

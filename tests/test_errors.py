@@ -70,3 +70,46 @@ def test_a_405_lists_the_allowed_methods_in_one_order(client):
     assert response.get_json()["error"]["code"] == "METHOD_NOT_ALLOWED"
     methods = response.headers["Allow"].split(", ")
     assert "POST" in methods and "GET" in methods and methods == sorted(methods)
+
+
+@pytest.fixture
+def one_connection_app(db_url: str, chains: ChainRegistry, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """An app whose pool holds one connection and waits a moment for it."""
+    import backend.app
+    from backend.extensions import db
+    from tests.conftest import truncate_all
+
+    monkeypatch.setattr(backend.app, "POOL_SIZE", 1)
+    monkeypatch.setattr(backend.app, "POOL_OVERFLOW", 0)
+    monkeypatch.setattr(backend.app, "POOL_TIMEOUT_SECONDS", 0.2)
+    truncate_all(db_url)
+    application = backend.app.create_app(make_settings(db_url), chains=chains)
+    with application.app_context():
+        yield application
+        db.session.remove()
+        db.engine.dispose()
+
+
+def test_a_request_that_finds_every_pooled_connection_taken_is_503_not_500(one_connection_app, caplog):
+    """Every connection of the pool held (by other threads of the worker) past pool_timeout: SQLAlchemy's
+    TimeoutError is the database being busy, answered 503 SERVICE_UNAVAILABLE like an unreachable one."""
+    from backend.extensions import db
+    from tests.conftest import create_merchant
+
+    shop = create_merchant(one_connection_app, "pool@example.com")
+    db.session.remove()  # the merchant is committed; its connection is back in the pool
+    client = one_connection_app.test_client()
+    assert client.get("/api/v1/x402/intents", headers=shop.headers).status_code == 200
+    db.session.remove()
+    held = db.engine.connect()  # the pool's one connection, taken
+    try:
+        with caplog.at_level(logging.ERROR):
+            response = client.get("/api/v1/x402/intents", headers=shop.headers)
+        assert response.status_code == 503
+        assert response.content_type == "application/json"
+        assert response.get_json() == UNAVAILABLE
+        assert any("database unavailable" in r.getMessage() for r in caplog.records)
+    finally:
+        db.session.remove()
+        held.close()
+    assert client.get("/api/v1/x402/intents", headers=shop.headers).status_code == 200  # the connection is back

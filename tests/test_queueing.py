@@ -187,3 +187,48 @@ def stubborn_job(seconds: float) -> None:
     while time.monotonic() < deadline:
         with contextlib.suppress(Exception):  # the point: StopNow is not an Exception
             time.sleep(0.1)
+
+
+def test_threads_asking_for_the_apps_redis_at_once_share_one_client_with_room_for_every_thread(
+    redis_url, chains, monkeypatch
+):
+    """gunicorn's threads share the app: the first requests, all at once, make one Redis client (not one each, the
+    others' pools lost), and its pool takes more connections than `serve --threads` runs threads (each waiting
+    /pay holds one in BLPOP; redis-py's from_url default of 100 raised "Too many connections" past it)."""
+    import threading
+
+    import backend.ephemeral
+    import backend.queueing
+    from backend.app import create_app
+    from backend.ephemeral import memory_store
+    from backend.queueing import app_redis
+    from tests.conftest import make_settings
+
+    def slowly(make):  # type: ignore[no-untyped-def]
+        def made(*args, **kwargs):  # type: ignore[no-untyped-def]
+            time.sleep(0.05)  # a real first connection takes a while: the other threads arrive meanwhile
+            return make(*args, **kwargs)
+
+        return made
+
+    monkeypatch.setattr(backend.queueing, "redis_from_url", slowly(backend.queueing.redis_from_url))
+    monkeypatch.setattr(backend.ephemeral, "MemoryStore", slowly(backend.ephemeral.MemoryStore))
+
+    app = create_app(make_settings("sqlite://", redis_url=redis_url), chains=chains)
+    start = threading.Barrier(32)
+    made: list[object] = []
+
+    def first_request() -> None:
+        with app.app_context():
+            start.wait()
+            made.extend([app_redis(), app_redis(fast=True), memory_store()])
+
+    threads = [threading.Thread(target=first_request) for _ in range(32)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(made) == 3 * 32 and len({id(client) for client in made}) == 3
+    with app.app_context():
+        redis = app_redis()
+        assert redis is not None and redis.connection_pool.max_connections >= 256

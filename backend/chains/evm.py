@@ -15,6 +15,7 @@ from web3.exceptions import Web3RPCError
 from web3.providers.rpc.utils import ExceptionRetryConfiguration
 from web3.types import BlockIdentifier, RPCEndpoint
 
+from backend.chains.http import rpc_session
 from backend.chains.registry import Network
 
 # One RPC call waits at most this long for an answer (read), and this long to connect. web3's own retry is
@@ -152,10 +153,9 @@ class EvmChain:
         if not network.rpc_url:
             raise ValueError(f"{network.network} has no RPC URL configured")
         self.network = network
-        session = requests.Session()
+        session = rpc_session()
         # Proxy settings from the environment are read once here, not on every call.
         session.proxies = requests.utils.get_environ_proxies(network.rpc_url)
-        session.trust_env = False
         provider = Web3.HTTPProvider(
             network.rpc_url,
             request_kwargs={"timeout": (RPC_CONNECT_TIMEOUT_SECONDS, RPC_TIMEOUT_SECONDS)},

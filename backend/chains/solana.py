@@ -7,6 +7,7 @@ or Solana devnet by URL. Errors become :class:`SolanaRpcError` (whose text never
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 
+from backend.chains.http import rpc_session
 from backend.errors import ChainUnavailable
 from payintent import jsonlimits
 
@@ -52,8 +54,7 @@ class SolanaChain:
     def __init__(self, rpc_url: str, timeout: float = 10.0) -> None:
         self.rpc_url = rpc_url
         self.timeout = timeout
-        self._session = requests.Session()
-        self._session.trust_env = False
+        self._session = rpc_session()
         self._rent: dict[int, int] = {}
         self._genesis: tuple[float, str] | None = None
 
@@ -188,6 +189,7 @@ class SolanaChain:
 
 
 _chains: dict[str, SolanaChain] = {}
+_lock = threading.Lock()
 
 
 def solana_chain(network: Network) -> SolanaChain:
@@ -196,5 +198,8 @@ def solana_chain(network: Network) -> SolanaChain:
         raise ChainUnavailable(network.name, f"{network.name} has no RPC URL configured")
     chain = _chains.get(network.rpc_url)
     if chain is None:
-        chain = _chains[network.rpc_url] = SolanaChain(network.rpc_url)
+        with _lock:  # gunicorn's threads: one client (one connection pool) per URL, not one per first caller
+            chain = _chains.get(network.rpc_url)
+            if chain is None:
+                chain = _chains[network.rpc_url] = SolanaChain(network.rpc_url)
     return chain

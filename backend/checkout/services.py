@@ -71,6 +71,7 @@ def buyer_balance(intent: Intent, network_id: str, address: str) -> dict[str, An
         address = rail.normalize_address(address)
     except AddressError as exc:
         raise DomainError("VALIDATION_ERROR", f"address: {exc}", fields={"address": [str(exc)]}) from None
+    db.session.rollback()  # the intent is read: no database connection is held while the chain answers
     try:
         atomic = rail.token_balance(network, address)
     except DomainError:

@@ -12,6 +12,7 @@ up to ``wait_seconds``; after that the reconciler finishes the job in the backgr
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -126,10 +127,15 @@ def submit_payment(
         rail = rail_for(network)
         with step("parse_payment"):
             terms = rail.parse_payment(network, requirement, submission.payload, intent.id, now)
+        # The chain's checks wait on RPCs: no database connection is held across them (a gunicorn worker runs more
+        # threads than its pool has connections). Rollback, not close: the intent stays in the session (expired,
+        # reloaded by the claim). Nothing is pending: everything so far only read.
+        merchant = intent.merchant_id
+        db.session.rollback()
         with step("check_on_chain"):
-            checked = rail.check_on_chain(network, requirement, terms, PayeeLedger())
+            checked = rail.check_on_chain(network, requirement, terms, _ReadThenRelease())
         with step("budget"):
-            admit = _budget(intent, network, checked.terms, settings)
+            admit = _budget(merchant, network, checked.terms, settings)
         with step("claim"):
             settlement_id = services.claim(
                 intent,
@@ -148,28 +154,59 @@ def submit_payment(
     try:
         with step("enqueue_settlement"):
             enqueue_settlement(redis, settlement_id, queue_name, network.network)
+        db.session.rollback()  # the claim committed: no connection is held while the relayer works
         with step("wait_settled"):
-            redis.blpop([SETTLED_KEY.format(settlement_id)], timeout=wait_seconds)
+            wait_settled(redis, settlement_id, wait_seconds)
     except RedisError as exc:
         log.warning("queue unavailable for settlement %s (the reconciler will send it): %s", settlement_id, exc)
     with step("settlement_result"):
         return settlement_result(settlement_id)
 
 
-def _budget(intent: Intent, network: Network, terms: Terms, settings: Settings) -> Callable[[int], None]:
+class _ReadThenRelease(PayeeLedger):
+    """The ledger for the checks before the claim: each read ends its transaction, so the RPC calls after it (a
+    Solana simulation) hold no database connection. Only there: elsewhere (the relayer) a read may sit inside
+    a transaction that must go on."""
+
+    def landed_before(self, network_id: str, owner: str, mint: str, genesis_hash: str) -> bool:
+        landed = super().landed_before(network_id, owner, mint, genesis_hash)
+        db.session.rollback()
+        return landed
+
+
+def wait_settled(redis: Redis, settlement_id: str, wait_seconds: float) -> bool:
+    """Wait up to ``wait_seconds`` for the relayer's word on this settlement (``notify_settled``); whether it came.
+
+    In BLPOPs each shorter than the client's socket timeout: redis-py's default is 5 s, and a BLPOP that blocks
+    longer raises TimeoutError when it runs out (the /pay then answered 504 after 5 s, not PAY_WAIT_SECONDS).
+    The word stays in its list (5 minutes) between two of them: none is missed."""
+    key = SETTLED_KEY.format(settlement_id)
+    socket_timeout = redis.connection_pool.connection_kwargs.get("socket_timeout")
+    longest = max(socket_timeout - 1.0, socket_timeout / 2) if socket_timeout else wait_seconds
+    deadline = time.monotonic() + wait_seconds
+    while (left := deadline - time.monotonic()) > 0:
+        # Never 0: a BLPOP timeout of 0 blocks for ever.
+        if redis.blpop([key], timeout=max(min(left, longest), 0.01)) is not None:
+            return True
+    return False
+
+
+def _budget(merchant_id: str, network: Network, terms: Terms, settings: Settings) -> Callable[[int], None]:
     """What the claim asks before it commits the relay to this settlement: the merchant's relay budget on
     the network must hold what it spent, what its open settlements may still cost, and this one's most
     (Solana: its exact fee; EVM: ``relaybudget.max_settlement_cost``). Costs are worked out here, before
-    the claim takes its lock: the EVM estimate may read the chain."""
+    the claim takes its lock: the EVM estimate may read the chain (the gas price, before its one query, so
+    no transaction is open across that RPC; ``merchant_id`` is handed in, not read from the intent, whose
+    reload would open one first)."""
     if relaybudget.budget_atomic(network, settings) is None:
         open_cost = cost = 0  # unlimited: only the cap on open settlements applies
     else:
-        open_cost = relaybudget.max_settlement_cost(network, settings, intent.merchant_id)
+        open_cost = relaybudget.max_settlement_cost(network, settings, merchant_id)
         cost = rail_for(network).settlement_cost(terms, open_cost)
 
     def admit(open_settlements: int) -> None:
         relaybudget.admit(
-            intent.merchant_id, network, settings, cost=cost, open_settlements=open_settlements, open_cost=open_cost
+            merchant_id, network, settings, cost=cost, open_settlements=open_settlements, open_cost=open_cost
         )
 
     return admit

@@ -102,6 +102,9 @@ def prepare_transaction(
         open_cost=relaybudget.max_settlement_cost(network, settings, intent.merchant_id),
         endpoint=relaybudget.PREPARE,
     )
+    # Read-only so far: the transaction ends before the RPC calls, which hold no database connection.
+    intent_id = intent.id
+    db.session.rollback()
     chain = solana_chain(network)
     amount = int(requirement["maxAmountRequired"])
     try:
@@ -119,8 +122,11 @@ def prepare_transaction(
         )
     try:
         ready = payee_account_ready(chain, requirement)
-        if not ready and payee_account_closed(chain, network.network, requirement["payTo"], requirement["asset"]):
-            raise account_closed(network)
+        if not ready:
+            closed = payee_account_closed(chain, network.network, requirement["payTo"], requirement["asset"])
+            db.session.rollback()  # its one read done: nothing held across the RPC calls below
+            if closed:
+                raise account_closed(network)
         rent = 0 if ready else chain.rent_exempt_minimum(stx.TOKEN_ACCOUNT_SIZE)
         # What is left must be nothing, or enough for the payer's own account to stay rent-exempt.
         left = chain.lamports(payer) - rent if rent else 0
@@ -140,7 +146,7 @@ def prepare_transaction(
         mint=requirement["asset"],
         pay_to=requirement["payTo"],
         amount_atomic=amount,
-        intent_id=intent.id,
+        intent_id=intent_id,
         recent_blockhash=blockhash.blockhash,
         create_payee_account=rent > 0,
     )

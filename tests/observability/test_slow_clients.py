@@ -1,7 +1,7 @@
-"""Slow clients (slowloris) against `payintent serve` (gunicorn, 2 sync workers), directly and behind nginx.
+"""Slow clients (slowloris) against `payintent serve` (gunicorn, gthread workers), directly and behind nginx.
 
-A sync worker holds one connection from its first byte to its last. A few connections that send a request a byte
-at a time hold every worker, and everyone else's requests wait in the listen queue: the service stops answering.
+A worker thread holds one connection from its first byte to its last. A few connections that send a request a byte
+at a time hold every thread, and everyone else's requests wait: the service stops answering.
 The production shape (docker-compose.yml) puts nginx in front with deploy/nginx.conf, which holds slow connections
 itself and hands gunicorn only complete requests. These tests run that very file under Debian's nginx (`make
 nginx`, a prerequisite of `make test`), rewriting only its listen address, its upstream and its /tmp/ paths.
@@ -141,14 +141,15 @@ def ordinary_requests(base: str) -> list[tuple[int, float]]:
 
 
 def test_slow_clients_stall_gunicorn_reached_directly(tmp_path, stub_rpc):
-    """The attack itself: with nothing in front, 24 slow connections leave no worker for an ordinary request."""
-    proc, base = start_serve(tmp_path, stub_rpc, workers=2)
+    """The attack itself: with nothing in front, 24 slow connections leave no thread for an ordinary request.
+    One worker of 4 threads: with two, how the connections spread over them decides whether one is left free."""
+    proc, base = start_serve(tmp_path, stub_rpc, workers=1, WEB_THREADS="4")
     try:
         with Slowloris(int(base.rsplit(":", 1)[1])):
-            time.sleep(2)  # both workers have taken a slow connection
+            time.sleep(2)  # every thread has taken a slow connection
             with pytest.raises(requests.Timeout):
                 requests.get(f"{base}/healthz", timeout=PATIENCE)
-        # The attackers gone, the workers come back.
+        # The attackers gone, the threads come back.
         assert requests.get(f"{base}/healthz", timeout=30).status_code == 200
     finally:
         proc.terminate()
@@ -161,7 +162,7 @@ def test_behind_nginx_slow_clients_do_not_stall_the_api(tmp_path, stub_rpc, ngin
         base = nginx_in_front(int(direct.rsplit(":", 1)[1]))
         proxy_port = int(base.rsplit(":", 1)[1])
         with Slowloris(proxy_port):
-            time.sleep(2)  # as long as the direct attack had to stall both workers
+            time.sleep(2)  # as long as the direct attack had to stall every thread
             for _ in range(3):
                 answers = ordinary_requests(base)
                 assert [status for status, _ in answers] == [200, 401], answers
