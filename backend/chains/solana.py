@@ -58,10 +58,10 @@ class SolanaChain:
         self._rent: dict[int, int] = {}
         self._genesis: tuple[float, str] | None = None
 
-    def call(self, method: str, params: list[Any] | None = None) -> Any:
+    def call(self, method: str, params: list[Any] | None = None, *, timeout: float | None = None) -> Any:
         body = {"jsonrpc": "2.0", "id": next(_ids), "method": method, "params": params or []}
         try:
-            response = self._session.post(self.rpc_url, json=body, timeout=self.timeout)
+            response = self._session.post(self.rpc_url, json=body, timeout=timeout or self.timeout)
             answer = jsonlimits.loads(response.content)  # an RPC's answer nested 20,000 deep: refused, no crash
         except (requests.RequestException, ValueError) as exc:
             raise SolanaRpcError(
@@ -130,38 +130,52 @@ class SolanaChain:
         value = self.call("simulateTransaction", [tx_base64, options])["value"]
         return Simulation(value.get("err"), list(value.get("logs") or []), value.get("unitsConsumed"))
 
-    def send(self, tx_base64: str, *, skip_preflight: bool = False) -> str:
+    def send(self, tx_base64: str, *, skip_preflight: bool = False, timeout: float | None = None) -> str:
         """``skip_preflight``: sent as is, without the node's simulation (a re-send of a transaction it accepted)."""
         options = {"encoding": "base64", "skipPreflight": skip_preflight, "preflightCommitment": "confirmed",
                    "maxRetries": 0}  # fmt: skip
-        return str(self.call("sendTransaction", [tx_base64, options]))
+        return str(self.call("sendTransaction", [tx_base64, options], timeout=timeout))
 
     SEND_BATCH = 25  # transactions per JSON-RPC batch (~1 KB each: well under a node's body limit)
 
-    def send_again(self, transactions: Sequence[str]) -> int:
+    def send_again(self, transactions: Sequence[str], *, deadline: float | None = None) -> int:
         """Send transactions the node accepted before once more (``skipPreflight``), in JSON-RPC batches; how many
-        the node took. An element's error is left alone (the signature's status tells); a node refusing batches
-        is sent one call each."""
+        the node took. An element's error is left alone (the signature's status tells); a node that answered but
+        refused a batch is sent one call each. An RPC unreachable (a timeout, a failed connection) ends the round:
+        the rest waits for the next one. ``deadline`` (monotonic): no call runs past it (each call's timeout is cut
+        to what is left), so a slow node cannot hold the caller."""
         options = {"encoding": "base64", "skipPreflight": True, "maxRetries": 0}
         taken = 0
+
+        def timeout() -> float | None:  # None: the deadline passed
+            left = self.timeout if deadline is None else min(self.timeout, deadline - time.monotonic())
+            return left if left > 0 else None
+
         for start in range(0, len(transactions), self.SEND_BATCH):
             chunk = transactions[start : start + self.SEND_BATCH]
             body = [{"jsonrpc": "2.0", "id": next(_ids), "method": "sendTransaction", "params": [tx, options]}
                     for tx in chunk]  # fmt: skip
+            if (left := timeout()) is None:
+                return taken
             try:
-                response = self._session.post(self.rpc_url, json=body, timeout=self.timeout)
+                response = self._session.post(self.rpc_url, json=body, timeout=left)
                 answer = jsonlimits.loads(response.content)
+            except (requests.Timeout, requests.ConnectionError):
+                return taken  # unreachable: no call each (each would wait as long)
             except (requests.RequestException, ValueError):
                 answer = None
             if isinstance(answer, list):
                 taken += sum(1 for item in answer if isinstance(item, dict) and item.get("result"))
                 continue
-            for tx in chunk:  # no batch answer: one call each
+            for tx in chunk:  # answered, but no batch answer: one call each
+                if (left := timeout()) is None:
+                    return taken
                 try:
-                    self.send(tx, skip_preflight=True)
+                    self.send(tx, skip_preflight=True, timeout=left)
                     taken += 1
-                except SolanaRpcError:
-                    pass
+                except SolanaRpcError as exc:
+                    if exc.unreachable:
+                        return taken
         return taken
 
     def signature_status(self, signature: str) -> dict[str, Any] | None:

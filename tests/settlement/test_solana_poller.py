@@ -25,7 +25,7 @@ from solders.signature import Signature
 
 from backend import appstate
 from backend.chains.registry import ChainRegistry, Network
-from backend.chains.solana import MAX_SIGNATURE_STATUSES, SolanaChain
+from backend.chains.solana import MAX_SIGNATURE_STATUSES, SolanaChain, SolanaRpcError
 from backend.extensions import db
 from backend.rails.base import Claim, TxState, TxStatus
 from backend.rails.registry import rail_for
@@ -50,7 +50,9 @@ from tests.settlement.test_solana_already_paid import _cosigned_claim, relay_key
 
 class Proxy:
     """The devnet's Solana RPC behind a proxy that counts calls and swallows the next ``drop`` sends (answered
-    with the signature, as a node that accepted them and lost them would); ``refuse_batches``: as some RPCs."""
+    with the signature, as a node that accepted them and lost them would); ``refuse_batches``: as some RPCs;
+    ``hang_resends``: a ``skipPreflight`` send (the poller's) hangs until the proxy closes; ``fail_statuses``:
+    ``getSignatureStatuses`` answers an error."""
 
     def __init__(self, upstream: str) -> None:
         proxy = self
@@ -84,6 +86,11 @@ class Proxy:
         self.drop_all = False
         self.dropped = 0
         self.hang = 0.0
+        self.hang_resends = False
+        self.hung = 0
+        self.released = threading.Event()
+        self.fail_statuses = False
+        self.sent: set[str] = set()  # the signatures of every sendTransaction
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -94,12 +101,22 @@ class Proxy:
             self.calls[method] += 1
             if method == "getSignatureStatuses":
                 self.status_batches.append(len(call["params"][0]))
+                if self.fail_statuses:
+                    return {"jsonrpc": "2.0", "id": call["id"], "error": {"code": -32005, "message": "unhealthy"}}
+            resent = method == "sendTransaction" and (call["params"][1:] or [{}])[0].get("skipPreflight")
+            hung = bool(resent and self.hang_resends)
+            self.hung += hung
+            if method == "sendTransaction":
+                self.sent.add(str(stx.decode(call["params"][0]).signatures[0]))
             dropped = method == "sendTransaction" and (self.drop > 0 or self.drop_all)
             if dropped:
                 self.drop -= 1
                 self.dropped += 1
         if self.hang:
             time.sleep(self.hang)
+        if hung:
+            self.released.wait()
+            return {"jsonrpc": "2.0", "id": call["id"], "error": {"code": -32005, "message": "hung"}}
         if dropped:
             signature = str(stx.decode(call["params"][0]).signatures[0])
             return {"jsonrpc": "2.0", "id": call["id"], "result": signature}
@@ -109,8 +126,10 @@ class Proxy:
         with self.lock:
             self.calls.clear()
             self.status_batches.clear()
+            self.sent.clear()
 
     def close(self) -> None:
+        self.released.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -187,7 +206,9 @@ def test_many_waiters_cost_one_status_read_per_tick_and_a_dropped_send_is_sent_a
     assert proxy.calls["getBlockHeight"] <= polls + 1
     assert polls <= elapsed / poller_module.TICK_SECONDS + 2
     # Each was sent again once by the poller and landed once: buyers debited once, the merchant credited once.
-    assert proxy.calls["sendTransaction"] == len(claims) and proxy.batches >= 1  # in JSON-RPC batches
+    # (One landing slower than a re-send's interval under load is sent twice: still one signature, paid once.)
+    assert proxy.calls["sendTransaction"] >= len(claims) and proxy.batches >= 1  # in JSON-RPC batches
+    assert proxy.sent == {c.tx_id for c in claims}
     assert usdc(sol, devnet, sol_shop.wallet) == 12_000_000
     for owner, amount in before.items():
         assert amount - usdc(sol, devnet, owner) == 4_000_000
@@ -221,7 +242,7 @@ def test_the_relayer_job_with_a_lost_send_ends_paid_once(
     assert len([e for e in events("payment.completed") if e["data"]["intent_id"] == intent["intent_id"]]) == 1
 
 
-def test_an_expired_blockhash_is_not_landed_at_once_and_the_settlement_fails_as_before(
+def test_not_landed_while_the_blockhash_is_valid_leaves_the_job_waiting_then_the_chain_fails_it(
     pay_client,
     devnet,
     sol_shop,  # noqa: F811
@@ -233,17 +254,32 @@ def test_an_expired_blockhash_is_not_landed_at_once_and_the_settlement_fails_as_
     payer = buyer(devnet, 2)
     before = usdc(sol, devnet, str(payer.pubkey()))
     proxy.drop_all = True  # lost, and every re-send too
-    settlement_id, claim = submitted(pay_client, devnet, sol_shop, proxied, 1, payer, last_valid_offset=5)
+    intent = create_intent(pay_client, sol_shop, 1)
+    settlement_id, cosigned = _cosigned_claim(pay_client, devnet, sol_shop, intent, payer, claimed=True)
+    # The row's last valid block height is near: the poller calls it "not landed" within seconds, while the
+    # transaction's own blockhash is still valid on the node (it could still land).
+    height = sol.block_height("finalized") + 5
+    db.session.execute(db.update(Settlement).where(Settlement.id == settlement_id)
+                       .values(last_valid_block_height=height))  # fmt: skip
+    db.session.commit()
     started = time.monotonic()
-    assert rail_for(proxied).wait_landed(proxied, claim, 60) is None  # not landed: it never can
-    assert time.monotonic() - started < 30  # the height passed its last valid one (~2 s), not the timeout
-    assert sol.signature_status(claim.tx_id or "") is None
+    assert tasks._settle(settlement_id, None) == "waiting-for-receipt"  # type: ignore[arg-type]
+    assert time.monotonic() - started < 30  # the height passed the row's last valid one, not the 60 s wait
+    assert sol.is_blockhash_valid(str(cosigned.message.recent_blockhash))
+    settled = row(settlement_id)
+    assert (settled.status, settled.tx_hash) == ("submitted", str(cosigned.signatures[0]))  # nothing released
+    assert usdc(sol, devnet, sol_shop.wallet) == 0 and usdc(sol, devnet, str(payer.pubkey())) == before
+    # "Not landed" ends the poller's re-sends of it.
+    sends = proxy.calls["sendTransaction"]
+    time.sleep(poller_module.RESEND_SECONDS + 1)
+    assert proxy.calls["sendTransaction"] == sends
     # The settlement ends as it did before the poller: left for the chain, failed once the blockhash is dead.
     sol.call("devnet_expireBlockhashes")
     proxy.drop_all = False
     assert tasks._settle(settlement_id, None) == "finished-from-chain"  # type: ignore[arg-type]
     settled = row(settlement_id)
     assert (settled.status, settled.failure_code) == ("failed", "AUTHORIZATION_EXPIRED")
+    assert sol.signature_status(str(cosigned.signatures[0])) is None
     assert usdc(sol, devnet, sol_shop.wallet) == 0 and usdc(sol, devnet, str(payer.pubkey())) == before
 
 
@@ -264,25 +300,83 @@ def test_a_waiter_never_waits_past_its_timeout_and_a_dead_poller_thread_is_start
     assert poller.wait(str(Signature.new_unique()), lambda height: True, 0.5) is None
     assert time.monotonic() - started < 3.5
     proxy.hang = 0.0
-    # The thread's next tick kills it (a SystemExit goes through its catch-all); the waiter starts it again.
-    real_tick = poller.tick
-    died = threading.Event()
-
-    def die_once() -> None:
-        if not died.is_set():
-            died.set()
-            raise SystemExit
-        real_tick()
-
-    monkeypatch.setattr(poller, "tick", die_once)
+    proxy.drop = 1  # it lands only once the poller sends it again: the thread dies before
     _, claim = submitted(pay_client, devnet, sol_shop, proxied, 1, buyer(devnet, 0))
-    status = rail_for(proxied).wait_landed(proxied, claim, 30)
+    signature = claim.tx_id or ""
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(rail_for(proxied).wait_landed, proxied, claim, 30)
+        while poller._entries[signature].waiters == 0:
+            time.sleep(0.01)
+        # The thread's next tick kills it (a SystemExit goes through its catch-all); only the waiter can start
+        # it again (no track, no new waiter comes).
+        first = poller._thread
+        real_tick = poller.tick
+        died = threading.Event()
+
+        def die_once() -> None:
+            if not died.is_set():
+                died.set()
+                raise SystemExit
+            real_tick()
+
+        monkeypatch.setattr(poller, "tick", die_once)
+        status = waiting.result()
     assert died.is_set() and status is not None and status.state is TxState.SUCCEEDED
+    assert first is not None and not first.is_alive() and poller._thread is not first
     assert usdc(sol, devnet, sol_shop.wallet) == 1_000_000
 
 
-def test_statuses_of_more_than_the_nodes_limit_take_one_call_per_chunk(proxy):
-    chain = SolanaChain(proxy.url)
-    unknown = [str(Signature.new_unique()) for _ in range(MAX_SIGNATURE_STATUSES + 44)]
-    assert chain.signature_statuses(unknown) == [None] * len(unknown)
+def test_status_reads_go_on_while_the_node_hangs_on_sends(
+    pay_client,
+    devnet,
+    sol_shop,  # noqa: F811
+    sol,  # noqa: F811
+    proxy,
+    proxied,
+):
+    proxy.drop = 1
+    proxy.hang_resends = True  # the poller's re-sends hang (the relay's own sends do not)
+    submitted(pay_client, devnet, sol_shop, proxied, 1, buyer(devnet, 0))  # lost: the poller sends it again
+    deadline = time.monotonic() + 30
+    while not proxy.hung and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proxy.hung  # a re-send hangs in the poller's tick now
+    _, claim = submitted(pay_client, devnet, sol_shop, proxied, 2, buyer(devnet, 1))  # sent and landed
+    # Seen within seconds: the hanging re-send is cut short (no call per transaction after a timeout).
+    status = rail_for(proxied).wait_landed(proxied, claim, 5)
+    assert status is not None and status.state is TxState.SUCCEEDED
+    assert usdc(sol, devnet, sol_shop.wallet) == 2_000_000  # the lost one never reached the SVM
+
+
+def _airdropped(chain: SolanaChain) -> str:
+    """A landed signature (confirmed)."""
+    signature = str(chain.call("requestAirdrop", [str(Keypair().pubkey()), 1_000_000]))
+    deadline = time.monotonic() + 30
+    while (chain.signature_status(signature) or {}).get("confirmationStatus") not in ("confirmed", "finalized"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    return signature
+
+
+def test_statuses_of_more_than_the_nodes_limit_take_one_call_per_chunk_in_order(sol, proxy):  # noqa: F811
+    landed = {0: _airdropped(sol), 255: _airdropped(sol), 256: _airdropped(sol)}
+    signatures = [landed.get(i) or str(Signature.new_unique()) for i in range(MAX_SIGNATURE_STATUSES + 44)]
+    proxy.reset()
+    statuses = SolanaChain(proxy.url).signature_statuses(signatures)
     assert proxy.status_batches == [MAX_SIGNATURE_STATUSES, 44]
+    assert [i for i, status in enumerate(statuses) if status is not None] == sorted(landed)
+    for i, signature in landed.items():
+        assert statuses[i]["slot"] == sol.signature_status(signature)["slot"]  # type: ignore[index]
+
+
+def test_waiters_raise_after_failed_reads_and_a_later_waiter_is_answered(sol, proxy):  # noqa: F811
+    signature = _airdropped(sol)
+    poller = poller_for(proxy.url)
+    proxy.fail_statuses = True
+    started = time.monotonic()
+    with pytest.raises(SolanaRpcError, match="unhealthy"):
+        poller.wait(signature, lambda height: True, 30)
+    assert time.monotonic() - started < 20  # after FAILURES_BEFORE_RAISE reads, not the timeout
+    proxy.fail_statuses = False  # the node is back: an earlier outage is not raised in a new waiter
+    status = poller.wait(signature, lambda height: True, 30)
+    assert status is not None and status["confirmationStatus"] in poller_module.LANDED

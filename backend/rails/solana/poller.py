@@ -12,7 +12,11 @@ more calls beyond) and, when a signature has no status or is due to be sent agai
   its own rules);
 - otherwise, every ``RESEND_SECONDS`` while its blockhash may still execute, the very same signed transaction is
   sent again (``skipPreflight``; one signature, so the network executes it at most once and nothing new is
-  recorded): a dropped broadcast lands rather than expires (our sends ask the node for no retries).
+  recorded): a dropped broadcast lands rather than expires (our sends ask the node for no retries). This goes on
+  after the last waiter left (a job's wait timed out), until it lands or can never land, at most
+  ``RESEND_FOR_SECONDS`` (a blockhash lives ~150 blocks: about a minute, longer with skipped slots). Re-sends take
+  at most ``RESEND_BUDGET_SECONDS`` a tick, after the status read; a node that does not answer a send (a timeout,
+  no connection) ends that tick's re-sends, so a slow ``sendTransaction`` does not hold back the status reads.
 
 A waiter never waits past its timeout (an RPC call hanging in the thread delays no one's return). A status read
 failing ``FAILURES_BEFORE_RAISE`` ticks in a row raises ``SolanaRpcError`` in the waiters, as their own read did.
@@ -40,6 +44,10 @@ FAILURES_BEFORE_RAISE = 3
 IDLE_EXIT_SECONDS = 30.0
 # How long a tracked transaction is polled with no waiter (submit hands it over, then wait_landed waits on it).
 UNWAITED_SECONDS = 10.0
+# How long a tracked transaction (sent, to send again) may be polled at most with no waiter: past its blockhash's
+# life (~150 blocks), which ends it sooner ("can never land").
+RESEND_FOR_SECONDS = 300.0
+RESEND_BUDGET_SECONDS = 1.0  # the re-sends' share of a tick, at most
 RPC_TIMEOUT_SECONDS = 5.0
 LANDED = ("confirmed", "finalized")
 
@@ -69,10 +77,15 @@ class _Entry:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+def is_catchable(exc: BaseException) -> bool:
+    """solders raises pyo3's ``PanicException`` (a BaseException, not importable by name) on some malformed input:
+    a catch-all takes an Exception or that panic, and lets every other BaseException (KeyboardInterrupt,
+    SystemExit, the worker's ``StopNow``) go on."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
+
+
 def _raise_fatal(exc: BaseException) -> None:
-    """solders raises ``PanicException`` (a BaseException) on malformed input: caught with the rest, but a
-    KeyboardInterrupt or SystemExit goes on."""
-    if isinstance(exc, KeyboardInterrupt | SystemExit):
+    if not is_catchable(exc):
         raise exc
 
 
@@ -95,23 +108,26 @@ class SignaturePoller:
         self._thread: threading.Thread | None = None
         self._failures = 0
         self._last_error: SolanaRpcError | None = None
+        self._failed_at = 0.0  # the last failed read (monotonic): a waiter that came after it is not told of it
 
     # --- the callers' side ------------------------------------------------------------------------------
 
     def track(self, signature: str, transaction: str, still_valid: StillValid) -> None:
         """A co-signed transaction just sent: polled (and sent again while it may execute) until it lands, its
-        blockhash expires, or no one waited on it for ``UNWAITED_SECONDS``."""
+        blockhash expires, or ``RESEND_FOR_SECONDS`` passed."""
         check_signature(signature)
         with self._lock:
             entry = self._entry(signature, still_valid)
             entry.transaction = transaction
             entry.last_sent = time.monotonic()
+            entry.keep_until = max(entry.keep_until, entry.last_sent + RESEND_FOR_SECONDS)  # see the module's doc
             self._ensure_running()
 
     def wait(self, signature: str, still_valid: StillValid, timeout: float) -> dict[str, Any] | None:
         """The signature's status once it landed (``confirmed``); None if it did not within ``timeout`` or can
         never land (no status and its blockhash expired). Raises SolanaRpcError if the node cannot be read."""
-        deadline = time.monotonic() + timeout
+        since = time.monotonic()
+        deadline = since + timeout
         check_signature(signature)
         with self._lock:
             entry = self._entry(signature, still_valid)
@@ -126,13 +142,14 @@ class SignaturePoller:
                     return entry.status
                 with self._lock:
                     self._ensure_running()  # it died: started again
-                    if self._failures >= FAILURES_BEFORE_RAISE and self._last_error is not None:
+                    failing = self._failures >= FAILURES_BEFORE_RAISE and self._failed_at > since
+                    if failing and self._last_error is not None:
                         raise self._last_error
         finally:
             with self._lock:
                 entry.waiters -= 1
-                if entry.waiters == 0:
-                    entry.keep_until = time.monotonic()
+                if entry.waiters == 0 and entry.transaction is None:
+                    entry.keep_until = time.monotonic()  # watched only: dropped (a sent one is sent again)
 
     # --- the thread -------------------------------------------------------------------------------------
 
@@ -171,6 +188,7 @@ class SignaturePoller:
         with self._lock:
             self._failures += 1
             self._last_error = error
+            self._failed_at = time.monotonic()
 
     def tick(self) -> None:
         """One poll of every signature waited on (the thread's step; a test may call it alone)."""
@@ -217,7 +235,8 @@ class SignaturePoller:
             self._resend(again)
 
     def _finish(self, entry: _Entry) -> None:  # the lock held
-        self._entries.pop(entry.signature, None)
+        if self._entries.get(entry.signature) is entry:  # not a newer entry of the same signature
+            del self._entries[entry.signature]
         entry.done.set()
 
     def _resend(self, entries: list[_Entry]) -> None:
@@ -227,7 +246,8 @@ class SignaturePoller:
         for entry in entries:
             entry.last_sent = sent
         self.counter.resends += len(entries)
-        taken = self.chain.send_again([e.transaction for e in entries if e.transaction is not None])
+        transactions = [e.transaction for e in entries if e.transaction is not None]
+        taken = self.chain.send_again(transactions, deadline=sent + RESEND_BUDGET_SECONDS)
         if taken < len(entries):
             log.info("Solana signature poller: the node took %d of %d transactions sent again", taken, len(entries))
 

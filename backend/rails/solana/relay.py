@@ -33,7 +33,7 @@ from backend.rails.base import (
     TxState,
     TxStatus,
 )
-from backend.rails.solana.poller import LANDED, poller_for
+from backend.rails.solana.poller import LANDED, is_catchable, poller_for
 from backend.rails.solana.terms import SolanaTerms
 from payintent import solana_tx as stx
 
@@ -91,14 +91,17 @@ def submit(
     if claim.tx_id != signature:
         before_broadcast(signature, str(relay.pubkey()), None)
     encoded = stx.encode(tx)
+    # The network's poller sends it again while it is in flight and may still execute (``wait_landed``).
+    poller = poller_for(chain.rpc_url)
     try:
         chain.send(encoded)
     except SolanaRpcError as exc:
+        if exc.unreachable:  # a timeout: the node may have it; sent again (one signature: executed at most once)
+            poller.track(signature, encoded, lambda height: may_still_execute(terms, height))
         # Refused in preflight (or already processed). The intent is not released here: the
         # reconciler decides once the signature is known or the blockhash has expired.
         raise ChainDecides("refused", logged=f"the node refused the transaction ({exc})") from None
-    # The network's poller sends it again while it is in flight and may still execute (``wait_landed``).
-    poller_for(chain.rpc_url).track(signature, encoded, lambda height: may_still_execute(terms, height))
+    poller.track(signature, encoded, lambda height: may_still_execute(terms, height))
     return Submission(signature, str(relay.pubkey()))
 
 
@@ -162,7 +165,7 @@ def load_keys(network: Network, secrets: Sequence[str]) -> SolanaRelayKeys | Non
     try:
         keypair = Keypair.from_base58_string(secrets[0])
     except BaseException as exc:  # solders may panic on malformed input
-        if isinstance(exc, KeyboardInterrupt | SystemExit):
+        if not is_catchable(exc):
             raise
         raise RelayKeyError(f"the relay key for {network.network} is not a base58 Solana keypair") from None
     if network.fee_payer and str(keypair.pubkey()) != network.fee_payer:
