@@ -128,11 +128,12 @@ class BlockWatcher:
         """The tracked hashes (lowercase) and their keys."""
         return {tx_hash: tracked.key for tx_hash, tracked in self._tracked.items()}
 
-    def poll(self) -> list[Event]:
-        """Read the head; on a new one, the tracked transactions' receipts and their blocks, in one batch."""
+    def poll(self, force: bool = False) -> list[Event]:
+        """Read the head; on a new one (or ``force``: a hash tracked since may be in a head read already), the
+        tracked transactions' receipts and their blocks, in one batch."""
         head = _result(call_one(self.chain.w3, "eth_blockNumber", [], self.counter), "eth_blockNumber")
         head_number = quantity(head)
-        if head_number == self._head:
+        if head_number == self._head and not force:
             return []
         events: list[Event] = []
         if self._tracked:
