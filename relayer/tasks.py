@@ -200,7 +200,7 @@ def _may_land_unwatched(rail: Rail, claim: Claim) -> bool:
 
 
 def _submitted(settlement_id: str, tx_id: str, relay_address: str, relay_nonce: int | None) -> None:
-    services.mark_submitted(settlement_id, tx_id, relay_address, relay_nonce)
+    services.mark_submitted(settlement_id, tx_id, relay_address, relay_nonce=relay_nonce)
     crash_point("after-mark-submitted")
 
 

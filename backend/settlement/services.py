@@ -311,9 +311,10 @@ def oldest_open_at() -> datetime | None:
     return db.session.scalar(select(func.min(Settlement.created_at)).where(Settlement.status.in_(st.OPEN)))
 
 
-def mark_submitted(settlement_id: str, tx_hash: str, relay_address: str, relay_nonce: int | None = None) -> None:
+def mark_submitted(settlement_id: str, tx_hash: str, relay_address: str, *, relay_nonce: int | None) -> None:
     """Record the transaction hash (and its sender and, on EVM, its nonce) before it is broadcast, so a crash after
-    sending is recoverable."""
+    sending is recoverable. ``relay_nonce`` is always given (None on Solana): an EVM caller that forgot it would
+    blank the recorded nonce."""
     now = clock.now()
     db.session.execute(
         update(Settlement)

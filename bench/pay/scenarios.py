@@ -191,7 +191,7 @@ def relay_in_process(stack: Stack, chain: Any, accounts: list[Any], settlement_i
 
     def before_broadcast(tx_hash: str, address: str, nonce: int | None) -> None:
         marks["b0"], marks["m0"], marks["w0"] = time.perf_counter(), log.mark(), time.time()
-        services.mark_submitted(settlement_id, tx_hash, address, nonce)
+        services.mark_submitted(settlement_id, tx_hash, address, relay_nonce=nonce)
         marks["b1"], marks["m1"], marks["w1"] = time.perf_counter(), log.mark(), time.time()
 
     mark, started, w_start = log.mark(), time.perf_counter(), time.time()

@@ -206,7 +206,8 @@ def test_a_returned_nonce_is_handed_out_again_and_leaves_no_gap(w3, token, relay
     assert [receipt(w3, h)["blockNumber"] for h in hashes] == [block] * 3
     assert w3.eth.get_transaction_count(relay.address, "latest") == 3 == nonces.allocate()
     assert balance(token, payee) == 3_000
-    assert manager(w3, relay, redis).start(None) == []  # the hint names nonce 2, the highest sent, not the last
+    assert redis.get(nonces.hint_key) == f"2:{hashes[0]}".encode()  # the highest sent, not the last
+    assert manager(w3, relay, redis).start(None) == []
 
 
 def test_a_replacement_at_the_same_nonce_is_mined_instead_of_the_original(w3, token, relay, redis, no_mining):
@@ -283,6 +284,7 @@ def test_a_hint_whose_transaction_the_node_dropped_keeps_its_nonce_as_a_gap(w3, 
     rpc(w3, "anvil_dropTransaction", [tx_hash])  # the node forgets nonce 1: it may still be mined elsewhere
     assert w3.eth.get_transaction_count(relay.address, "pending") == 1
     assert manager(w3, relay, redis).start(None) == [1]  # not handed out again: filled (or sent again) by the caller
+    assert nonces.start(None) == [1] and nonces.in_flight() == []  # a start forgets what was in flight
 
 
 def test_resync_after_nonce_too_low_moves_past_what_someone_else_sent(w3, token, relay, redis):
@@ -297,6 +299,74 @@ def test_resync_after_nonce_too_low_moves_past_what_someone_else_sent(w3, token,
         broadcast(w3, transfer(w3, token, relay, payee, 1_000, nonce)[1])
     assert nonces.resync() == []
     assert nonces.allocate() == 2
+
+
+def test_a_nonce_sent_without_allocate_is_never_handed_out_again(w3, token, relay, redis, no_mining):
+    nonces = manager(w3, relay, redis)
+    nonces.start(None)
+    assert [nonces.allocate() for _ in range(2)] == [0, 1]
+    nonces.returned(0)
+    cancel = relay.sign_transaction(nonces.cancel_transaction(0, market(w3)))  # the hole filled directly
+    broadcast(w3, bytes(cancel.raw_transaction))
+    nonces.sent(0, "0x" + bytes(cancel.hash).hex())
+    assert nonces.holes() == [] and nonces.allocate() == 2  # not 0 again
+    # A settlement's own transaction sent again at its recorded nonce 5, above the next fresh one (3).
+    tx_hash, raw = transfer(w3, token, relay, Account.create().address, 1_000, 5)
+    broadcast(w3, raw)
+    nonces.sent(5, tx_hash)
+    assert nonces.allocate() == 6  # not 5
+    assert nonces.resync() == [3, 4]  # 1, 2 and 6 are in senders' hands, 0 and 5 in flight
+    assert redis.get(nonces.hint_key) == f"5:{tx_hash}".encode()
+
+
+def test_resync_after_a_node_lost_our_transactions_reports_no_gap_and_never_moves_back(
+    w3, token, relay, redis, no_mining
+):
+    """A lagging or load-balanced node answers a pending count below what we sent: our transactions are sent
+    again at their nonces (``stuck``), never cancelled as gaps, and no nonce is handed out twice."""
+    nonces = manager(w3, relay, redis)
+    nonces.start(None)
+    payee = Account.create().address
+    sent = {}
+    for _ in range(3):
+        nonce = nonces.allocate()
+        tx_hash, raw = transfer(w3, token, relay, payee, 1_000, nonce)
+        broadcast(w3, raw)
+        nonces.sent(nonce, tx_hash)
+        sent[nonce] = (tx_hash, raw)
+    for tx_hash, _ in sent.values():
+        rpc(w3, "anvil_dropTransaction", [tx_hash])
+    assert w3.eth.get_transaction_count(relay.address, "pending") == 0
+    assert nonces.resync() == []  # all three are ours, in flight
+    assert nonces.next_nonce == 3  # not back to the node's 0
+    assert [tx.nonce for tx in nonces.stuck(older_than=0)] == [0, 1, 2]
+    for nonce in (0, 1, 2):
+        broadcast(w3, sent[nonce][1])  # sent again, the same transactions
+    block = mine(w3)
+    assert [receipt(w3, sent[n][0])["blockNumber"] for n in (0, 1, 2)] == [block] * 3
+    assert balance(token, payee) == 3_000  # each transfer once
+    assert nonces.allocate() == 3
+
+
+def test_a_nonce_the_chain_counted_since_is_neither_taken_back_nor_handed_out_again(w3, token, relay, redis):
+    nonces = manager(w3, relay, redis)
+    nonces.start(None)
+    assert [nonces.allocate() for _ in range(3)] == [0, 1, 2]
+    nonces.returned(1)
+    payee = Account.create().address
+    for nonce in range(4):  # someone else uses the account meanwhile (mined at once)
+        broadcast(w3, transfer(w3, token, relay, payee, 1_000, nonce)[1])
+    nonces.returned(0)
+    assert nonces.holes() == [0, 1]
+    assert nonces.resync() == []
+    assert nonces.holes() == []  # the chain counted them: dropped
+    nonces.returned(2)  # below the floor now: dropped too, not handed out again
+    assert (nonces.holes(), nonces.next_nonce) == ([], 4)
+    nonce = nonces.allocate()
+    assert nonce == 4
+    tx_hash, raw = transfer(w3, token, relay, payee, 1_000, nonce)
+    broadcast(w3, raw)  # no "nonce too low"
+    assert receipt(w3, tx_hash)["status"] == 1 and balance(token, payee) == 5_000
 
 
 def test_stuck_lists_what_waited_longer_than_asked_by_the_managers_clock(w3, token, relay, redis, no_mining):
@@ -327,7 +397,17 @@ def test_replacement_fees_bump_both_fields_by_an_eighth_rounded_up():
         "maxFeePerGas": 1_125,
         "maxPriorityFeePerGas": 114,  # 113.625 rounded up
     }
-    assert bumped(0) == 0 and bumped(1) == 2 and bumped(8) == 9 and bumped(9) == 11
+    assert bumped(0) == 1 and bumped(1) == 2 and bumped(8) == 9 and bumped(9) == 11
+
+
+def test_a_zero_tip_is_raised_by_at_least_one_wei_and_a_cancel_never_tips_above_its_fee_cap():
+    assert replacement_fees({"maxFeePerGas": 10, "maxPriorityFeePerGas": 0}, {}, None) == {
+        "maxFeePerGas": 12,
+        "maxPriorityFeePerGas": 1,
+    }
+    nonces = NonceManager(Web3(), NETWORK, Account.create().address, CHAIN_ID, Redis())
+    with pytest.raises(ValueError, match="tip"):
+        nonces.cancel_transaction(0, {"maxFeePerGas": 10, "maxPriorityFeePerGas": 11})
 
 
 def test_replacement_fees_follow_the_market_when_it_asks_more():

@@ -146,7 +146,7 @@ def land_first_payment(app: Any, chain: FakeChain, shop: Any, owner: Keypair, mi
                                       transaction=stx.encode(tx))  # fmt: skip
     settlement_id = services.claim(row, app.extensions["payintent.chains"].get(NET), auth, None)
     signature = str(tx.signatures[0])
-    services.mark_submitted(settlement_id, signature, str(RELAY.pubkey()))
+    services.mark_submitted(settlement_id, signature, str(RELAY.pubkey()), relay_nonce=None)
     chain.tokens[ata(owner, mint)] = 1_000_000  # the account is opened (the buyer's rent) and the payment lands
     chain.statuses[signature] = {"confirmationStatus": "confirmed", "err": None}
     return settlement_id

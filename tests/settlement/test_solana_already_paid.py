@@ -79,7 +79,7 @@ def _cosigned_claim(client: Any, devnet: Any, shop: Any, intent: dict[str, Any],
         db.session.commit()
     relay = relay_keypair(devnet)
     cosigned = stx.sign_as(stx.decode(payload["transaction"]), relay)
-    services.mark_submitted(settlement_id, str(cosigned.signatures[0]), str(relay.pubkey()))
+    services.mark_submitted(settlement_id, str(cosigned.signatures[0]), str(relay.pubkey()), relay_nonce=None)
     return settlement_id, cosigned
 
 

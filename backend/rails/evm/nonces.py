@@ -13,6 +13,14 @@ The rule (one transaction per settlement may ever be mined): a settlement's seco
 its first's (account, nonce), as the same transaction sent again or a replacement with higher fees
 (``replacement_fees``). Never at a new nonce while the first may still be mined: at one nonce the chain mines at
 most one transaction, so at most one of them can execute the authorization, whatever the pool did with the other.
+
+Today's ``relay.send`` does not follow the rule: on "nonce too low" or "underpriced" it signs again at a new
+nonce, the reconciler's resend too, and a send error that is not final (a timeout) leaves the row's nonce with
+no Redis hint, so the next settlement may record the same (account, nonce) on a second row. For money that is
+harmless (the token executes an authorization once, whichever transaction carries it; the other costs gas), but
+a replacement "at the settlement's recorded nonce" could then replace another settlement's transaction. So the
+pipeline must own every nonce (``returned`` only before the nonce is recorded) before replacements are made, and
+(network, relay_address, relay_nonce) gets a unique index only then.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from eth_utils import to_checksum_address
 from redis import Redis
@@ -38,12 +46,12 @@ CANCEL_GAS = 21_000  # a plain transfer of 0 wei: the cheapest transaction that 
 # "replacement transaction underpriced", Anvil any fee not above the old one; 12.5 % leaves room for nodes that
 # round or ask a little more).
 BUMP_NUMERATOR, BUMP_DENOMINATOR = 9, 8
-FEE_FIELDS = ("maxFeePerGas", "maxPriorityFeePerGas")
 
 
 def bumped(fee: int) -> int:
-    """``fee`` raised by 12.5 %, rounded up (0 stays 0)."""
-    return -(-fee * BUMP_NUMERATOR // BUMP_DENOMINATOR)
+    """``fee`` raised by 12.5 %, rounded up, and by at least 1 wei (a tip of 0 becomes 1: a node refuses a
+    replacement whose fees are not above the old ones)."""
+    return max(-(-fee * BUMP_NUMERATOR // BUMP_DENOMINATOR), fee + 1)
 
 
 def replacement_fees(
@@ -106,6 +114,10 @@ class NonceManager:
         self._free: set[int] = set()  # returned, below ``_next``: handed out again first (lowest first)
         self._allocated: set[int] = set()  # handed out, neither sent nor returned yet
         self._in_flight: dict[int, InFlight] = {}
+        # The chain's pending count at ``start``, raised by ``resync`` (never lowered: a lagging node answers
+        # less): nonces below it are counted, so never handed out again nor taken back by ``returned``.
+        self._floor = 0
+        self._hint_lock = threading.Lock()  # orders the Redis hint writes without holding ``_lock``
         self._hinted = -1  # the highest nonce written to the Redis hint by this manager
 
     @classmethod
@@ -120,9 +132,9 @@ class NonceManager:
         return NONCE_KEY.format(self.network, self.address)
 
     # The chain and the hint
-    def chain_count(self, block: str = "pending") -> int:
+    def chain_count(self, block: Literal["pending", "latest"] = "pending") -> int:
         """The account's transaction count at ``block`` ("pending": with what the node holds in its pool)."""
-        return int(self.w3.eth.get_transaction_count(self.address, block))  # type: ignore[arg-type]
+        return int(self.w3.eth.get_transaction_count(self.address, block))
 
     def hint(self) -> tuple[int, str] | None:
         """The Redis hint: the nonce and hash of the last transaction sent from the account (None: none, unreadable)."""
@@ -143,7 +155,8 @@ class NonceManager:
         ``recorded_max`` + 1 (the highest ``relay_nonce`` of the account's settlements, None: none). Returns the
         gaps: the nonces below it the chain has not counted (each is still queued in the node behind a missing
         one, or lost): the caller sends each settlement's own transaction again at its recorded nonce, and fills
-        the rest with ``cancel_transaction``. Forgets what an earlier ``start`` knew."""
+        the rest with ``cancel_transaction``. Forgets what an earlier ``start`` knew (nothing in flight, nothing
+        allocated): call it before any ``allocate``, never while senders hold nonces."""
         pending = self.chain_count()
         hint = self.hint()
         candidates = [pending]
@@ -153,11 +166,13 @@ class NonceManager:
             candidates.append(recorded_max + 1)
         with self._lock:
             self._next = max(candidates)
+            self._floor = pending
             self._free.clear()
             self._allocated.clear()
             self._in_flight.clear()
+            gaps = self._gaps()
+        with self._hint_lock:
             self._hinted = hint[0] if hint is not None else -1
-            gaps = self._gaps(pending)
         if gaps:
             log.warning("relay account %s on %s: nonces %s are not counted by the chain (gaps to fill)",
                         self.address, self.network, gaps)  # fmt: skip
@@ -165,19 +180,22 @@ class NonceManager:
 
     def resync(self) -> list[int]:
         """After the node's "nonce too low" (someone else used the account, or a lagging node): read the chain
-        again; the next nonce never falls below its pending count, and returned nonces it counted are dropped.
-        Returns the gaps as ``start`` does (nonces below the next one the chain has not counted, not in a
-        sender's hands and not returned)."""
+        again. The floor and the next nonce rise to its pending count, never fall (a lagging node answers less);
+        returned nonces below the floor are dropped. Returns the gaps as ``start`` does: nonces from the floor
+        up the chain has not counted, not in a sender's hands, not returned and not in flight (one of ours the
+        node lost is ``stuck``'s, to send again at its nonce, never to cancel)."""
         pending = self.chain_count()
         with self._lock:
             next_nonce = self._require_started()
-            self._next = max(next_nonce, pending)
-            self._free = {nonce for nonce in self._free if nonce >= pending}
-            return self._gaps(pending)
+            self._floor = max(self._floor, pending)
+            self._next = max(next_nonce, self._floor)
+            self._free = {nonce for nonce in self._free if nonce >= self._floor}
+            return self._gaps()
 
-    def _gaps(self, pending: int) -> list[int]:
+    def _gaps(self) -> list[int]:
         assert self._next is not None
-        return [n for n in range(pending, self._next) if n not in self._allocated and n not in self._free]
+        taken = self._allocated | self._free | self._in_flight.keys()
+        return [n for n in range(self._floor, self._next) if n not in taken]
 
     def _require_started(self) -> int:
         if self._next is None:
@@ -206,11 +224,15 @@ class NonceManager:
 
     def returned(self, nonce: int) -> None:
         """``nonce`` was allocated but never broadcast: it is the next one handed out (the highest ones returned
-        just lower the next fresh nonce), so no gap is left once the account sends again."""
+        just lower the next fresh nonce), so no gap is left once the account sends again. One below the floor
+        (the chain counted it since: someone else used it) is dropped. Only before the nonce is recorded on a
+        settlement (``relay_nonce``): a recorded one stays that settlement's."""
         with self._lock:
             if nonce not in self._allocated:
                 raise ValueError(f"nonce {nonce} of {self.address} was not allocated, or was sent already")
             self._allocated.discard(nonce)
+            if nonce < self._floor:
+                return
             self._free.add(nonce)
             assert self._next is not None
             while self._next - 1 in self._free:
@@ -219,11 +241,16 @@ class NonceManager:
 
     def sent(self, nonce: int, tx_hash: str) -> None:
         """A transaction at ``nonce`` was broadcast (a first one, one sent again, a replacement or a gap's
-        cancel): it is in flight until mined, and the Redis hint names it if it is the highest sent."""
+        cancel, allocated here or not): it is in flight until mined, never handed out again (taken from the
+        returned ones; the next fresh nonce moves past it), and the Redis hint names it if it is the highest
+        sent (written after the manager's lock is released: no allocation waits for Redis)."""
         with self._lock:
-            self._require_started()
+            next_nonce = self._require_started()
             self._allocated.discard(nonce)
+            self._free.discard(nonce)
+            self._next = max(next_nonce, nonce + 1)
             self._in_flight[nonce] = InFlight(nonce, tx_hash, self.monotonic())
+        with self._hint_lock:
             if nonce >= self._hinted:
                 self._hinted = nonce
                 self.redis.set(self.hint_key, f"{nonce}:{tx_hash}")
@@ -254,7 +281,11 @@ class NonceManager:
     def cancel_transaction(self, nonce: int, fees: dict[str, int]) -> dict[str, Any]:
         """A transaction that takes ``nonce`` and does nothing: 0 wei to the account itself, ``CANCEL_GAS`` gas,
         ``fees`` (EIP-1559 fields). It fills a gap no settlement owns (a settlement's own nonce gets its own
-        transaction again, or that transaction's replacement: the module's rule)."""
+        transaction again, or that transaction's replacement: the module's rule). Raises ValueError when the tip
+        is above the fee cap (the node would refuse it)."""
+        fee_cap, tip = int(fees["maxFeePerGas"]), int(fees["maxPriorityFeePerGas"])
+        if tip > fee_cap:
+            raise ValueError(f"a cancel's tip ({tip}) is above its fee cap ({fee_cap})")
         return {
             "type": 2,
             "from": self.address,
@@ -263,5 +294,6 @@ class NonceManager:
             "nonce": nonce,
             "gas": CANCEL_GAS,
             "chainId": self.chain_id,
-            **{field: int(fees[field]) for field in FEE_FIELDS},
+            "maxFeePerGas": fee_cap,
+            "maxPriorityFeePerGas": tip,
         }

@@ -231,7 +231,7 @@ def send(
     accounts: list[LocalAccount],
     call: Any,
     fee_fields: dict[str, int],
-    before_broadcast: Any,
+    before_broadcast: Callable[[str, str, int], None],
 ) -> str:
     """Estimate from a leased account, then sign and broadcast from it; ``before_broadcast(tx_hash, address,
     nonce)`` runs first.
