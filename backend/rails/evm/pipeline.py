@@ -89,6 +89,8 @@ class SharedWatcher:
             while True:
                 with self._lock:
                     if expected.status is not None:
+                        if expected.waiters == 1 and self._expected.get(key) is expected:
+                            del self._expected[key]  # mined and told: the thread stops reading it
                         return expected.status
                     expected.event.clear()
                 left = deadline - time.monotonic()
