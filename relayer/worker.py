@@ -62,8 +62,8 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False) -> None:
 def run_pool(processes: int, argv: list[str]) -> int:
     """Supervise ``processes`` relayer processes (one job at a time each), restarting any that dies.
 
-    Each job leases a free relay account of its chain, so N processes use up to N accounts of a
-    chain in parallel. SIGTERM, SIGINT or SIGHUP stops them all.
+    Each process leases relay accounts of its chain for its lifetime (backend/rails/evm/accounts.py), so N
+    processes use up to N accounts of a chain in parallel, each with many transactions in flight. SIGTERM, SIGINT or SIGHUP stops them all.
     """
     import signal
     import subprocess

@@ -136,7 +136,9 @@ class AccountPool:
             log.error("relay account %s on %s: lease lost; no longer used by this process", address, self.network)
 
     def renew(self) -> None:
-        for address, key in [(a, o.key) for a, o in list(self._owned.items())]:
+        with self._lock:
+            held_here = [(address, owned.key) for address, owned in self._owned.items()]
+        for address, key in held_here:
             held = self.redis.get(key)
             if held == self.token:
                 self.redis.expire(key, self.lease_seconds)
