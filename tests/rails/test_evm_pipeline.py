@@ -383,3 +383,34 @@ def test_the_checks_batch_keeps_the_refusals(node: Chain):
     assert node.w3.eth.get_transaction_count(account.address) == start + 1  # only the payment took a nonce
     assert accounts_module._pools[NETWORK].take().manager.allocate() == start + 1  # no nonce left behind
     assert node.balance(payee) == 1_000 and node.balance(other.address) == 1_000
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread killed
+def test_a_dead_watcher_thread_is_started_again_and_a_waiter_keeps_its_timeout(
+    node: Chain, monkeypatch: pytest.MonkeyPatch
+):
+    import time
+
+    watcher = pipeline.shared_watcher(node.chain)
+    real = watcher.poll_once
+    died: list[bool] = []
+
+    def dying() -> None:
+        if not died:
+            died.append(True)
+            raise SystemExit  # not an Exception: the thread ends
+        real()
+
+    monkeypatch.setattr(watcher, "poll_once", dying)
+    watcher.ensure_running()
+    _until(lambda: died and watcher._thread is not None and not watcher._thread.is_alive())
+    began = time.monotonic()
+    assert watcher.wait("0x" + "ab" * 32, 1.0) is None  # never sent: None at its timeout, not later
+    assert time.monotonic() - began < 5
+    assert watcher._thread is not None and watcher._thread.is_alive()  # started again by the waiter
+    account = node.relay_account()
+    signed = account.sign_transaction({"to": account.address, "value": 0, "gas": 21_000, "gasPrice": 2 * 10**9,
+                                       "nonce": 0, "chainId": node.network.chain_id})  # fmt: skip
+    tx_hash = "0x" + bytes(node.w3.eth.send_raw_transaction(signed.raw_transaction)).hex()
+    status = EVM_RAIL.wait_landed(node.network, _claim_of(tx_hash), 30)
+    assert status is not None and status.state is TxState.SUCCEEDED

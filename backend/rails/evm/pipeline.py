@@ -62,6 +62,7 @@ class SharedWatcher:
         self._stop = threading.Event()
         self._heads: deque[float] = deque(maxlen=8)  # when new heads were seen (monotonic)
         self.rebroadcasts = 0
+        self._force = False  # hashes were handed to the BlockWatcher and not read yet (only the thread touches it)
 
     # Jobs
     def expect(self, tx_hash: str, raw: bytes | None = None) -> None:
@@ -160,7 +161,9 @@ class SharedWatcher:
             self.blocks.untrack(key)
         head_before = self.blocks.head
         # A hash expected since the last round may be in a head already read: read it even if the head has not moved.
-        events = self.blocks.poll(force=bool(new))
+        self._force = self._force or bool(new)
+        events = self.blocks.poll(force=self._force)
+        self._force = False  # read (a failed poll raised above: the next round reads again)
         if self.blocks.head != head_before:
             self._heads.append(time.monotonic())
         for event in events:
