@@ -63,7 +63,8 @@ def run_pool(processes: int, argv: list[str]) -> int:
     """Supervise ``processes`` relayer processes (one job at a time each), restarting any that dies.
 
     Each process leases relay accounts of its chain for its lifetime (backend/rails/evm/accounts.py), so N
-    processes use up to N accounts of a chain in parallel, each with many transactions in flight. SIGTERM, SIGINT or SIGHUP stops them all.
+    processes use up to N accounts of a chain in parallel, each with many transactions in flight.
+    SIGTERM, SIGINT or SIGHUP stops them all.
     """
     import signal
     import subprocess
