@@ -16,6 +16,7 @@ from backend import appstate
 from backend.logs import register_secret
 from backend.queueing import relayer_queue, set_job_app, work
 from backend.rails.registry import rail_for
+from backend.settlement import services as settlement_services
 from relayer import tasks
 from relayer.keys import RelayKeyError, load_relay_keys
 
@@ -34,6 +35,11 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False) -> None:
     if missing:
         raise RelayKeyError(f"no relay keys for {', '.join(missing)} (named in RELAYER_NETWORKS)")
     register_secret(*(secret for loaded in keys.values() for secret in loaded.secrets()))  # never logged
+    for loaded in keys.values():
+        # A rail whose relay starts its nonces after the ones settlements recorded (EVM) is told how to read them.
+        use_recorded_nonces = getattr(loaded, "use_recorded_nonces", None)
+        if use_recorded_nonces is not None:
+            use_recorded_nonces(settlement_services.max_relay_nonce)
     tasks.RELAY_KEYS.clear()
     tasks.RELAY_KEYS.update(keys)
     for network_id, loaded in keys.items():
@@ -56,8 +62,9 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False) -> None:
 def run_pool(processes: int, argv: list[str]) -> int:
     """Supervise ``processes`` relayer processes (one job at a time each), restarting any that dies.
 
-    Each job leases a free relay account of its chain, so N processes use up to N accounts of a
-    chain in parallel. SIGTERM, SIGINT or SIGHUP stops them all.
+    Each process leases relay accounts of its chain for its lifetime (backend/rails/evm/accounts.py), so N
+    processes use up to N accounts of a chain in parallel, each with many transactions in flight.
+    SIGTERM, SIGINT or SIGHUP stops them all.
     """
     import signal
     import subprocess
