@@ -10,12 +10,14 @@ from typing import Any
 import requests
 from eth_typing import HexStr
 from eth_utils import keccak, to_checksum_address
+from requests.adapters import HTTPAdapter
 from web3 import Web3
 from web3.exceptions import Web3RPCError
 from web3.providers.rpc.utils import ExceptionRetryConfiguration
 from web3.types import BlockIdentifier, RPCEndpoint
 
 from backend.chains.registry import Network
+from backend.config import MAX_RELAYER_THREADS
 
 # One RPC call waits at most this long for an answer (read), and this long to connect. web3's own retry is
 # limited to one more try of a refused or reset connection: by default it retries timeouts five times (a
@@ -156,6 +158,9 @@ class EvmChain:
         # Proxy settings from the environment are read once here, not on every call.
         session.proxies = requests.utils.get_environ_proxies(network.rpc_url)
         session.trust_env = False
+        # Kept-alive connections: one per relayer settlement thread (requests keeps 10; more are opened, and closed).
+        session.mount("http://", HTTPAdapter(pool_maxsize=MAX_RELAYER_THREADS))
+        session.mount("https://", HTTPAdapter(pool_maxsize=MAX_RELAYER_THREADS))
         provider = Web3.HTTPProvider(
             network.rpc_url,
             request_kwargs={"timeout": (RPC_CONNECT_TIMEOUT_SECONDS, RPC_TIMEOUT_SECONDS)},

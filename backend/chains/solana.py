@@ -7,12 +7,15 @@ or Solana devnet by URL. Errors become :class:`SolanaRpcError` (whose text never
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import requests
+from requests.adapters import HTTPAdapter
 
+from backend.config import MAX_RELAYER_THREADS
 from backend.errors import ChainUnavailable
 from payintent import jsonlimits
 
@@ -51,6 +54,9 @@ class SolanaChain:
         self.timeout = timeout
         self._session = requests.Session()
         self._session.trust_env = False
+        # Kept-alive connections: one per relayer settlement thread (requests keeps 10; more are opened, and closed).
+        self._session.mount("http://", HTTPAdapter(pool_maxsize=MAX_RELAYER_THREADS))
+        self._session.mount("https://", HTTPAdapter(pool_maxsize=MAX_RELAYER_THREADS))
         self._rent: dict[int, int] = {}
         self._genesis: tuple[float, str] | None = None
 
@@ -137,13 +143,15 @@ class SolanaChain:
 
 
 _chains: dict[str, SolanaChain] = {}
+_lock = threading.Lock()
 
 
 def solana_chain(network: Network) -> SolanaChain:
     """A cached client per RPC URL; 503 CHAIN_UNAVAILABLE when the network has none."""
     if not network.rpc_url:
         raise ChainUnavailable(network.name, f"{network.name} has no RPC URL configured")
-    chain = _chains.get(network.rpc_url)
-    if chain is None:
-        chain = _chains[network.rpc_url] = SolanaChain(network.rpc_url)
-    return chain
+    with _lock:  # one client per URL, also when settlement threads ask at once
+        chain = _chains.get(network.rpc_url)
+        if chain is None:
+            chain = _chains[network.rpc_url] = SolanaChain(network.rpc_url)
+        return chain
