@@ -90,7 +90,7 @@ def finish_in_flight(pool: SettlementPool, *, stopped: bool) -> None:
         since = state["since"]
         if since is None:
             state["since"] = time.monotonic()
-        elif time.monotonic() - since >= _SAME_STOP_SECONDS:  # type: ignore[operator]
+        elif time.monotonic() - since >= _SAME_STOP_SECONDS:
             state["now"] = True
 
     stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -100,7 +100,7 @@ def finish_in_flight(pool: SettlementPool, *, stopped: bool) -> None:
     try:
         while not state["now"] and not pool.wait_idle(0.2):
             since = state["since"]
-            if since is not None and time.monotonic() - since >= STOP_GRACE_SECONDS:  # type: ignore[operator]
+            if since is not None and time.monotonic() - since >= STOP_GRACE_SECONDS:
                 break
     finally:
         for sig, handler in previous.items():

@@ -131,8 +131,9 @@ def settle_handed(handed: Handed) -> None:
     with logs.job_context(handed.job):
         try:
             note = {"outcome": settle_now(handed.settlement_id)}
-        except Exception as exc:  # RQ would have logged it and failed the job; the settlement stays open
-            log.exception("settlement %s: the job failed", handed.settlement_id)
+        except Exception as exc:  # the settlement stays open: the reconciler sends it again (RQ's failed job, before)
+            if not isinstance(exc, DomainError):  # a catalog error is logged by settle_now, without a traceback
+                log.exception("settlement %s: failed", handed.settlement_id)
             note = {"error": f"{type(exc).__name__}: {exc}"}
         if handed.job is not None:
             _note_on_job(handed.job, note)
@@ -143,7 +144,7 @@ def _note_on_job(job: Job, note: dict[str, str]) -> None:
     with contextlib.suppress(Exception):  # best effort: the database holds every durable fact
         if job.connection.exists(job.key):
             job.meta.update(note)
-            job.save_meta()
+            job.save_meta()  # type: ignore[no-untyped-call]  # RQ leaves it unannotated
 
 
 @app_job
