@@ -125,6 +125,9 @@ def inflight_drill(stack: Stack, rng: random.Random) -> Outcome:
     payments = make_payments(stack, "inflight", waves * per_wave, rng)
     deadline = time.monotonic() + waves * 30 + DRAIN_SECONDS
     in_flight = 0
+    # Each /pay holds a sync gunicorn worker while it waits for its (unmined) settlement: enough of them that a
+    # wave's payments all reach the relayer.
+    stack.restart("api", workers=per_wave + 1)
     try:
         for wave in range(waves):
             mining(False)
@@ -146,6 +149,7 @@ def inflight_drill(stack: Stack, rng: random.Random) -> Outcome:
         mining(True)
         if "relayer" in stack.held_down:
             stack.bring_up("relayer")
+        stack.restart("api")
     return Outcome(payments, f"{waves} x SIGKILL with transactions in flight (chains not mining)", in_flight)
 
 
