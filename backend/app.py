@@ -39,7 +39,7 @@ POOL_OVERFLOW = 15
 POOL_TIMEOUT_SECONDS = 10
 
 
-def _engine_options(url: str) -> dict[str, Any]:
+def _engine_options(url: str, pool_size: int | None = None) -> dict[str, Any]:
     options: dict[str, Any] = {
         "json_serializer": dumps,
         "json_deserializer": stored_loads,
@@ -51,6 +51,8 @@ def _engine_options(url: str) -> dict[str, Any]:
         # pool_pre_ping: a pooled connection the server dropped (a restart, an idle timeout) is replaced when
         # checked out, instead of failing the request that gets it.
         options.update(pool_pre_ping=True, pool_recycle=1800)
+    if pool_size is not None and "pool_size" in options:  # a pooled engine (a database file or a server)
+        options.update(pool_size=pool_size)  # the relayer: a connection per settlement thread, never waited for
     return options
 
 
@@ -75,7 +77,11 @@ def relative_redirect(response: Any) -> Any:
     return response
 
 
-def create_app(settings: Settings | None = None, chains: ChainRegistry | None = None) -> Flask:
+def create_app(
+    settings: Settings | None = None, chains: ChainRegistry | None = None, *, db_pool_size: int | None = None
+) -> Flask:
+    """The app; ``db_pool_size``: the database connections its pool keeps (the relayer: one per settlement
+    thread, as each holds one while it waits for the chain), instead of the api's default."""
     settings = settings or Settings.from_env()
     # No app-wide /static: Flask's default served backend/static/ (the dashboard's and the docs' files) a second
     # time, without their security headers. Each blueprint serves its own files, with its headers.
@@ -93,7 +99,7 @@ def create_app(settings: Settings | None = None, chains: ChainRegistry | None = 
         SECRET_KEY=settings.secret_key,
         MAX_CONTENT_LENGTH=MAX_REQUEST_BYTES,
         SQLALCHEMY_DATABASE_URI=settings.database_url,
-        SQLALCHEMY_ENGINE_OPTIONS=_engine_options(settings.database_url),
+        SQLALCHEMY_ENGINE_OPTIONS=_engine_options(settings.database_url, db_pool_size),
         API_TITLE="payintent",
         API_VERSION="v1",
         OPENAPI_VERSION="3.1.0",

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from backend import appstate
-from backend.config import DEVELOPMENT_SECRET_KEY, Settings
+from backend.config import DEVELOPMENT_SECRET_KEY, MAX_RELAYER_THREADS, Settings
 from backend.jsonio import dumps
 from payintent.jsonlimits import has_surrogate
 
@@ -43,7 +43,7 @@ def _emit(obj: dict[str, Any]) -> None:
     click.echo(dumps(obj))
 
 
-def _app() -> Flask:
+def _app(db_pool_size: int | None = None) -> Flask:
     """The Flask app, with the schema checked (the default local SQLite is upgraded for you)."""
     from backend.app import create_app
     from backend.chains.registry import ChainConfigError
@@ -52,7 +52,7 @@ def _app() -> Flask:
     settings = Settings.from_env()
     try:
         ensure_schema(settings.database_url, auto_upgrade=settings.default_database)
-        return create_app(settings)
+        return create_app(settings, db_pool_size=db_pool_size)
     except SchemaOutOfDate as exc:
         raise CLIError("SCHEMA_OUT_OF_DATE", str(exc), exit_code=1) from None
     except ChainConfigError as exc:
@@ -337,14 +337,21 @@ def worker(burst: bool) -> None:
     default=1,
     show_default=True,
     type=click.IntRange(1, 64),
-    help="Relayer processes to run (each sends one settlement at a time; use one per relay account).",
+    help="Relayer processes to run (each with --threads settlement threads; one process is the usual shape).",
 )
-def relayer(burst: bool, processes: int) -> None:
+@click.option(
+    "--threads",
+    default=None,
+    type=click.IntRange(1, MAX_RELAYER_THREADS),
+    help="Settlements each relayer process runs at once (default: RELAYER_THREADS, 32).",
+)
+def relayer(burst: bool, processes: int, threads: int | None) -> None:
     from backend.queueing import RedisNotConfigured, redis_from_url
     from relayer.keys import RelayKeyError
     from relayer.worker import run_pool, run_relayer
 
-    app = _app()
+    threads = threads or Settings.from_env().relayer_threads
+    app = _app(db_pool_size=threads)
     if processes > 1:
         from relayer.keys import load_relay_keys
 
@@ -352,7 +359,7 @@ def relayer(burst: bool, processes: int) -> None:
             load_relay_keys(appstate.chains(app))  # fail fast, once, on bad keys
         except RelayKeyError as exc:
             raise CLIError("RELAY_KEYS", str(exc), exit_code=1) from None
-        argv = [sys.argv[0], "relayer", *(["--burst"] if burst else [])]
+        argv = [sys.argv[0], "relayer", "--threads", str(threads), *(["--burst"] if burst else [])]
         run_pool(processes, argv)
         _emit({"relayer": "stopped", "processes": processes})
         return
@@ -362,7 +369,7 @@ def relayer(burst: bool, processes: int) -> None:
     except RedisNotConfigured as exc:
         raise CLIError("REDIS_NOT_CONFIGURED", str(exc), exit_code=1) from None
     try:
-        run_relayer(app, connection, burst=burst)
+        run_relayer(app, connection, burst=burst, threads=threads)
     except RelayKeyError as exc:
         raise CLIError("RELAY_KEYS", str(exc), exit_code=1) from None
     _emit({"relayer": "stopped"})

@@ -60,6 +60,10 @@ def _env_budgets(name: str, value: str) -> tuple[tuple[str, Decimal | None], ...
 DEVELOPMENT_SECRET_KEY = "dev-only-insecure-secret-key"
 
 
+# The most settlement threads one relayer process runs (the RPC clients keep this many connections per chain).
+MAX_RELAYER_THREADS = 128
+
+
 def var_dir() -> Path:
     """Where the local stack keeps its SQLite file, Redis socket and devnet state."""
     path = Path(_env("PAYINTENT_VAR_DIR", "var")).resolve()
@@ -86,6 +90,9 @@ class Settings:
     # The networks this relayer settles (RELAYER_NETWORKS, comma-separated CAIP-2 ids); empty: every
     # network it holds keys for. One relayer per chain is one relayer per network listed here.
     relayer_networks: tuple[str, ...] = ()
+    # Settlements one relayer process runs at once (RELAYER_THREADS, ``payintent relayer --threads``): each mostly
+    # waits for the chain, so their waits overlap; the relayer's database pool and RPC sessions follow it.
+    relayer_threads: int = 32
     # Parallel webhook senders per worker process (a slow receiver holds one of them, not the queue).
     webhook_concurrency: int = 8
     # Attempts of one merchant in flight at once across all workers: keep it below webhook_concurrency,
@@ -171,6 +178,7 @@ class Settings:
             pay_wait_seconds=float(_env("PAY_WAIT_SECONDS", "30")),
             relayer_queue=_env("RELAYER_QUEUE", "relayer"),
             relayer_networks=tuple(n.strip() for n in _env("RELAYER_NETWORKS", "").split(",") if n.strip()),
+            relayer_threads=min(MAX_RELAYER_THREADS, max(1, int(_env("RELAYER_THREADS", "32")))),
             webhook_concurrency=max(1, int(_env("WEBHOOK_CONCURRENCY", "8"))),
             webhook_max_in_flight_per_merchant=max(1, int(_env("WEBHOOK_MAX_IN_FLIGHT_PER_MERCHANT", "2"))),
             webhook_dns_timeout_seconds=min(10.0, max(0.1, float(_env("WEBHOOK_DNS_TIMEOUT_SECONDS", "5")))),

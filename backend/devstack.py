@@ -284,6 +284,8 @@ class _DevStack:
         # which warn when DATABASE_URL is unset, know it is meant.
         os.environ.setdefault("DATABASE_URL", Settings.from_env().database_url)
         os.environ.setdefault("LOG_FORMAT", "text")  # readable in a terminal; JSON is the default elsewhere
+        # The relayer settles this many payments at once, in one process (its database pool follows).
+        os.environ.setdefault("RELAYER_THREADS", str(Settings.relayer_threads))
         devnet_info: dict[str, Any] | None = None
         devnet_started = False
         if not os.environ.get("REDIS_URL"):

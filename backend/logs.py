@@ -12,17 +12,19 @@ a provider key).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
 import re
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from flask import g, has_request_context
-from rq.job import get_current_job
+from rq.job import Job, get_current_job
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # An incoming X-Request-Id is kept only if it is a sane token; anything else is replaced.
@@ -41,8 +43,23 @@ def running() -> tuple[str | None, str | None]:
     """(request id, RQ job id) of what this thread runs: an api request, or a job (with its enqueuer's request id)."""
     if has_request_context():
         return g.get("request_id"), None
-    job = get_current_job()
+    job = get_current_job() or _handed_job.get()
     return (job.meta.get("request_id"), job.id) if job is not None else (None, None)
+
+
+# The RQ job a thread works for after the job handed its work over (the relayer's settlement threads): RQ's own
+# current job is the worker thread's only.
+_handed_job: contextvars.ContextVar[Job | None] = contextvars.ContextVar("handed_job", default=None)
+
+
+@contextlib.contextmanager
+def job_context(job: Job | None) -> Iterator[None]:
+    """Log lines written in here carry ``job``'s request id and id, as inside the job itself."""
+    token = _handed_job.set(job)
+    try:
+        yield
+    finally:
+        _handed_job.reset(token)
 
 
 def current_request_id() -> str | None:

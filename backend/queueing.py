@@ -153,6 +153,11 @@ def _stop_requested(signum: int, note: str = "") -> None:
     threading.Thread(target=deadline, name="stop-deadline", daemon=True).start()
 
 
+def stop_requested() -> bool:
+    """Whether a stop signal ended (or is ending) :func:`work`, as opposed to ``burst`` draining the queues."""
+    return _stopping.is_set()
+
+
 class StoppableWorker(SimpleWorker):
     """RQ's SimpleWorker, stopping within seconds of SIGTERM, SIGINT or SIGHUP whatever it is doing.
 

@@ -8,7 +8,7 @@ the database: payments attempted and settled, double charges and unrecorded char
 finds a problem, whose payments do not all settle, or whose buyers got a 500 (or an error answer without
 the JSON envelope) fails the run (exit 1).
 
-    .venv/bin/python -m drills.run                    # all six, about 6 minutes
+    .venv/bin/python -m drills.run                    # all seven, about 7 minutes
     .venv/bin/python -m drills.run --only relayer api --seed 7
     .venv/bin/python -m drills.run --write            # ... and update docs/drills.md's results
 """
@@ -104,6 +104,53 @@ def relayer_drill(stack: Stack, rng: random.Random) -> Outcome:
     crashes = stack.crashes - crashes_before
     faults = [f"{kills} x SIGKILL", *(f"{n} x crash {point}" for point, n in sorted(crashes.items()))]
     return Outcome(payments, ", ".join(faults), in_flight)
+
+
+def inflight_drill(stack: Stack, rng: random.Random) -> Outcome:
+    """The relayer SIGKILLed with transactions in flight: the chains stop mining, 9 settlements are sent (one
+    relayer process, its settlement threads), the relayer dies with them unmined, three times; the chains mine
+    again before or after a new relayer starts."""
+    from devnet.anvil import rpc
+
+    def in_pool() -> int:
+        return sum(int(rpc(stack.anvil_url[n], "txpool_status")["pending"], 16) for n in stack.networks)
+
+    def mining(on: bool) -> None:
+        for network in stack.networks:
+            rpc(stack.anvil_url[network], "evm_setAutomine", [on])
+            if on:
+                rpc(stack.anvil_url[network], "evm_mine")  # what waits in the pool, at once
+
+    waves, per_wave = 3, 9
+    payments = make_payments(stack, "inflight", waves * per_wave, rng)
+    deadline = time.monotonic() + waves * 30 + DRAIN_SECONDS
+    in_flight = 0
+    # Each /pay holds a sync gunicorn worker while it waits for its (unmined) settlement: enough of them that a
+    # wave's payments all reach the relayer.
+    stack.restart("api", workers=per_wave + 1)
+    try:
+        for wave in range(waves):
+            mining(False)
+            start_buyers(stack, payments[wave * per_wave : (wave + 1) * per_wave], deadline, rng)
+            until = time.monotonic() + rng.uniform(3.0, 8.0)  # sent, waiting for blocks that do not come
+            while time.monotonic() < until and in_pool() < per_wave:
+                time.sleep(0.2)
+            in_flight += in_pool()
+            stack.take_down("relayer")  # SIGKILL
+            if wave % 2 == 0:
+                mining(True)  # mined while no relayer runs: the reconciler finishes them
+                stack.bring_up("relayer")
+            else:
+                stack.bring_up("relayer")  # a new relayer finds them pending: nothing is sent twice
+                time.sleep(rng.uniform(0.5, 3.0))
+                mining(True)
+        wait_all(payments, deadline)
+    finally:
+        mining(True)
+        if "relayer" in stack.held_down:
+            stack.bring_up("relayer")
+        stack.restart("api")
+    return Outcome(payments, f"{waves} x SIGKILL with transactions in flight (chains not mining)", in_flight)
 
 
 def api_drill(stack: Stack, rng: random.Random) -> Outcome:
@@ -220,6 +267,7 @@ def _replay_failed(stack: Stack) -> Counter[str]:
 
 DRILLS: dict[str, Drill] = {
     "relayer": relayer_drill,
+    "inflight": inflight_drill,
     "api": api_drill,
     "redis": redis_drill,
     "postgres": postgres_drill,

@@ -196,8 +196,8 @@ class Stack:
         self.proc[name] = proc
         return proc
 
-    def start_api(self) -> None:
-        proc = self._service("api", [PAYINTENT, "serve", "--port", str(self.api_port), "--workers", "2"])
+    def start_api(self, workers: int = 2) -> None:
+        proc = self._service("api", [PAYINTENT, "serve", "--port", str(self.api_port), "--workers", str(workers)])
         _wait("the API", lambda: self.get("/healthz")[0] == 200, 60, proc)
 
     def start_worker(self) -> None:

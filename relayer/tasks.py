@@ -28,8 +28,9 @@ import time
 from collections.abc import Iterator
 
 from redis import Redis
+from rq.job import Job, get_current_job
 
-from backend import appstate
+from backend import appstate, logs
 from backend.chains.registry import Network
 from backend.errors import DomainError
 from backend.extensions import db
@@ -55,6 +56,7 @@ from backend.settlement.flow import notify_settled
 from backend.settlement.models import settlement_claim
 from backend.settlement.reconcile import FINISHED, LEDGER, paid, settle_from_chain
 from relayer.faults import crash_point
+from relayer.pool import SettlementPool
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +107,48 @@ def settlement_lock(redis: Redis, settlement_id: str) -> Iterator[bool]:
             redis.delete(key)
 
 
-@app_job
+# Set by relayer.worker at start-up: the threads RQ's jobs hand their settlements to (None: a job settles itself).
+POOL: SettlementPool | None = None
+
+
 def settle(settlement_id: str) -> str:
+    """The RQ job (backend.settlement.flow.SETTLE_JOB): hands the settlement to a free settlement thread of this
+    process (waiting while none is free), which runs :func:`settle_now`; without threads, settles it here."""
+    if POOL is None:
+        return settle_now(settlement_id)
+    POOL.submit(Handed(settlement_id, get_current_job()))
+    return "handed-off"
+
+
+@dataclasses.dataclass(frozen=True)
+class Handed:
+    settlement_id: str
+    job: Job | None  # the RQ job that handed it over: its request id for the logs, its outcome in its meta
+
+
+def settle_handed(handed: Handed) -> None:
+    """One settlement thread's work: :func:`settle_now`, its outcome (or error) noted on the RQ job's meta."""
+    with logs.job_context(handed.job):
+        try:
+            note = {"outcome": settle_now(handed.settlement_id)}
+        except Exception as exc:  # the settlement stays open: the reconciler sends it again (RQ's failed job, before)
+            if not isinstance(exc, DomainError):  # a catalog error is logged by settle_now, without a traceback
+                log.exception("settlement %s: failed", handed.settlement_id)
+            note = {"error": f"{type(exc).__name__}: {exc}"}
+        if handed.job is not None:
+            _note_on_job(handed.job, note)
+
+
+def _note_on_job(job: Job, note: dict[str, str]) -> None:
+    """The outcome on the job's meta, while RQ keeps the job (result_ttl): never recreates an expired one."""
+    with contextlib.suppress(Exception):  # best effort: the database holds every durable fact
+        if job.connection.exists(job.key):
+            job.meta.update(note)
+            job.save_meta()  # type: ignore[no-untyped-call]  # RQ leaves it unannotated
+
+
+@app_job
+def settle_now(settlement_id: str) -> str:
     redis = _redis()
     with settlement_lock(redis, settlement_id) as held:
         if not held:

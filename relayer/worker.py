@@ -14,16 +14,18 @@ from redis import Redis
 
 from backend import appstate
 from backend.logs import register_secret
-from backend.queueing import relayer_queue, set_job_app, work
+from backend.queueing import app_redis, relayer_queue, set_job_app, stop_requested, work
 from backend.rails.registry import rail_for
 from backend.settlement import services as settlement_services
 from relayer import tasks
 from relayer.keys import RelayKeyError, load_relay_keys
+from relayer.pool import SettlementPool, finish_in_flight
 
 log = logging.getLogger(__name__)
 
 
-def run_relayer(app: Flask, connection: Redis, *, burst: bool = False) -> None:
+def run_relayer(app: Flask, connection: Redis, *, burst: bool = False, threads: int | None = None) -> None:
+    """Settle the relayer queues' jobs, ``threads`` (default RELAYER_THREADS) settlements at a time."""
     settings = appstate.settings(app)
     registry = appstate.chains(app)
     chosen = set(settings.relayer_networks)
@@ -55,16 +57,25 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False) -> None:
             return
         raise RelayKeyError("no relay keys for any configured network (RELAY_KEYS, RELAY_KEYS_FILE)")
     queues = [relayer_queue(settings.relayer_queue, network) for network in networks]
-    log.info("relayer: listening on %s", ", ".join(queues))
-    work(queues, connection, burst=burst, logging_level=settings.log_level)
+    with app.app_context():
+        app_redis()  # made once here, not by several settlement threads at once
+    threads = threads or settings.relayer_threads
+    pool = tasks.POOL = SettlementPool(threads, tasks.settle_handed)
+    log.info("relayer: listening on %s with %d settlement thread(s)", ", ".join(queues), threads)
+    try:
+        work(queues, connection, burst=burst, logging_level=settings.log_level)
+        finish_in_flight(pool, stopped=stop_requested())
+    finally:
+        tasks.POOL = None
 
 
 def run_pool(processes: int, argv: list[str]) -> int:
-    """Supervise ``processes`` relayer processes (one job at a time each), restarting any that dies.
+    """Supervise ``processes`` relayer processes (each with its settlement threads), restarting any that dies.
 
     Each process leases relay accounts of its chain for its lifetime (backend/rails/evm/accounts.py), so N
-    processes use up to N accounts of a chain in parallel, each with many transactions in flight.
-    SIGTERM, SIGINT or SIGHUP stops them all.
+    processes use up to N accounts of a chain in parallel, each with many transactions in flight. One process with
+    threads (RELAYER_THREADS) is the usual shape; several suit a relayer whose one process is CPU-bound. SIGTERM,
+    SIGINT or SIGHUP stops them all.
     """
     import signal
     import subprocess

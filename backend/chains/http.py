@@ -5,10 +5,13 @@ from __future__ import annotations
 import requests
 from requests.adapters import HTTPAdapter
 
+from backend.config import MAX_RELAYER_THREADS
+
 # Connections kept open per RPC host. One client per network serves every thread of a gunicorn worker (WEB_THREADS,
-# 32 by default): with requests' default of 10, the calls beyond it open a connection and then throw it away
-# ("Connection pool is full, discarding connection"), a new TCP and TLS handshake per call under load.
-RPC_POOL_MAXSIZE = 64
+# 32 by default) or of the relayer (RELAYER_THREADS, up to MAX_RELAYER_THREADS): with requests' default of 10, the
+# calls beyond it open a connection and then throw it away ("Connection pool is full, discarding connection"), a new
+# TCP and TLS handshake per call under load.
+RPC_POOL_MAXSIZE = MAX_RELAYER_THREADS
 
 
 def rpc_session() -> requests.Session:

@@ -198,11 +198,12 @@ def test_the_relayer_never_sends_before_the_chains_clock_passes_valid_after(iso,
     try:
         job = Job.fetch(f"settle-{settlement.id}", connection=Redis.from_url(iso.redis_url))
         deadline = time.monotonic() + 60
-        while not job.is_finished:
-            assert not job.is_failed and time.monotonic() < deadline, job.get_status()
+        # The job hands the settlement to a settlement thread, which notes the outcome on the job's meta.
+        while "outcome" not in job.get_meta(refresh=True):
+            assert not job.is_failed and "error" not in job.meta and time.monotonic() < deadline, job.get_status()
             time.sleep(0.2)
-            job.refresh()
-        assert job.return_value() == "not-yet-valid"  # before the fix: "reverted" (a transaction sent, status 0)
+        assert job.return_value() == "handed-off"
+        assert job.meta["outcome"] == "not-yet-valid"  # before the fix: "reverted" (a transaction sent, status 0)
         settlement = settlement_of(intent["intent_id"])
         assert settlement.status == "pending" and settlement.tx_hash is None and settlement.failure_code is None
         assert relay_nonces(w3, iso.devnet) == nonces  # no transaction that would revert
