@@ -325,17 +325,6 @@ def mark_submitted(settlement_id: str, tx_hash: str, relay_address: str, *, rela
     db.session.commit()
 
 
-def max_relay_nonce(network: str, relay_address: str) -> int | None:
-    """The highest ``relay_nonce`` any settlement recorded for (network, relay account), whatever its status (None:
-    none): a relay account's nonce manager starts above it (backend/rails/evm/accounts.py)."""
-    found = db.session.execute(
-        select(func.max(Settlement.relay_nonce)).where(
-            Settlement.network == network, func.lower(Settlement.relay_address) == relay_address.lower()
-        )
-    ).scalar()
-    return None if found is None else int(found)
-
-
 def complete_settlement(settlement_id: str, tx_hash: str) -> bool:
     """The authorization executed on chain in ``tx_hash``: the intent is paid, with its event.
 
