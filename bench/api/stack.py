@@ -44,12 +44,15 @@ class Gunicorn:
 
     workers: int
     timeout: int = 60
+    threads: int = 0  # 0: sync workers (bench/api, comparable with its history); else gthread, as `payintent serve`
 
     def flags(self) -> list[str]:
         # No --access-logfile: gunicorn then writes no access log, for both servers alike.
+        workers = ["--worker-class", "gthread", "--threads", str(self.threads)] if self.threads else [
+            "--worker-class", "sync"]  # fmt: skip
         return [
             "--workers", str(self.workers),
-            "--worker-class", "sync",
+            *workers,
             "--timeout", str(self.timeout),
             "--log-level", "warning",
             "--pythonpath", str(BENCH_DIR),

@@ -158,7 +158,8 @@ class Stack:
                              "--address", self.payout)  # fmt: skip
 
     def start_api(self, stack: contextlib.ExitStack) -> None:
-        self.gunicorn = bench_api.Gunicorn(self.workers)
+        # Threads as `payintent serve` runs them (WEB_THREADS' default): a /pay waiting for its block holds a thread.
+        self.gunicorn = bench_api.Gunicorn(self.workers, threads=32)
         serving = bench_api.serve(
             "backend.app:create_app()", self.gunicorn, self.env(), "/healthz", self.workdir, self.procs
         )
