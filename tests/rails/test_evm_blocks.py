@@ -11,14 +11,10 @@ misbehaviour Anvil cannot produce is in test_evm_rpcbatch.py (a scripted fake no
 from __future__ import annotations
 
 import dataclasses
-import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-import requests
 from eth_account import Account
 from eth_account.signers.local import LocalAccount
 from web3 import Web3
@@ -28,6 +24,7 @@ from backend.rails.base import Claim, TxState, TxStatus
 from backend.rails.evm import watch as watch_module
 from backend.rails.evm.blocks import BlockWatcher, Final, Mined, Missing, Reorged
 from backend.rails.evm.rpcbatch import RpcCounter
+from harness.proxy import RpcProxy
 from tests.settlement.conftest import devnet  # noqa: F401  (the session's devnet)
 
 NETWORK = "eip155:84532"
@@ -281,55 +278,32 @@ def test_watch_reads_twenty_claims_in_two_batches_with_the_same_answers(node: No
     assert first.block == block and first.final is (confirmations == 1) and first.cost == 21_000 * GAS_PRICE
 
 
-class Proxy:
+class Proxy(RpcProxy):
     """An RPC in front of Anvil that refuses batches (``refuse``) or fails the first call of each that reads a
     transaction or its receipt (``fail_first``)."""
 
     def __init__(self, upstream: str, mode: str) -> None:
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if isinstance(body, list) and proxy.mode == "refuse":
-                    answer: Any = {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "no batches"}}
-                else:
-                    answer = requests.post(upstream, json=body, timeout=10).json()
-                    if isinstance(body, list):
-                        proxy.batches += 1
-                        if proxy.mode == "fail_first":
-                            first = next(c["id"] for c in body if c["method"].startswith("eth_getTransaction"))
-                            answer = [{"jsonrpc": "2.0", "id": first, "error": {"code": -32000, "message": "busy"}}
-                                      if a["id"] == first else a for a in answer]  # fmt: skip
-                data = json.dumps(answer).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
         self.mode = mode
         self.batches = 0
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        super().__init__(upstream)
 
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def handle(self, body: Any) -> Any:
+        if isinstance(body, list) and self.mode == "refuse":
+            return {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "no batches"}}
+        answer = self.forward(body)
+        if isinstance(body, list):
+            self.batches += 1
+            if self.mode == "fail_first":
+                first = next(c["id"] for c in body if c["method"].startswith("eth_getTransaction"))
+                answer = [{"jsonrpc": "2.0", "id": first, "error": {"code": -32000, "message": "busy"}}
+                          if a["id"] == first else a for a in answer]  # fmt: skip
+        return answer
 
 
 @pytest.fixture
 def proxy(node: Node) -> Iterator[Proxy]:
-    server = Proxy(node.network.rpc_url, "refuse")
-    try:
+    with Proxy(node.network.rpc_url, "refuse") as server:
         yield server
-    finally:
-        server.close()
 
 
 def test_a_node_refusing_batches_is_asked_one_call_each_with_the_same_answers(node: Node, proxy: Proxy):

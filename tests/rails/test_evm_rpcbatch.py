@@ -9,10 +9,8 @@ calls; ``batch_status`` answers a batch with an HTTP error; ``resets`` drops the
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -25,6 +23,7 @@ from backend.rails.base import Claim, TxState, TxStatus
 from backend.rails.evm import watch as watch_module
 from backend.rails.evm.blocks import BlockWatcher, Final, Mined, Missing
 from backend.rails.evm.rpcbatch import BATCH_RETRY_SECONDS, RpcCounter, call_many
+from harness.proxy import DropConnection, Reply, RpcServer
 
 A, B = "0x" + "aa" * 32, "0x" + "bb" * 32
 GAS = 21_000 * 10**9
@@ -40,7 +39,7 @@ def receipt(tx_hash: str, block: int | None, status: int = 1) -> dict[str, Any]:
             "gasUsed": hex(21_000), "effectiveGasPrice": hex(10**9)}  # fmt: skip
 
 
-class FakeNode:
+class FakeNode(RpcServer):
     def __init__(self) -> None:
         self.head = 10
         self.batch_head: int | None = None  # the head a batch answers (a lagging node behind a load balancer)
@@ -53,37 +52,18 @@ class FakeNode:
         self.on_batch: Callable[[], None] = lambda: None
         self.batches: list[list[dict[str, Any]]] = []
         self.singles: list[str] = []
-        node = self
+        super().__init__(poll_seconds=0.05)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status = 200
-                if isinstance(body, list):
-                    node.batches.append(body)
-                    if node.resets:
-                        node.resets -= 1
-                        self.close_connection = True  # no answer: the client sees a reset connection
-                        return
-                    node.on_batch()
-                    answer: Any = node.tamper([node.answer(call, True) for call in body])
-                    status = node.batch_status or 200
-                else:
-                    node.singles.append(body["method"])
-                    answer = node.answer(body, False)
-                data = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+    def handle(self, body: Any) -> Any:
+        if not isinstance(body, list):
+            self.singles.append(body["method"])
+            return self.answer(body, False)
+        self.batches.append(body)
+        if self.resets:
+            self.resets -= 1
+            raise DropConnection  # no answer: the client sees a reset connection
+        self.on_batch()
+        return Reply(self.tamper([self.answer(call, True) for call in body]), self.batch_status or 200)
 
     def answer(self, call: dict[str, Any], in_batch: bool) -> dict[str, Any]:
         method, params = call["method"], call["params"]
@@ -112,12 +92,8 @@ class FakeNode:
 
 @pytest.fixture
 def fake() -> Iterator[FakeNode]:
-    node = FakeNode()
-    try:
+    with FakeNode() as node:
         yield node
-    finally:
-        node.server.shutdown()
-        node.server.server_close()
 
 
 def claim(tx_id: str) -> Claim:

@@ -9,17 +9,14 @@ before (the chain decides: AUTHORIZATION_EXPIRED). Money is checked on chain.
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-import requests
 from solders.keypair import Keypair
 from solders.signature import Signature
 
@@ -34,6 +31,7 @@ from backend.rails.solana.poller import poller_for
 from backend.rails.solana.relay import SolanaRelayKeys
 from backend.settlement.models import Settlement, settlement_claim
 from backend.settlement.reconcile import LEDGER
+from harness.proxy import RpcProxy
 from payintent import solana_tx as stx
 from relayer import tasks
 from tests.settlement.test_pay import create_intent, events
@@ -48,35 +46,13 @@ from tests.settlement.test_pay_solana import (  # noqa: F401  (fixtures)
 from tests.settlement.test_solana_already_paid import _cosigned_claim, relay_keys, row  # noqa: F401
 
 
-class Proxy:
+class Proxy(RpcProxy):
     """The devnet's Solana RPC behind a proxy that counts calls and swallows the next ``drop`` sends (answered
     with the signature, as a node that accepted them and lost them would); ``refuse_batches``: as some RPCs;
     ``hang_resends``: a ``skipPreflight`` send (the poller's) hangs until the proxy closes; ``fail_statuses``:
     ``getSignatureStatuses`` answers an error."""
 
     def __init__(self, upstream: str) -> None:
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if isinstance(body, list) and proxy.refuse_batches:
-                    answer: Any = {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "no batches"}}
-                else:
-                    answers = [proxy.answer(call) for call in (body if isinstance(body, list) else [body])]
-                    proxy.batches += isinstance(body, list)
-                    answer = answers if isinstance(body, list) else answers[0]
-                data = json.dumps(answer).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.upstream = upstream
         self.batches = 0
         self.refuse_batches = False
         self.lock = threading.Lock()
@@ -91,9 +67,17 @@ class Proxy:
         self.released = threading.Event()
         self.fail_statuses = False
         self.sent: set[str] = set()  # the signatures of every sendTransaction
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        super().__init__(upstream)
+
+    def handle(self, body: Any) -> Any:
+        """Each call of a batch is answered (and forwarded) alone."""
+        if not isinstance(body, list):
+            return self.answer(body)
+        if self.refuse_batches:
+            return {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "no batches"}}
+        answers = [self.answer(call) for call in body]
+        self.batches += 1
+        return answers
 
     def answer(self, call: dict[str, Any]) -> Any:
         method = call.get("method")
@@ -120,7 +104,7 @@ class Proxy:
         if dropped:
             signature = str(stx.decode(call["params"][0]).signatures[0])
             return {"jsonrpc": "2.0", "id": call["id"], "result": signature}
-        return requests.post(self.upstream, json=call, timeout=10).json()
+        return self.forward(call)
 
     def reset(self) -> None:
         with self.lock:
@@ -130,17 +114,13 @@ class Proxy:
 
     def close(self) -> None:
         self.released.set()
-        self.server.shutdown()
-        self.server.server_close()
+        super().close()
 
 
 @pytest.fixture
 def proxy(devnet: Any) -> Iterator[Proxy]:
-    server = Proxy(devnet.chains.get(SOLANA).rpc_url)
-    try:
+    with Proxy(devnet.chains.get(SOLANA).rpc_url) as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture
@@ -152,48 +132,69 @@ def proxied(devnet: Any, proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> Netwo
     return network
 
 
-def submitted(pay_client: Any, devnet: Any, shop: Any, network: Network, amount: float, payer: Keypair,
-              last_valid_offset: int | None = None) -> tuple[str, Claim]:  # fmt: skip
-    """A claimed settlement of ``payer``'s transaction, co-signed and submitted through ``network`` (the proxy).
-    ``last_valid_offset``: its last valid block height is the height now plus this (the row's too)."""
-    intent = create_intent(pay_client, shop, amount)
-    settlement_id, _ = _cosigned_claim(pay_client, devnet, shop, intent, payer, claimed=True)
-    claim = settlement_claim(row(settlement_id))
-    if last_valid_offset is not None:
-        height = SolanaChain(network.rpc_url or "").block_height("finalized") + last_valid_offset
-        db.session.execute(db.update(Settlement).where(Settlement.id == settlement_id)
-                           .values(last_valid_block_height=height))  # fmt: skip
-        db.session.commit()
-        claim = dataclasses.replace(claim, terms=dataclasses.replace(claim.terms, last_valid_block_height=height))
-    keys = SolanaRelayKeys(relay_keypair(devnet))
-    submission = rail_for(network).submit(network, claim, keys, None, LEDGER, lambda *a: None)  # type: ignore[arg-type]
-    assert submission.tx_id == claim.tx_id  # the signature recorded before the send
-    return settlement_id, claim
+def any_height(height: int) -> bool:
+    """A waiter's ``still_valid`` for a signature whose blockhash never expires."""
+    return True
 
 
-def test_many_waiters_cost_one_status_read_per_tick_and_a_dropped_send_is_sent_again(
-    pay_client,
-    devnet,
-    sol_shop,  # noqa: F811
-    sol,  # noqa: F811
-    proxy,
-    proxied,
-    monkeypatch,
-):
-    payers = [buyer(devnet, i % 3) for i in range(12)]
-    before = {str(p.pubkey()): usdc(sol, devnet, str(p.pubkey())) for p in payers}
+@dataclasses.dataclass
+class Paying:
+    """A Solana merchant paid through the proxy: the app's client, the devnet, the merchant (``sol_shop``), the
+    network through the proxy (``proxied``) and the devnet's own client (``sol``, not proxied)."""
+
+    client: Any
+    devnet: Any
+    merchant: Any
+    network: Network
+    sol: SolanaChain
+
+    def payer(self, index: int) -> Keypair:
+        return buyer(self.devnet, index)
+
+    def usdc(self, owner: Keypair | str | None = None) -> int:
+        """The USDC of ``owner`` (a keypair or an address; the merchant's if None), in base units."""
+        address = owner if isinstance(owner, str) else self.merchant.wallet if owner is None else str(owner.pubkey())
+        return usdc(self.sol, self.devnet, address)
+
+    def cosigned(self, amount: float, payer: Keypair) -> tuple[str, str, Any]:
+        """An intent and its settlement of ``payer``'s transaction, co-signed, claimed, not sent yet: (intent id,
+        settlement id, the co-signed transaction)."""
+        intent = create_intent(self.client, self.merchant, amount)
+        settlement_id, cosigned = _cosigned_claim(self.client, self.devnet, self.merchant, intent, payer, claimed=True)
+        return intent["intent_id"], settlement_id, cosigned
+
+    def submitted(self, amount: float, payer: Keypair) -> Claim:
+        """The claim of a settlement of ``payer``'s transaction, co-signed and submitted through the proxy."""
+        _, settlement_id, _ = self.cosigned(amount, payer)
+        claim = settlement_claim(row(settlement_id))
+        keys = SolanaRelayKeys(relay_keypair(self.devnet))
+        submission = rail_for(self.network).submit(self.network, claim, keys, None, LEDGER, lambda *a: None)  # type: ignore[arg-type]
+        assert submission.tx_id == claim.tx_id  # the signature recorded before the send
+        return claim
+
+    def wait_landed(self, claim: Claim, timeout: float) -> TxStatus | None:
+        return rail_for(self.network).wait_landed(self.network, claim, timeout)
+
+
+@pytest.fixture
+def paying(pay_client: Any, devnet: Any, sol_shop: Any, proxied: Network, sol: SolanaChain) -> Paying:  # noqa: F811
+    return Paying(pay_client, devnet, sol_shop, proxied, sol)
+
+
+def test_many_waiters_cost_one_status_read_per_tick_and_a_dropped_send_is_sent_again(paying, proxy, monkeypatch):
+    payers = [paying.payer(i % 3) for i in range(12)]
+    before = {str(p.pubkey()): paying.usdc(p) for p in payers}
     proxy.drop = len(payers)  # every first send is lost: all twelve are in flight together
     with monkeypatch.context() as patch:
         patch.setattr(poller_module, "RESEND_SECONDS", 3600.0)  # none sent again while the others are submitted
-        claims = [submitted(pay_client, devnet, sol_shop, proxied, 1, p)[1] for p in payers]
-    assert proxy.dropped == len(payers) and usdc(sol, devnet, sol_shop.wallet) == 0  # the SVM received none
-    poller = poller_for(proxied.rpc_url or "")
+        claims = [paying.submitted(1, p) for p in payers]
+    assert proxy.dropped == len(payers) and paying.usdc() == 0  # the SVM received none
+    poller = poller_for(paying.network.rpc_url or "")
     ticks = poller.counter.ticks
     proxy.reset()
-    rail = rail_for(proxied)
     started = time.monotonic()
     with ThreadPoolExecutor(len(claims)) as pool:
-        landed = list(pool.map(lambda c: rail.wait_landed(proxied, c, 30), claims))
+        landed = list(pool.map(lambda c: paying.wait_landed(c, 30), claims))
     elapsed = time.monotonic() - started
     assert all(isinstance(s, TxStatus) and s.state is TxState.SUCCEEDED and s.final for s in landed), landed
     # One getSignatureStatuses per tick for all twelve (not one per waiter per poll), one height read at most.
@@ -209,53 +210,39 @@ def test_many_waiters_cost_one_status_read_per_tick_and_a_dropped_send_is_sent_a
     # (One landing slower than a re-send's interval under load is sent twice: still one signature, paid once.)
     assert proxy.calls["sendTransaction"] >= len(claims) and proxy.batches >= 1  # in JSON-RPC batches
     assert proxy.sent == {c.tx_id for c in claims}
-    assert usdc(sol, devnet, sol_shop.wallet) == 12_000_000
+    assert paying.usdc() == 12_000_000
     for owner, amount in before.items():
-        assert amount - usdc(sol, devnet, owner) == 4_000_000
-    assert all(sol.signature_status(c.tx_id or "") is not None for c in claims)
+        assert amount - paying.usdc(owner) == 4_000_000
+    assert all(paying.sol.signature_status(c.tx_id or "") is not None for c in claims)
 
 
 @pytest.mark.parametrize("refuse_batches", [False, True])
-def test_the_relayer_job_with_a_lost_send_ends_paid_once(
-    refuse_batches,
-    pay_client,
-    devnet,
-    sol_shop,  # noqa: F811
-    sol,  # noqa: F811
-    proxy,
-    proxied,
-    relay_keys,  # noqa: F811
-):
-    payer = buyer(devnet, 1)
-    intent = create_intent(pay_client, sol_shop, 2)
-    settlement_id, cosigned = _cosigned_claim(pay_client, devnet, sol_shop, intent, payer, claimed=True)
+def test_the_relayer_job_with_a_lost_send_ends_paid_once(refuse_batches, paying, proxy, relay_keys):  # noqa: F811
+    payer = paying.payer(1)
+    intent_id, settlement_id, cosigned = paying.cosigned(2, payer)
     signature = str(cosigned.signatures[0])
-    before = usdc(sol, devnet, str(payer.pubkey()))
+    before = paying.usdc(payer)
     proxy.drop = 1  # the job's send never reaches the SVM
     proxy.refuse_batches = refuse_batches  # the poller's batched re-send falls back to one call each
     assert tasks._settle(settlement_id, None) == "confirmed"  # type: ignore[arg-type]
     assert proxy.dropped == 1 and proxy.calls["sendTransaction"] == 2  # the poller sent it again, once
     settled = row(settlement_id)
     assert (settled.status, settled.tx_hash) == ("confirmed", signature)
-    assert usdc(sol, devnet, sol_shop.wallet) == 2_000_000
-    assert before - usdc(sol, devnet, str(payer.pubkey())) == 2_000_000
-    assert len([e for e in events("payment.completed") if e["data"]["intent_id"] == intent["intent_id"]]) == 1
+    assert paying.usdc() == 2_000_000
+    assert before - paying.usdc(payer) == 2_000_000
+    assert len([e for e in events("payment.completed") if e["data"]["intent_id"] == intent_id]) == 1
 
 
 def test_not_landed_while_the_blockhash_is_valid_leaves_the_job_waiting_then_the_chain_fails_it(
-    pay_client,
-    devnet,
-    sol_shop,  # noqa: F811
+    paying,
     sol,  # noqa: F811
     proxy,
-    proxied,
     relay_keys,  # noqa: F811
 ):
-    payer = buyer(devnet, 2)
-    before = usdc(sol, devnet, str(payer.pubkey()))
+    payer = paying.payer(2)
+    before = paying.usdc(payer)
     proxy.drop_all = True  # lost, and every re-send too
-    intent = create_intent(pay_client, sol_shop, 1)
-    settlement_id, cosigned = _cosigned_claim(pay_client, devnet, sol_shop, intent, payer, claimed=True)
+    _, settlement_id, cosigned = paying.cosigned(1, payer)
     # The row's last valid block height is near: the poller calls it "not landed" within seconds, while the
     # transaction's own blockhash is still valid on the node (it could still land).
     height = sol.block_height("finalized") + 5
@@ -268,7 +255,7 @@ def test_not_landed_while_the_blockhash_is_valid_leaves_the_job_waiting_then_the
     assert sol.is_blockhash_valid(str(cosigned.message.recent_blockhash))
     settled = row(settlement_id)
     assert (settled.status, settled.tx_hash) == ("submitted", str(cosigned.signatures[0]))  # nothing released
-    assert usdc(sol, devnet, sol_shop.wallet) == 0 and usdc(sol, devnet, str(payer.pubkey())) == before
+    assert paying.usdc() == 0 and paying.usdc(payer) == before
     # "Not landed" ends the poller's re-sends of it.
     sends = proxy.calls["sendTransaction"]
     time.sleep(poller_module.RESEND_SECONDS + 1)
@@ -280,31 +267,23 @@ def test_not_landed_while_the_blockhash_is_valid_leaves_the_job_waiting_then_the
     settled = row(settlement_id)
     assert (settled.status, settled.failure_code) == ("failed", "AUTHORIZATION_EXPIRED")
     assert sol.signature_status(str(cosigned.signatures[0])) is None
-    assert usdc(sol, devnet, sol_shop.wallet) == 0 and usdc(sol, devnet, str(payer.pubkey())) == before
+    assert paying.usdc() == 0 and paying.usdc(payer) == before
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread killed on purpose
-def test_a_waiter_never_waits_past_its_timeout_and_a_dead_poller_thread_is_started_again(
-    pay_client,
-    devnet,
-    sol_shop,  # noqa: F811
-    sol,  # noqa: F811
-    proxy,
-    proxied,
-    monkeypatch,
-):
-    poller = poller_for(proxied.rpc_url or "")
+def test_a_waiter_never_waits_past_its_timeout_and_a_dead_poller_thread_is_started_again(paying, proxy, monkeypatch):
+    poller = poller_for(paying.network.rpc_url or "")
     # The RPC hangs longer than the waiter's timeout: the waiter returns at its timeout all the same.
     proxy.hang = 4.0
     started = time.monotonic()
-    assert poller.wait(str(Signature.new_unique()), lambda height: True, 0.5) is None
+    assert poller.wait(str(Signature.new_unique()), any_height, 0.5) is None
     assert time.monotonic() - started < 3.5
     proxy.hang = 0.0
     proxy.drop = 1  # it lands only once the poller sends it again: the thread dies before
-    _, claim = submitted(pay_client, devnet, sol_shop, proxied, 1, buyer(devnet, 0))
+    claim = paying.submitted(1, paying.payer(0))
     signature = claim.tx_id or ""
     with ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(rail_for(proxied).wait_landed, proxied, claim, 30)
+        waiting = pool.submit(paying.wait_landed, claim, 30)
         while poller._entries[signature].waiters == 0:
             time.sleep(0.01)
         # The thread's next tick kills it (a SystemExit goes through its catch-all); only the waiter can start
@@ -323,29 +302,22 @@ def test_a_waiter_never_waits_past_its_timeout_and_a_dead_poller_thread_is_start
         status = waiting.result()
     assert died.is_set() and status is not None and status.state is TxState.SUCCEEDED
     assert first is not None and not first.is_alive() and poller._thread is not first
-    assert usdc(sol, devnet, sol_shop.wallet) == 1_000_000
+    assert paying.usdc() == 1_000_000
 
 
-def test_status_reads_go_on_while_the_node_hangs_on_sends(
-    pay_client,
-    devnet,
-    sol_shop,  # noqa: F811
-    sol,  # noqa: F811
-    proxy,
-    proxied,
-):
+def test_status_reads_go_on_while_the_node_hangs_on_sends(paying, proxy):
     proxy.drop = 1
     proxy.hang_resends = True  # the poller's re-sends hang (the relay's own sends do not)
-    submitted(pay_client, devnet, sol_shop, proxied, 1, buyer(devnet, 0))  # lost: the poller sends it again
+    paying.submitted(1, paying.payer(0))  # lost: the poller sends it again
     deadline = time.monotonic() + 30
     while not proxy.hung and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proxy.hung  # a re-send hangs in the poller's tick now
-    _, claim = submitted(pay_client, devnet, sol_shop, proxied, 2, buyer(devnet, 1))  # sent and landed
+    claim = paying.submitted(2, paying.payer(1))  # sent and landed
     # Seen within seconds: the hanging re-send is cut short (no call per transaction after a timeout).
-    status = rail_for(proxied).wait_landed(proxied, claim, 5)
+    status = paying.wait_landed(claim, 5)
     assert status is not None and status.state is TxState.SUCCEEDED
-    assert usdc(sol, devnet, sol_shop.wallet) == 2_000_000  # the lost one never reached the SVM
+    assert paying.usdc() == 2_000_000  # the lost one never reached the SVM
 
 
 def _airdropped(chain: SolanaChain) -> str:
@@ -375,8 +347,8 @@ def test_waiters_raise_after_failed_reads_and_a_later_waiter_is_answered(sol, pr
     proxy.fail_statuses = True
     started = time.monotonic()
     with pytest.raises(SolanaRpcError, match="unhealthy"):
-        poller.wait(signature, lambda height: True, 30)
+        poller.wait(signature, any_height, 30)
     assert time.monotonic() - started < 20  # after FAILURES_BEFORE_RAISE reads, not the timeout
     proxy.fail_statuses = False  # the node is back: an earlier outage is not raised in a new waiter
-    status = poller.wait(signature, lambda height: True, 30)
+    status = poller.wait(signature, any_height, 30)
     assert status is not None and status["confirmationStatus"] in poller_module.LANDED
