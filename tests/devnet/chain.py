@@ -8,13 +8,17 @@ them there if killed), and with ``--cache-path`` pointing into a temporary direc
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 from eth_account.signers.local import LocalAccount
 from web3 import Web3
 
@@ -88,6 +92,19 @@ def start_anvil(workdir: Path, timeout: float = 15.0) -> Anvil:
             time.sleep(0.05)
         stop(process)
     raise RuntimeError(f"anvil did not start; log tail:\n{log.read_text(errors='replace')[-2000:]}")
+
+
+@contextlib.contextmanager
+def running_anvil(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Anvil]:
+    """A fixture's Anvil, in a temporary directory named after ``name``, stopped when the fixture ends; the
+    fixture's tests are skipped if Anvil is not installed."""
+    if not os.access(ANVIL, os.X_OK):
+        pytest.skip(f"Anvil is not installed at {ANVIL.relative_to(ROOT)}: run `npm ci` at the repository root")
+    node = start_anvil(tmp_path_factory.mktemp(name))
+    try:
+        yield node
+    finally:
+        node.stop()
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:

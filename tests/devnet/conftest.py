@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,18 +11,13 @@ from eth_account import Account
 from web3 import Web3
 from web3.contract import Contract
 
-from tests.devnet.chain import ANVIL, ARTIFACT, ROOT, USDC, Accounts, Anvil, send, start_anvil
+from tests.devnet.chain import ARTIFACT, USDC, Accounts, Anvil, running_anvil, send
 
 
 @pytest.fixture(scope="session")
 def anvil(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Anvil]:
-    if not os.access(ANVIL, os.X_OK):
-        pytest.skip(f"Anvil is not installed at {ANVIL.relative_to(ROOT)}: run `npm ci` at the repository root")
-    node = start_anvil(tmp_path_factory.mktemp("anvil"))
-    try:
+    with running_anvil(tmp_path_factory, "anvil") as node:
         yield node
-    finally:
-        node.stop()
 
 
 @pytest.fixture(scope="session")

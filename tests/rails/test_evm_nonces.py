@@ -5,7 +5,6 @@ and the replacement fees rule."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +18,7 @@ from web3.exceptions import TransactionNotFound
 
 from backend.rails.evm.nonces import CANCEL_GAS, NonceManager, bumped, replacement_fees
 from backend.rails.evm.relay import GAS_LIMIT
-from tests.devnet.chain import ANVIL, ARTIFACT, CHAIN_ID, ROOT, Anvil, send, start_anvil
+from tests.devnet.chain import ARTIFACT, CHAIN_ID, Anvil, running_anvil, send
 
 NETWORK = f"eip155:{CHAIN_ID}"
 GWEI = 10**9
@@ -28,13 +27,8 @@ GWEI = 10**9
 @pytest.fixture(scope="module")
 def anvil(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Anvil]:
     """An Anvil of this module alone: its tests stop its mining."""
-    if not os.access(ANVIL, os.X_OK):
-        pytest.skip(f"Anvil is not installed at {ANVIL.relative_to(ROOT)}: run `npm ci` at the repository root")
-    node = start_anvil(tmp_path_factory.mktemp("anvil-nonces"))
-    try:
+    with running_anvil(tmp_path_factory, "anvil-nonces") as node:
         yield node
-    finally:
-        node.stop()
 
 
 @pytest.fixture(scope="module")
