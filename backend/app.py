@@ -34,25 +34,27 @@ MAX_REQUEST_BYTES = 64 * 1024
 # (32) requests at once, more than the pool holds: a request holds a connection only while its transaction is open,
 # and a /pay ends its transaction before it waits on the chain or the relayer (settlement.flow). A request that
 # finds none free within POOL_TIMEOUT_SECONDS is answered 503 SERVICE_UNAVAILABLE (backend.http_errors), not 500.
+# A relayer process keeps one connection per settlement thread instead of POOL_SIZE (each holds one while it
+# waits for the chain), with the same overflow: threads + POOL_OVERFLOW.
 POOL_SIZE = 5
 POOL_OVERFLOW = 15
 POOL_TIMEOUT_SECONDS = 10
 
 
-def _engine_options(url: str, pool_size: int | None = None) -> dict[str, Any]:
+def _engine_options(url: str, threads: int | None = None) -> dict[str, Any]:
+    """The engine's options; ``threads``: a relayer process's settlement threads (None: the api's pool)."""
     options: dict[str, Any] = {
         "json_serializer": dumps,
         "json_deserializer": stored_loads,
         "connect_args": connect_args(url),
     }
     if make_url(url).database not in (None, "", ":memory:"):  # an in-memory SQLite keeps one connection per thread
-        options.update(pool_size=POOL_SIZE, max_overflow=POOL_OVERFLOW, pool_timeout=POOL_TIMEOUT_SECONDS)
+        pool_size = POOL_SIZE if threads is None else threads
+        options.update(pool_size=pool_size, max_overflow=POOL_OVERFLOW, pool_timeout=POOL_TIMEOUT_SECONDS)
     if url.startswith("postgresql"):
         # pool_pre_ping: a pooled connection the server dropped (a restart, an idle timeout) is replaced when
         # checked out, instead of failing the request that gets it.
         options.update(pool_pre_ping=True, pool_recycle=1800)
-    if pool_size is not None and "pool_size" in options:  # a pooled engine (a database file or a server)
-        options.update(pool_size=pool_size)  # the relayer: a connection per settlement thread, never waited for
     return options
 
 
@@ -78,10 +80,10 @@ def relative_redirect(response: Any) -> Any:
 
 
 def create_app(
-    settings: Settings | None = None, chains: ChainRegistry | None = None, *, db_pool_size: int | None = None
+    settings: Settings | None = None, chains: ChainRegistry | None = None, *, relayer_threads: int | None = None
 ) -> Flask:
-    """The app; ``db_pool_size``: the database connections its pool keeps (the relayer: one per settlement
-    thread, as each holds one while it waits for the chain), instead of the api's default."""
+    """The app; ``relayer_threads``: a relayer process's settlement threads, its database pool keeps a connection
+    for each (each holds one while it waits for the chain) instead of the api's POOL_SIZE."""
     settings = settings or Settings.from_env()
     # No app-wide /static: Flask's default served backend/static/ (the dashboard's and the docs' files) a second
     # time, without their security headers. Each blueprint serves its own files, with its headers.
@@ -99,7 +101,7 @@ def create_app(
         SECRET_KEY=settings.secret_key,
         MAX_CONTENT_LENGTH=MAX_REQUEST_BYTES,
         SQLALCHEMY_DATABASE_URI=settings.database_url,
-        SQLALCHEMY_ENGINE_OPTIONS=_engine_options(settings.database_url, db_pool_size),
+        SQLALCHEMY_ENGINE_OPTIONS=_engine_options(settings.database_url, relayer_threads),
         API_TITLE="payintent",
         API_VERSION="v1",
         OPENAPI_VERSION="3.1.0",

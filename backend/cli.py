@@ -43,7 +43,7 @@ def _emit(obj: dict[str, Any]) -> None:
     click.echo(dumps(obj))
 
 
-def _app(db_pool_size: int | None = None) -> Flask:
+def _app(relayer_threads: int | None = None) -> Flask:
     """The Flask app, with the schema checked (the default local SQLite is upgraded for you)."""
     from backend.app import create_app
     from backend.chains.registry import ChainConfigError
@@ -52,7 +52,7 @@ def _app(db_pool_size: int | None = None) -> Flask:
     settings = Settings.from_env()
     try:
         ensure_schema(settings.database_url, auto_upgrade=settings.default_database)
-        return create_app(settings, db_pool_size=db_pool_size)
+        return create_app(settings, relayer_threads=relayer_threads)
     except SchemaOutOfDate as exc:
         raise CLIError("SCHEMA_OUT_OF_DATE", str(exc), exit_code=1) from None
     except ChainConfigError as exc:
@@ -351,7 +351,7 @@ def relayer(burst: bool, processes: int, threads: int | None) -> None:
     from relayer.worker import run_pool, run_relayer
 
     threads = threads or Settings.from_env().relayer_threads
-    app = _app(db_pool_size=threads)
+    app = _app(relayer_threads=threads)
     if processes > 1:
         from relayer.keys import load_relay_keys
 

@@ -1,5 +1,5 @@
-"""The engines' connection settings on a real PostgreSQL: a bounded connect, and pooled connections that outlive
-a server that dropped them."""
+"""The engines' connection settings: the pools' sizes (the api's, a relayer's), and on a real PostgreSQL a bounded
+connect, and pooled connections that outlive a server that dropped them."""
 
 from __future__ import annotations
 
@@ -30,6 +30,18 @@ def driver_dsn(database_url: str) -> str:
             dsn = connection.connection.dbapi_connection.dsn  # type: ignore[union-attr]
         db.engine.dispose()
     return dsn
+
+
+@pytest.mark.parametrize("threads", [None, 1, 32])
+def test_a_pool_keeps_5_connections_or_one_per_relayer_thread_and_15_more_at_most(db_url, threads):
+    from backend.app import create_app
+    from backend.extensions import db
+
+    with create_app(make_settings(db_url), relayer_threads=threads).app_context():
+        pool = db.engine.pool
+        assert isinstance(pool, sa.pool.QueuePool)
+        assert (pool.size(), pool._max_overflow) == (5 if threads is None else threads, 15)
+        db.engine.dispose()
 
 
 def test_postgresql_connections_give_up_after_the_connect_timeout_unless_the_url_sets_one(postgresql_url):
