@@ -9,6 +9,7 @@ before (the chain decides: AUTHORIZATION_EXPIRED). Money is checked on chain.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections import Counter
@@ -352,3 +353,35 @@ def test_waiters_raise_after_failed_reads_and_a_later_waiter_is_answered(sol, pr
     proxy.fail_statuses = False  # the node is back: an earlier outage is not raised in a new waiter
     status = poller.wait(signature, any_height, 30)
     assert status is not None and status["confirmationStatus"] in poller_module.LANDED
+
+
+class DeadRpc:
+    """A Solana RPC that is gone (a stopped devnet): every read fails."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def signature_statuses(self, signatures: list[str], search_history: bool = False) -> list[Any]:
+        self.reads += 1
+        raise SolanaRpcError("getSignatureStatuses: RPC unreachable or malformed answer (ConnectionError)")
+
+
+def test_a_poller_whose_rpc_is_gone_warns_once_and_backs_off_until_someone_waits(monkeypatch, caplog):
+    monkeypatch.setattr(poller_module, "RESEND_FOR_SECONDS", 4.0)  # the thread ends soon after the test
+    monkeypatch.setattr(poller_module, "IDLE_EXIT_SECONDS", 0.5)
+    dead = DeadRpc()
+    poller = poller_module.SignaturePoller(dead, tick_seconds=0.05)  # type: ignore[arg-type]
+    signature = str(Signature.new_unique())
+    with caplog.at_level(logging.DEBUG, logger=poller_module.__name__):
+        poller.track(signature, "AA==", any_height)  # sent: polled to be sent again, nobody waits
+        time.sleep(2.0)
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "RPC unreachable" in warnings[0].getMessage()
+        # Backing off: 0.1, 0.2, 0.4, 0.8 s... (about 40 reads at the tick in 2 s).
+        assert 3 <= dead.reads <= 7
+        # A waiter ends the back-off: told of the outage within a few ticks, not after the back-off.
+        started = time.monotonic()
+        with pytest.raises(SolanaRpcError, match="unreachable"):
+            poller.wait(signature, any_height, 10)
+        assert time.monotonic() - started < 0.6
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1

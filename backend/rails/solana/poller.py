@@ -20,7 +20,10 @@ more calls beyond) and, when a signature has no status or is due to be sent agai
 
 A waiter never waits past its timeout (an RPC call hanging in the thread delays no one's return). A status read
 failing ``FAILURES_BEFORE_RAISE`` ticks in a row raises ``SolanaRpcError`` in the waiters, as their own read did.
-The thread leaves after ``IDLE_EXIT_SECONDS`` with nothing to poll; the next signature starts it again.
+An outage is logged once (a warning at its first failed read, then debug until a read succeeds again); while the
+reads fail and nobody waits (only re-sends are due: the RPC is down, or gone, as a stopped devnet's), the thread
+backs off, doubling its interval up to ``BACKOFF_MAX_SECONDS``; a new waiter or signature ends the back-off. With
+nothing to poll the thread makes no call, and leaves after ``IDLE_EXIT_SECONDS``; the next signature starts it again.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ TICK_SECONDS = 0.4  # a Solana slot
 RESEND_SECONDS = 2.0
 FAILURES_BEFORE_RAISE = 3
 IDLE_EXIT_SECONDS = 30.0
+BACKOFF_MAX_SECONDS = 5.0  # the longest interval between failing reads while nobody waits
 # How long a tracked transaction is polled with no waiter (submit hands it over, then wait_landed waits on it).
 UNWAITED_SECONDS = 10.0
 # How long a tracked transaction (sent, to send again) may be polled at most with no waiter: past its blockhash's
@@ -106,6 +110,7 @@ class SignaturePoller:
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._thread: threading.Thread | None = None
+        self._wake = threading.Event()  # set by a new signature or waiter: ends a back-off
         self._failures = 0
         self._last_error: SolanaRpcError | None = None
         self._failed_at = 0.0  # the last failed read (monotonic): a waiter that came after it is not told of it
@@ -161,6 +166,7 @@ class SignaturePoller:
         return entry
 
     def _ensure_running(self) -> None:  # the lock held
+        self._wake.set()
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name=f"solana-poller-{id(self):x}", daemon=True)
             self._thread.start()
@@ -176,19 +182,33 @@ class SignaturePoller:
                         return
                 else:
                     idle_since = started
+                self._wake.clear()
             try:
                 self.tick()
             except BaseException as exc:
                 _raise_fatal(exc)
                 log.exception("the Solana signature poller's tick failed")
                 self._failed(SolanaRpcError(f"signature poller: {type(exc).__name__}"))
-            time.sleep(max(0.0, self.tick_seconds - (time.monotonic() - started)))
+            backoff = self._backoff()
+            if backoff:
+                self._wake.wait(backoff)
+            else:
+                time.sleep(max(0.0, self.tick_seconds - (time.monotonic() - started)))
 
-    def _failed(self, error: SolanaRpcError) -> None:
+    def _backoff(self) -> float:
+        """The pause before the next tick while reads fail and nobody waits (0: none, the next tick is on time)."""
+        with self._lock:
+            if not self._failures or any(e.waiters for e in self._entries.values()):
+                return 0.0
+            return min(BACKOFF_MAX_SECONDS, self.tick_seconds * 2.0 ** min(self._failures, 16))
+
+    def _failed(self, error: SolanaRpcError) -> bool:
+        """Counts a failed read; True for the first of an outage."""
         with self._lock:
             self._failures += 1
             self._last_error = error
             self._failed_at = time.monotonic()
+            return self._failures == 1
 
     def tick(self) -> None:
         """One poll of every signature waited on (the thread's step; a test may call it alone)."""
@@ -218,10 +238,14 @@ class SignaturePoller:
                 self.counter.height_calls += 1
                 height = self.chain.block_height("confirmed")
         except SolanaRpcError as exc:
-            log.warning("Solana signature poller: %s", exc)
-            self._failed(exc)
+            if self._failed(exc):
+                log.warning("Solana signature poller: %s (more failures at debug level until a read succeeds)", exc)
+            else:
+                log.debug("Solana signature poller: %s", exc)
             return
         with self._lock:
+            if self._failures:
+                log.info("Solana signature poller: reads succeed again after %d failed", self._failures)
             self._failures = 0
             self._last_error = None
             for entry, status in landed:
