@@ -466,25 +466,46 @@ def list_deliveries(
     return [delivery_to_dict(r._mapping) for r in rows], total
 
 
-def get_delivery(merchant_id: str, delivery_id: str) -> dict[str, Any]:
-    """One delivery with its attempts (oldest first) and the envelope it sends."""
-    row = get_delivery_row(merchant_id, delivery_id)
-    data = delivery_to_dict(row._mapping)
-    payload = db.session.scalar(select(_events.c.payload).where(_events.c.id == row.event_id))
-    data["payload"] = strict_loads(payload) if payload else None
-    attempts = db.session.execute(
-        select(_attempts).where(_attempts.c.delivery_id == delivery_id).order_by(_attempts.c.number)
+# A delivery with its event's payload and its attempts (a row each, oldest first; one row of NULLs if none yet).
+_ATTEMPT_COLUMNS = ("number", "attempted_at", "succeeded", "status_code", "latency_ms", "error", "response_body")
+_DELIVERY_WITH_ATTEMPTS = (
+    select(
+        _deliveries,
+        _events.c.payload.label("event_payload"),
+        *(_attempts.c[name].label(f"attempt_{name}") for name in _ATTEMPT_COLUMNS),
     )
+    .select_from(
+        _deliveries.outerjoin(_events, _events.c.id == _deliveries.c.event_id).outerjoin(
+            _attempts, _attempts.c.delivery_id == _deliveries.c.id
+        )
+    )
+    .order_by(_attempts.c.number)
+)
+
+
+def get_delivery(merchant_id: str, delivery_id: str) -> dict[str, Any]:
+    """One delivery with its attempts (oldest first) and the envelope it sends. One statement, so one snapshot
+    on either engine: the delivery's status and attempt count always agree with the attempts listed (a worker
+    records an attempt and the delivery's next state in one commit)."""
+    rows = db.session.execute(
+        _DELIVERY_WITH_ATTEMPTS.where(_deliveries.c.id == delivery_id, _deliveries.c.merchant_id == merchant_id)
+    ).all()
+    if not rows:
+        raise not_found("Webhook delivery")
+    first = rows[0]._mapping
+    data = delivery_to_dict(first)
+    data["payload"] = strict_loads(first["event_payload"]) if first["event_payload"] else None
     data["attempts"] = [
         {
-            "number": a.number,
-            "attempted_at": clock.isoformat(a.attempted_at),
-            "succeeded": a.succeeded,
-            "status_code": a.status_code,
-            "latency_ms": a.latency_ms,
-            "error": a.error,
-            "response_body": a.response_body,
+            "number": a.attempt_number,
+            "attempted_at": clock.isoformat(a.attempt_attempted_at),
+            "succeeded": a.attempt_succeeded,
+            "status_code": a.attempt_status_code,
+            "latency_ms": a.attempt_latency_ms,
+            "error": a.attempt_error,
+            "response_body": a.attempt_response_body,
         }
-        for a in attempts
+        for a in rows
+        if a.attempt_number is not None
     ]
     return data

@@ -10,8 +10,10 @@ import logging
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from standardwebhooks import Webhook
 
 from backend.extensions import db
@@ -195,6 +197,41 @@ def test_a_crashed_workers_delivery_is_sent_again_after_its_lease(client, mercha
 
     assert services.record_attempt(claimed, clock.current, SendResult(True, 200, 5, None, None)) is False
     assert len(attempts(queued["delivery_id"])) == 1
+
+
+def test_a_delivery_read_while_its_attempt_is_recorded_shows_the_attempt_under_its_heading_or_neither(
+    app, client, merchant, receiver, clock
+):
+    """The delivery page's read: a worker that records the attempt (one commit) while the delivery is read shows
+    both its heading and its attempts as before the commit, or both as after; never a succeeded attempt under a
+    heading that says "pending, 0 attempts"."""
+    endpoint = register(client, merchant, receiver.url())
+    queued = send_test(client, merchant, endpoint["webhook_id"])
+    claimed = services.claim_due(clock.current)
+    assert claimed is not None
+
+    def record() -> None:
+        with app.app_context():
+            assert services.record_attempt(claimed, clock.current, SendResult(True, 200, 5, None, None))
+            db.session.remove()
+
+    recorded: list[str] = []
+
+    def after_execute(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if not recorded and "FROM webhook_deliveries" in statement:  # the delivery's row was read: the worker commits
+            recorded.append(statement)
+            worker = threading.Thread(target=record)
+            worker.start()
+            worker.join(10)
+
+    sa.event.listen(db.engine, "after_cursor_execute", after_execute)
+    try:
+        shown = services.get_delivery(merchant.id, queued["delivery_id"])
+    finally:
+        sa.event.remove(db.engine, "after_cursor_execute", after_execute)
+    assert recorded and len(attempts(queued["delivery_id"])) == 1  # the worker committed during the read
+    assert shown["attempt_count"] == len(shown["attempts"])
+    assert (shown["status"], shown["attempt_count"]) in {("pending", 0), ("succeeded", 1)}
 
 
 def test_replay_sends_the_same_event_again(client, merchant, receiver, clock):
