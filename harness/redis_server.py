@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -35,7 +36,8 @@ def redis_argv(workdir: Path, socket_path: Path) -> list[str]:
 def start_redis(
     workdir: Path, *, owned: bool = False, procs: ProcessSet | None = None, timeout: float = 10
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """A real redis-server on ``workdir``/redis.sock, once its socket exists; returns it and its ``unix://`` URL.
+    """A real redis-server on ``workdir``/redis.sock, once it accepts connections there; returns it and its
+    ``unix://`` URL.
 
     ``owned`` (``payintent dev``): a redis-server left serving that socket by a killed earlier run is stopped
     first, and the new one lives in its own session and ends with this process however it ends (Linux).
@@ -53,7 +55,7 @@ def start_redis(
         proc = subprocess.Popen(argv, start_new_session=owned, preexec_fn=tie_to_parent() if owned else None)
     try:
         deadline = time.monotonic() + timeout
-        while not socket_path.exists():
+        while not _accepts(socket_path):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise HarnessError(f"redis-server did not start; see {workdir / 'redis.log'}")
             time.sleep(0.05)
@@ -62,6 +64,17 @@ def start_redis(
         proc.wait()
         raise
     return proc, f"unix://{socket_path}"
+
+
+def _accepts(socket_path: Path) -> bool:
+    """Whether a server listens on ``socket_path``. Its file alone is not enough: redis-server binds the path,
+    then listens, and a connection in between is refused (Error 111; a test's first ``flushdb`` got it)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(socket_path))
+        except OSError:  # no file yet (ENOENT), or not listening yet (ECONNREFUSED)
+            return False
+    return True
 
 
 def stop_leftover_redis(socket_path: Path) -> None:

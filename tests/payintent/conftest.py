@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from werkzeug.serving import WSGIRequestHandler, make_server
 
-from tests.conftest import worker_redis_url
+from tests.conftest import private_redis, worker_redis_url
 from tests.settlement.conftest import devnet, pay_app, relayer, shop  # noqa: F401
 
 
@@ -29,12 +29,7 @@ def redis_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if external:
         yield worker_redis_url(external, shift=1)
         return
-    from harness.redis_server import start_redis as start_private_redis
-
-    proc, url = start_private_redis(tmp_path_factory.mktemp("client-redis"))
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    yield from private_redis(tmp_path_factory.mktemp("client-redis"))
 
 
 class _QuietHandler(WSGIRequestHandler):
