@@ -8,7 +8,7 @@ the database: payments attempted and settled, double charges and unrecorded char
 finds a problem, whose payments do not all settle, or whose buyers got a 500 (or an error answer without
 the JSON envelope) fails the run (exit 1).
 
-    .venv/bin/python -m drills.run                    # all seven, about 7 minutes
+    .venv/bin/python -m drills.run                    # all eight, about 10 minutes
     .venv/bin/python -m drills.run --only relayer api --seed 7
     .venv/bin/python -m drills.run --write            # ... and update docs/drills.md's results
 """
@@ -32,6 +32,7 @@ from harness.session import Session, stop_on_signals
 DOC = ROOT / "docs" / "drills.md"
 HEADING = "## Results"
 DRAIN_SECONDS = 240.0  # after the last fault: the reconciler re-sends a stale settlement after 30-45 s
+READS_LOST = 0.1  # rpcloss: of the single reads' answers (sends and batches: 30-50 %)
 
 
 @dataclass
@@ -50,13 +51,16 @@ def _in_flight(payments: list[Payment]) -> int:
 
 
 def _outages(stack: Stack, rng: random.Random, tag: str, waves: int, down: Callable[[], None],
-             up: Callable[[], None], seconds: float) -> tuple[list[Payment], int]:  # fmt: skip
+             up: Callable[[], None], seconds: float,
+             last_seconds: float | None = None) -> tuple[list[Payment], int]:  # fmt: skip
     """Per wave: 5 buyers start, the part goes `down()` 0.05-0.4 s later (their payments in flight),
-    5 more buyers start during the outage, and after `seconds` it comes back `up()`. Then every buyer
-    is waited for. Returns the payments and how many were in flight at the faults."""
+    5 more buyers start during the outage, and after `seconds` (the last wave: `last_seconds`, if given)
+    it comes back `up()`. Then every buyer is waited for. Returns the payments and how many were in
+    flight at the faults."""
     per_wave = 5
     payments = make_payments(stack, tag, waves * 2 * per_wave, rng)
-    deadline = time.monotonic() + waves * (seconds + 15) + DRAIN_SECONDS
+    last = seconds if last_seconds is None else last_seconds
+    deadline = time.monotonic() + waves * (seconds + 15) + (last - seconds) + DRAIN_SECONDS
     in_flight = 0
     for wave in range(waves):
         before, during = (payments[(2 * wave + i) * per_wave : (2 * wave + i + 1) * per_wave] for i in (0, 1))
@@ -65,7 +69,7 @@ def _outages(stack: Stack, rng: random.Random, tag: str, waves: int, down: Calla
         in_flight += _in_flight(before)
         down()
         start_buyers(stack, during, deadline, rng)
-        time.sleep(seconds)
+        time.sleep(last if wave == waves - 1 else seconds)
         up()
         time.sleep(1.0)
     wait_all(payments, deadline)
@@ -106,6 +110,16 @@ def relayer_drill(stack: Stack, rng: random.Random) -> Outcome:
     return Outcome(payments, ", ".join(faults), in_flight)
 
 
+def _mining(stack: Stack, on: bool) -> None:
+    """Every chain mines each transaction at once (Anvil's automine), or nothing until this is called again."""
+    from devnet.anvil import rpc
+
+    for network in stack.networks:
+        rpc(stack.anvil_url[network], "evm_setAutomine", [on])
+        if on:
+            rpc(stack.anvil_url[network], "evm_mine")  # what waits in the pool, at once
+
+
 def inflight_drill(stack: Stack, rng: random.Random) -> Outcome:
     """The relayer SIGKILLed with transactions in flight: the chains stop mining, 9 settlements are sent (one
     relayer process, its settlement threads), the relayer dies with them unmined, three times; the chains mine
@@ -116,10 +130,7 @@ def inflight_drill(stack: Stack, rng: random.Random) -> Outcome:
         return sum(int(rpc(stack.anvil_url[n], "txpool_status")["pending"], 16) for n in stack.networks)
 
     def mining(on: bool) -> None:
-        for network in stack.networks:
-            rpc(stack.anvil_url[network], "evm_setAutomine", [on])
-            if on:
-                rpc(stack.anvil_url[network], "evm_mine")  # what waits in the pool, at once
+        _mining(stack, on)
 
     waves, per_wave = 3, 9
     payments = make_payments(stack, "inflight", waves * per_wave, rng)
@@ -188,6 +199,51 @@ def rpc_drill(stack: Stack, rng: random.Random) -> Outcome:
 
     payments, in_flight = _outages(stack, rng, "rpc", 2, down, up, seconds=8.0)
     return Outcome(payments, "2 x every chain RPC down 8 s", in_flight)
+
+
+def rpcloss_drill(stack: Stack, rng: random.Random) -> Outcome:
+    """Every chain's RPC losing answers for 10 s, 10 s and 45 s: 30-50 % of the sent transactions' and the JSON-RPC
+    batches' (the request reaches the chain, its answer never comes back or stops halfway), 10 % of other reads'
+    (more, and few settlements would get as far as a send). In the last window the chains do not mine: the
+    reconciler (after 30 s) sends the settlements left open again, and the relayer reads their receipts in a
+    batch (a settlement already submitted) and gets its answer lost too."""
+    fractions: list[int] = []
+    waves = 3
+
+    def down() -> None:
+        fractions.append(rng.randint(30, 50))
+        stack.lose_rpc_answers(fractions[-1] / 100, rng.randrange(2**31), reads=READS_LOST)
+        if len(fractions) == waves:
+            _mining(stack, False)
+
+    def up() -> None:
+        stack.lose_rpc_answers(0)
+        if len(fractions) == waves:
+            _mining(stack, True)
+
+    log_before = len(stack.rpc_loss_log())
+    try:
+        payments, in_flight = _outages(stack, rng, "rpcloss", waves, down, up, 10.0, 45.0)
+    finally:
+        stack.lose_rpc_answers(0)
+        _mining(stack, True)
+    log = stack.rpc_loss_log()[log_before:]  # the last window's "seen" line: written at its first request after
+    lost = [line.split(" ", 2)[2] for line in log if line.startswith("lost ")]
+    seen: Counter[str] = Counter()
+    for line in log:
+        if line.startswith("seen "):
+            for part in line.removeprefix("seen ").split(", "):
+                number, kind = part.split(" ")
+                seen[kind] += int(number)
+    sends = sum(1 for line in lost if " eth_sendRawTransaction" in line)
+    batches = sum(1 for line in lost if " batch[" in line)
+    cut = sum(line.startswith("cut") for line in lost)
+    faults = (
+        f"every chain RPC losing answers 10/10/45 s (the last not mining): {'/'.join(map(str, fractions))} % of "
+        f"sends and batches, {READS_LOST:.0%} of reads; lost {sends}/{seen['sends']} sends, "
+        f"{batches}/{seen['batches']} batches, {len(lost) - sends - batches}/{seen['reads']} reads ({cut} cut halfway)"
+    )
+    return Outcome(payments, faults, in_flight)
 
 
 def webhooks_drill(stack: Stack, rng: random.Random) -> Outcome:
@@ -272,6 +328,7 @@ DRILLS: dict[str, Drill] = {
     "redis": redis_drill,
     "postgres": postgres_drill,
     "rpc": rpc_drill,
+    "rpcloss": rpcloss_drill,
     "webhooks": webhooks_drill,
 }
 

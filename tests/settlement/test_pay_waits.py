@@ -26,7 +26,7 @@ from redis import Redis
 from sqlalchemy import func, select
 
 from backend.extensions import db
-from backend.settlement.flow import notify_settled, wait_settled
+from backend.settlement.flow import client_socket_timeout, notify_settled, wait_settled
 from backend.settlement.models import Settlement
 from devnet.anvil import rpc
 from harness.ready import wait_healthy
@@ -168,3 +168,15 @@ def test_the_wait_outlasts_the_redis_clients_socket_timeout(redis_url):
         assert wait_settled(redis, settlement_id, 30)
     finally:
         later.cancel()
+
+
+def test_the_wait_knows_the_default_socket_timeout() -> None:
+    """A client made from a URL alone (the app's) still has redis-py's default socket timeout, which ``from_url``
+    leaves out of ``connection_kwargs``: the wait must see it, or its one long BLPOP raised TimeoutError after 5 s
+    and /pay answered 504 SETTLEMENT_PENDING then (the rpcloss drill: "queue unavailable ... Timeout reading from
+    socket" for every settlement the relayer had not finished within 5 s)."""
+    for url in ("redis://127.0.0.1:6379/0", "unix:///tmp/redis.sock"):
+        client = Redis.from_url(url)
+        assert client_socket_timeout(client) == client.connection_pool.make_connection().socket_timeout
+        assert client_socket_timeout(Redis.from_url(url, socket_timeout=1)) == 1
+        assert client_socket_timeout(Redis.from_url(url, socket_timeout=None)) is None
