@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from flask import Flask, g
 from flask_smorest import Api
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import JSON, DateTime, MetaData, Table, event
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.engine import CursorResult, Engine, Result, make_url
+from sqlalchemy.engine import Connection, CursorResult, Engine, Result, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.types import TypeDecorator
@@ -50,6 +52,10 @@ class PayintentSQLAlchemy(SQLAlchemy):
     answer stands; the session is invalidated (its connection is thrown away, never returned to the pool)
     and forgotten, and the next request starts from a fresh session and connection."""
 
+    def init_app(self, app: Flask) -> None:
+        super().init_app(app)
+        app.teardown_appcontext(_close_autocommit_connection)
+
     def _teardown_session(self, exc: BaseException | None) -> None:
         registry = self.session.registry
         if not registry.has():
@@ -71,6 +77,37 @@ class PayintentSQLAlchemy(SQLAlchemy):
             registry.clear()
 
 
+_AUTOCOMMIT = "_payintent_autocommit_connection"
+
+
+def taken_autocommit_connection() -> Connection | None:
+    """The app context's :func:`autocommit_connection` if it took one (tests end its backend)."""
+    return g.get(_AUTOCOMMIT)
+
+
+def release_autocommit_connection() -> None:
+    """The app context's :func:`autocommit_connection` (if it took one) back to the pool now: a request that goes
+    on in the session's transaction holds one connection at a time. A connection the database dropped goes back
+    too (it holds nothing uncommitted; the pool's pre-ping replaces it when next checked out)."""
+    connection: Connection | None = g.pop(_AUTOCOMMIT, None)
+    if connection is None:
+        return
+    try:
+        if connection.dialect.driver == "psycopg2" and not connection.invalidated:
+            dbapi_connection = connection.connection.dbapi_connection
+            if dbapi_connection is not None and not dbapi_connection.closed:
+                dbapi_connection.autocommit = False
+        connection.close()
+    except Exception:
+        log.exception("returning the autocommit connection failed; it is discarded")
+        with contextlib.suppress(Exception):
+            connection.invalidate()
+
+
+def _close_autocommit_connection(exc: BaseException | None) -> None:
+    release_autocommit_connection()
+
+
 db = PayintentSQLAlchemy(model_class=Base)
 api = PayintentApi()
 
@@ -80,6 +117,26 @@ if TYPE_CHECKING:
     Model = Base
 else:
     Model = db.Model
+
+
+def autocommit_connection() -> Connection:
+    """The app context's (a request's) connection on which each statement commits by itself: no BEGIN, COMMIT or
+    ROLLBACK round trips. For a hot path's reads and a lone INSERT, never for statements that must commit
+    together. Checked out of the app's pool at the first call (once per request however many statements use it)
+    and returned at the end of the app context, out of autocommit again.
+
+    On psycopg2 the driver's ``autocommit`` flag is set and cleared directly: SQLAlchemy's
+    ``isolation_level="AUTOCOMMIT"`` costs a round trip (``SET default_transaction_isolation``) every time the
+    connection goes back to the pool."""
+    connection: Connection | None = g.get(_AUTOCOMMIT)
+    if connection is None or connection.closed:
+        connection = db.engine.connect()
+        if connection.dialect.driver == "psycopg2":
+            connection.connection.dbapi_connection.autocommit = True  # type: ignore[union-attr]
+        else:
+            connection = connection.execution_options(isolation_level="AUTOCOMMIT")
+        setattr(g, _AUTOCOMMIT, connection)
+    return connection
 
 
 def rowcount(result: Result[Any]) -> int:

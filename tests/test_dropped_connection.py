@@ -54,10 +54,20 @@ class Killer:
     def kill_session_connection(self) -> None:
         from backend.extensions import db
 
-        if not self.armed:
-            return
+        if self.armed:
+            self._kill(db.session.connection())
+
+    def kill_request_connection(self) -> None:
+        """The request's autocommit connection (the hot reads': backend.extensions) if it took one, else its
+        session's."""
+        from backend.extensions import db, taken_autocommit_connection
+
+        if self.armed:
+            self._kill(taken_autocommit_connection() or db.session.connection())
+
+    def _kill(self, connection: sa.Connection) -> None:
         self.armed = False
-        pid = db.session.connection().connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
+        pid = connection.connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
         with self.admin.begin() as conn:
             assert conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar()
         self.wait_gone("pid = :pid", {"pid": pid})
@@ -94,7 +104,7 @@ def pg_app(postgresql_url: str, chains: ChainRegistry, killer: Killer) -> Iterat
 
     @application.after_request
     def kill_after_the_view(response: Any) -> Any:  # runs first of the after_request hooks: the view is done
-        killer.kill_session_connection()
+        killer.kill_request_connection()
         return response
 
     with application.app_context():
@@ -125,18 +135,25 @@ def test_a_connection_dropped_after_a_read_keeps_the_answer_and_the_next_request
     assert created.status_code == 201
     intent_id = created.json["data"]["intent_id"]
 
-    killer.armed = True  # the GET's read transaction is still open when its connection dies
+    killer.armed = True  # the GET reads outside any transaction (one autocommit statement): nothing is lost
     with caplog.at_level(logging.WARNING, logger="backend.extensions"):
         read = server.get(f"{INTENTS}/{intent_id}", headers=headers)
     assert killer.killed, "the fault was not injected"
     assert read.status_code == 200, read.get_data(as_text=True)
     assert read.json["data"]["intent_id"] == intent_id and read.json["data"]["status"] == "pending"
+    assert not [r for r in caplog.records if r.name == "backend.extensions"]
+
+    killer.armed = True  # the list's read transaction is still open when its connection dies
+    with caplog.at_level(logging.WARNING, logger="backend.extensions"):
+        listed = server.get(INTENTS, headers=headers)
+    assert listed.status_code == 200, listed.get_data(as_text=True)
+    assert [i["intent_id"] for i in listed.json["data"]["intents"]] == [intent_id]
     (record,) = [r for r in caplog.records if r.name == "backend.extensions"]
     assert record.levelno == logging.WARNING and record.exc_info is None  # expected: one line, no traceback
     assert "connection lost" in record.getMessage()
 
-    for _ in range(3):  # the same thread, new app contexts: no broken session or connection is reused
-        again = server.get(f"{INTENTS}/{intent_id}", headers=headers)
+    for path in (f"{INTENTS}/{intent_id}", INTENTS) * 3:  # the same thread, new app contexts: nothing broken reused
+        again = server.get(path, headers=headers)
         assert again.status_code == 200, again.get_data(as_text=True)
 
 
