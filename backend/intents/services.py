@@ -18,7 +18,7 @@ from backend import clock
 from backend.chains.registry import ChainRegistry, Network
 from backend.errors import ChainUnavailable, DomainError, not_found
 from backend.events.services import record_event
-from backend.extensions import autocommit_connection, db, rowcount
+from backend.extensions import autocommit_connection, db, fetch_autocommit, rowcount
 from backend.ids import intent_id as new_intent_id
 from backend.intents.models import CANCELLED, EXPIRED, PENDING, Intent
 from backend.merchants.models import ApiKey, Wallet
@@ -113,13 +113,12 @@ def key_and_wallets(secret: str) -> tuple[str | None, dict[str, str]]:
     digest = api_key_digest(secret)
     if digest is None:
         return None, {}
-    connection = autocommit_connection()
-    rows = connection.execute(_KEY_AND_WALLETS, {"key_hash": digest}).all()
-    merchant_id = accept_key(rows[0] if rows else None, digest, connection.execute)
-    return merchant_id, {row.network: row.address for row in rows if row.network is not None}
+    rows = fetch_autocommit(_KEY_AND_WALLETS, {"key_hash": digest})
+    merchant_id = accept_key(rows[0] if rows else None, digest, autocommit_connection().execute)
+    return merchant_id, {row["network"]: row["address"] for row in rows if row["network"] is not None}
 
 
-def key_and_intent(secret: str, intent_id: str) -> tuple[str | None, RowMapping | None]:
+def key_and_intent(secret: str, intent_id: str) -> tuple[str | None, dict[str, Any] | None]:
     """An API key's check (``merchants.auth.authenticated``'s lookup) and its merchant's intent ``intent_id``
     (None: no such intent, or another merchant's), read in one statement outside any transaction."""
     digest = api_key_digest(secret)
@@ -127,12 +126,12 @@ def key_and_intent(secret: str, intent_id: str) -> tuple[str | None, RowMapping 
         return None, None
     # An id that cannot be one matches nothing (NULL), without comparing it.
     params = {"key_hash": digest, "intent_id": intent_id if _looks_like_uuid(intent_id) else None}
-    connection = autocommit_connection()
-    row = connection.execute(_KEY_AND_INTENT, params).first()
-    merchant_id = accept_key(row, digest, connection.execute)
-    if merchant_id is None or row is None or row.id is None:
+    rows = fetch_autocommit(_KEY_AND_INTENT, params)
+    row = rows[0] if rows else None
+    merchant_id = accept_key(row, digest, autocommit_connection().execute)
+    if merchant_id is None or row is None or row["id"] is None:
         return merchant_id, None
-    return merchant_id, row._mapping
+    return merchant_id, row
 
 
 def _domain_name(network: Network) -> str | None:

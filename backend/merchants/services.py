@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -157,16 +157,17 @@ def api_key_digest(secret: str) -> str | None:
     return hash_api_key(secret)
 
 
-def accept_key(row: Any, digest: str, execute: Callable[..., Any]) -> str | None:
+def accept_key(row: Mapping[Any, Any] | None, digest: str, execute: Callable[..., Any]) -> str | None:
     """The merchant id of the active key a row of KEY_COLUMNS (None: no row) holds, or None. Touches
     ``last_used_at`` (at most once per LAST_USED_PRECISION) with ``execute`` (a session's, then committed, or an
     autocommit connection's)."""
-    if row is None or not hmac.compare_digest(row.api_key_hash, digest):
+    if row is None or not hmac.compare_digest(row["api_key_hash"], digest):
         return None
     now = clock.now()
-    if row.api_key_last_used_at is None or now - row.api_key_last_used_at >= LAST_USED_PRECISION:
-        execute(_TOUCH_KEY, {"key_id": row.api_key_id, "now": now})
-    return str(row.api_key_merchant_id)
+    last_used_at = row["api_key_last_used_at"]
+    if last_used_at is None or now - last_used_at >= LAST_USED_PRECISION:
+        execute(_TOUCH_KEY, {"key_id": row["api_key_id"], "now": now})
+    return str(row["api_key_merchant_id"])
 
 
 def authenticate(secret: str) -> str | None:
@@ -174,7 +175,7 @@ def authenticate(secret: str) -> str | None:
     digest = api_key_digest(secret)
     if digest is None:
         return None
-    row = db.session.execute(_ACTIVE_KEY, {"key_hash": digest}).first()
+    row = db.session.execute(_ACTIVE_KEY, {"key_hash": digest}).mappings().first()
 
     def touch(statement: Any, params: dict[str, Any]) -> None:
         db.session.execute(statement, params)
