@@ -193,3 +193,28 @@ def test_a_connection_dropped_before_the_commit_is_503_and_writes_nothing(pg_app
     assert retried.status_code == 201, retried.get_data(as_text=True)
     with killer.admin.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM intents WHERE order_id = :k"), {"k": key}).scalar() == 1
+
+
+def test_a_connection_dropped_before_the_hot_read_is_503_and_the_next_read_works(pg_app, server, killer, monkeypatch):
+    """The GET's one statement (run on the driver's cursor) finds its connection gone: 503 SERVICE_UNAVAILABLE, as
+    from SQLAlchemy's execute, and the connection is thrown away, not returned to the pool."""
+    from backend import extensions
+
+    headers = merchant_of(pg_app).headers
+    intent_id = create_intent(server, headers).json["data"]["intent_id"]
+    taken = extensions.autocommit_connection
+
+    def dies_once_taken() -> Any:
+        connection = taken()
+        killer.kill_request_connection()
+        return connection
+
+    monkeypatch.setattr(extensions, "autocommit_connection", dies_once_taken)
+    killer.armed = True
+    failed = server.get(f"{INTENTS}/{intent_id}", headers=headers)
+    assert killer.killed
+    assert failed.status_code == 503, failed.get_data(as_text=True)
+    assert failed.json["error"]["code"] == "SERVICE_UNAVAILABLE"
+    for _ in range(3):
+        again = server.get(f"{INTENTS}/{intent_id}", headers=headers)
+        assert again.status_code == 200, again.get_data(as_text=True)
