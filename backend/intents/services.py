@@ -143,19 +143,18 @@ def _domain_name(network: Network) -> str | None:
         ) from None
 
 
-def create_intent(
+def new_intent(
     merchant_id: str,
     params: NewIntent,
     registry: ChainRegistry,
     checkout_host: str,
     *,
-    commit: bool | None = True,
     wallets: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Create a pending intent with one requirement per payable network; returns its row values.
+    """The row of a new pending intent with one requirement per payable network, not yet written
+    (:func:`insert_intent` writes it): a caller whose INSERT commits by itself builds its answer first, so that
+    nothing that can fail runs after the commit.
 
-    ``commit=False``: inserted in the session's transaction, for the caller to commit; ``commit=None``: inserted
-    alone, outside the session (a statement that commits itself: no BEGIN and COMMIT round trips).
     ``wallets``: the merchant's wallets (network -> address) when already read (``key_and_wallets``)."""
     networks = payable_networks(merchant_id, registry, wallets)
     if not networks:
@@ -192,13 +191,19 @@ def create_intent(
         "paid_at": None,
         "settlement_id": None,
     }
+    return row
+
+
+def insert_intent(row: dict[str, Any], *, commit: bool | None = True) -> None:
+    """Write a :func:`new_intent` row. ``commit=False``: in the session's transaction, for the caller to commit;
+    ``commit=None``: alone, outside the session (a statement that commits itself: no BEGIN and COMMIT round
+    trips; the intent exists once it returns, so the caller must have nothing left to do that can fail)."""
     if commit is None:
         autocommit_connection().execute(_INSERT, row)
-        return row
+        return
     db.session.execute(_INSERT, row)
     if commit:
         db.session.commit()
-    return row
 
 
 def effective_status(status: str, expires_at: datetime, now: datetime, settlement_id: str | None = None) -> str:

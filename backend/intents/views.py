@@ -70,14 +70,14 @@ class IntentCollection(MethodView):
                 return _replay(stored)
         params = services.NewIntent(**{k: v for k, v in args.items() if v is not None})
         host = _settings().checkout_host
-        # Without an Idempotency-Key the intent is the only row written: an INSERT that commits by itself.
-        commit = None if key is None else False
-        row = services.create_intent(
-            merchant_id, params, appstate.chains(), host, commit=commit, wallets=read_with_key()
-        )
+        row = services.new_intent(merchant_id, params, appstate.chains(), host, wallets=read_with_key())
         body = dumps({"success": True, "data": services.intent_to_dict(row, host, row["created_at"])})
         if key is None:
+            # The intent is the only row written: an INSERT that commits by itself, once the answer is built (a
+            # failure after it would answer 500 for an intent that exists, and a retry would make a second one).
+            services.insert_intent(row, commit=None)
             return raw_json_response(body, 201)
+        services.insert_intent(row, commit=False)
         idempotency.remember_response(merchant_id, "intents.create", key, request_hash, 201, body)
         try:
             db.session.commit()
