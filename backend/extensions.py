@@ -55,6 +55,10 @@ class PayintentSQLAlchemy(SQLAlchemy):
     def init_app(self, app: Flask) -> None:
         super().init_app(app)
         app.teardown_appcontext(_close_autocommit_connection)
+        with app.app_context():
+            for engine in self.engines.values():
+                if engine.dialect.driver == "psycopg2":  # kept by the pool that engine.dispose() makes
+                    event.listen(engine, "reset", _out_of_autocommit)
 
     def _teardown_session(self, exc: BaseException | None) -> None:
         registry = self.session.registry
@@ -90,7 +94,10 @@ def fetch_autocommit(statement: Select[Any], params: dict[str, Any]) -> list[dic
     machinery cost about as much CPU as the driver's round trip. Only for statements whose parameters are
     plain strings or numbers and whose columns need no result processing on PostgreSQL (its driver returns
     timezone-aware datetimes and, through the JSON decoders SQLAlchemy registers on every connection, the
-    stored JSON); errors are SQLAlchemy's, as from ``execute`` (a lost connection: invalidated, 503)."""
+    stored JSON). A driver error is raised as SQLAlchemy's ``DBAPIError`` subclass for it (as from ``execute``);
+    on a disconnect the connection is thrown away and the pool's older connections are marked stale (replaced at
+    their next checkout), as ``execute`` does, and the request answers 503. Unlike ``execute``, the engine's
+    ``handle_error`` listeners are not called (there are none)."""
     connection = autocommit_connection()
     dialect = connection.dialect
     if dialect.driver != "psycopg2":
@@ -111,7 +118,8 @@ def fetch_autocommit(statement: Select[Any], params: dict[str, Any]) -> list[dic
             cursor.close()
     except dialect.loaded_dbapi.Error as exc:
         lost = dialect.is_disconnect(exc, dbapi_connection, None)
-        if lost:
+        if lost:  # what SQLAlchemy's execute does on a disconnect (Connection._handle_dbapi_exception)
+            connection.engine.pool._invalidate(connection.connection, exc)
             connection.invalidate(exc)
         raise DBAPIError.instance(sql, params, exc, dialect.loaded_dbapi.Error, connection_invalidated=lost) from exc
 
@@ -124,16 +132,13 @@ def taken_autocommit_connection() -> Connection | None:
 
 def release_autocommit_connection() -> None:
     """The app context's :func:`autocommit_connection` (if it took one) back to the pool now: a request that goes
-    on in the session's transaction holds one connection at a time. A connection the database dropped goes back
-    too (it holds nothing uncommitted; the pool's pre-ping replaces it when next checked out)."""
+    on in the session's transaction holds one connection at a time; the pool's reset takes it out of autocommit
+    (:func:`_out_of_autocommit`). A connection the database dropped goes back too (it holds nothing uncommitted;
+    the pool's pre-ping replaces it when next checked out)."""
     connection: Connection | None = g.pop(_AUTOCOMMIT, None)
-    if connection is None:
+    if connection is None or connection.closed:  # closed: someone else already gave it back
         return
     try:
-        if connection.dialect.driver == "psycopg2" and not connection.invalidated:
-            dbapi_connection = connection.connection.dbapi_connection
-            if dbapi_connection is not None and not dbapi_connection.closed:
-                dbapi_connection.autocommit = False
         connection.close()
     except Exception:
         log.exception("returning the autocommit connection failed; it is discarded")
@@ -143,6 +148,16 @@ def release_autocommit_connection() -> None:
 
 def _close_autocommit_connection(exc: BaseException | None) -> None:
     release_autocommit_connection()
+
+
+def _out_of_autocommit(dbapi_connection: Any, connection_record: Any, reset_state: Any) -> None:
+    """The pool's reset (psycopg2 engines): a connection goes back to the pool out of autocommit whichever way it
+    goes back (:func:`release_autocommit_connection`, a ``with`` block, the garbage collector's clean-up of a
+    connection nobody returned): the next checkout may be a session's transaction, which must be atomic. The flag
+    is the driver's, set on the client: no round trip. A connection in autocommit has no transaction open to stop
+    the change; a closed one is left alone (the pool's pre-ping replaces it)."""
+    if not dbapi_connection.closed and dbapi_connection.autocommit:
+        dbapi_connection.autocommit = False
 
 
 db = PayintentSQLAlchemy(model_class=Base)
@@ -160,13 +175,18 @@ def autocommit_connection() -> Connection:
     """The app context's (a request's) connection on which each statement commits by itself: no BEGIN, COMMIT or
     ROLLBACK round trips. For a hot path's reads and a lone INSERT, never for statements that must commit
     together. Checked out of the app's pool at the first call (once per request however many statements use it)
-    and returned at the end of the app context, out of autocommit again.
+    and returned at the end of the app context (:func:`release_autocommit_connection`; do not close it yourself).
+    Whichever way it goes back to the pool, the pool's reset takes it out of autocommit (:func:`_out_of_autocommit`).
 
     On psycopg2 the driver's ``autocommit`` flag is set and cleared directly: SQLAlchemy's
     ``isolation_level="AUTOCOMMIT"`` costs a round trip (``SET default_transaction_isolation``) every time the
     connection goes back to the pool."""
     connection: Connection | None = g.get(_AUTOCOMMIT)
-    if connection is None or connection.closed:
+    if connection is not None and connection.closed:
+        # Closed by someone else (a ``with`` block): taking a second one would hold two connections at once.
+        raise RuntimeError("the app context's autocommit connection was closed; only release_autocommit_connection()"
+                           " may return it")  # fmt: skip
+    if connection is None:
         connection = db.engine.connect()
         if connection.dialect.driver == "psycopg2":
             connection.connection.dbapi_connection.autocommit = True  # type: ignore[union-attr]

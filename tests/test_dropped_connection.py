@@ -218,3 +218,39 @@ def test_a_connection_dropped_before_the_hot_read_is_503_and_the_next_read_works
     for _ in range(3):
         again = server.get(f"{INTENTS}/{intent_id}", headers=headers)
         assert again.status_code == 200, again.get_data(as_text=True)
+
+
+def test_a_connection_lost_on_the_driver_cursor_marks_the_pool_stale_as_execute_does(
+    pg_app, server, killer, monkeypatch
+):
+    """SQLAlchemy's execute, on a disconnect, also marks every connection the pool already holds as stale (the
+    server that dropped one has likely dropped them all): the hot read on the driver's cursor does the same, so the
+    next checkouts get new connections instead of the survivors of the old server."""
+    from backend import extensions
+    from backend.extensions import db
+
+    headers = merchant_of(pg_app).headers
+    intent_id = create_intent(server, headers).json["data"]["intent_id"]
+    with pg_app.app_context():
+        db.engine.dispose()
+        held = [db.engine.connect() for _ in range(2)]  # two in the pool: one for the request, one left behind
+        before = {c.connection.dbapi_connection.info.backend_pid for c in held}  # type: ignore[union-attr]
+        for connection in held:
+            connection.close()
+    taken = extensions.autocommit_connection
+
+    def dies_once_taken() -> Any:
+        connection = taken()
+        killer.kill_request_connection()
+        return connection
+
+    monkeypatch.setattr(extensions, "autocommit_connection", dies_once_taken)
+    killer.armed = True
+    assert server.get(f"{INTENTS}/{intent_id}", headers=headers).status_code == 503
+    assert len(killer.killed) == 1 and killer.killed[0] in before
+    with pg_app.app_context():
+        after = [db.engine.connect() for _ in range(2)]
+        pids = {c.connection.dbapi_connection.info.backend_pid for c in after}  # type: ignore[union-attr]
+        for connection in after:
+            connection.close()
+    assert not pids & before, "a connection from before the disconnect was reused"
