@@ -22,8 +22,9 @@ def authenticated(lookup: Callable[[str], tuple[str | None, T]]) -> T:
 
     ``lookup(secret)`` checks the key: (the merchant id of the active key, or None; what else it read in the same
     statement, which this returns). The limits, in order: the client's (IP) requests before the key is looked
-    up, its failed keys after a failure, the key's requests after a success; the key's is counted in the IP's
-    round trip to the counters when its window is already open (:func:`ratelimit.enforce_and_count_ahead`)."""
+    up, its failed keys after a failure, the key's requests after a success. When the key's window is already open
+    its counter is incremented before the lookup, in the IP's round trip to the counters
+    (:func:`ratelimit.enforce_and_count_ahead`); only its decision waits for the lookup."""
     settings = appstate.settings()
     client = client_key()
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
