@@ -35,11 +35,26 @@ _RELEASE = (
     "if v and tonumber(v) > 1 then redis.call('DECR', KEYS[1]) elseif v then redis.call('DEL', KEYS[1]) end "
     "return 0"
 )
+# RedisStore.incr_pair in one script: count KEYS[1] (its window starts at its first count); unless that passed
+# ARGV[2], count KEYS[2] too, but only while it is live (its window started by a plain incr).
+_INCR_PAIR = (
+    "redis.call('SET', KEYS[1], 0, 'EX', ARGV[1], 'NX') "
+    "local first = redis.call('INCR', KEYS[1]) "
+    "if first > tonumber(ARGV[2]) or redis.call('EXISTS', KEYS[2]) == 0 then return {first, -1} end "
+    "return {first, redis.call('INCR', KEYS[2])}"
+)
 
 
 class EphemeralStore(Protocol):
     def incr(self, key: str, ttl_seconds: int) -> int:
         """Add one to a counter that lives ``ttl_seconds`` from its first increment; return the new value."""
+        ...
+
+    def incr_pair(self, key: str, also: str, ttl_seconds: int, limit: int) -> tuple[int, int | None]:
+        """``incr(key)`` and, in the same call, one more on ``also`` if it is live and ``key``'s new value is within
+        ``limit``: (key's value, also's new value or None when ``also`` was left alone). One round trip for two
+        rate limits of a request, the second of which must only start its window once the request is known to
+        count (``incr`` does that, the first time)."""
         ...
 
     def release(self, key: str) -> None:
@@ -100,6 +115,15 @@ class MemoryStore:
             self._data[key] = (value, entry[1])
             return value
 
+    def incr_pair(self, key: str, also: str, ttl_seconds: int, limit: int) -> tuple[int, int | None]:
+        first = self.incr(key, ttl_seconds)
+        with self._lock:
+            entry = self._live(also, self._now())
+            if first > limit or entry is None:
+                return first, None
+            self._data[also] = (entry[0] + 1, entry[1])
+            return first, entry[0] + 1
+
     def release(self, key: str) -> None:
         with self._lock:
             entry = self._live(key, self._now())
@@ -136,12 +160,17 @@ class RedisStore:
 
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
+        self._incr_pair = redis.register_script(_INCR_PAIR)  # EVALSHA: the script is sent once per server
 
     def incr(self, key: str, ttl_seconds: int) -> int:
         pipe = self._redis.pipeline(transaction=True)
         pipe.set(_PREFIX + key, 0, ex=ttl_seconds, nx=True)  # starts the window; INCR keeps the TTL
         pipe.incr(_PREFIX + key)
         return int(pipe.execute()[1])
+
+    def incr_pair(self, key: str, also: str, ttl_seconds: int, limit: int) -> tuple[int, int | None]:
+        first, second = self._incr_pair(keys=[_PREFIX + key, _PREFIX + also], args=[ttl_seconds, limit])
+        return int(first), (None if int(second) < 0 else int(second))
 
     def release(self, key: str) -> None:
         self._redis.eval(_RELEASE, 1, _PREFIX + key)  # one script: atomic, and DECR alone would revive an expired key
@@ -189,6 +218,9 @@ class _FallbackStore:
 
     def incr(self, key: str, ttl_seconds: int) -> int:
         return self._call(lambda store: store.incr(key, ttl_seconds))
+
+    def incr_pair(self, key: str, also: str, ttl_seconds: int, limit: int) -> tuple[int, int | None]:
+        return self._call(lambda store: store.incr_pair(key, also, ttl_seconds, limit))
 
     def release(self, key: str) -> None:
         self._call(lambda store: store.release(key))

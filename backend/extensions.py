@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from flask import Flask, g
 from flask_smorest import Api
 from flask_sqlalchemy import SQLAlchemy
-from sqlalchemy import JSON, DateTime, MetaData, Table, event
+from sqlalchemy import JSON, DateTime, MetaData, Select, Table, event
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.engine import CursorResult, Engine, Result, make_url
+from sqlalchemy.engine import Connection, CursorResult, Engine, Result, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.types import TypeDecorator
@@ -50,6 +52,14 @@ class PayintentSQLAlchemy(SQLAlchemy):
     answer stands; the session is invalidated (its connection is thrown away, never returned to the pool)
     and forgotten, and the next request starts from a fresh session and connection."""
 
+    def init_app(self, app: Flask) -> None:
+        super().init_app(app)
+        app.teardown_appcontext(_close_autocommit_connection)
+        with app.app_context():
+            for engine in self.engines.values():
+                if engine.dialect.driver == "psycopg2":  # kept by the pool that engine.dispose() makes
+                    event.listen(engine, "reset", _out_of_autocommit)
+
     def _teardown_session(self, exc: BaseException | None) -> None:
         registry = self.session.registry
         if not registry.has():
@@ -71,6 +81,85 @@ class PayintentSQLAlchemy(SQLAlchemy):
             registry.clear()
 
 
+_AUTOCOMMIT = "_payintent_autocommit_connection"
+
+
+_COMPILED: dict[tuple[Select[Any], str], tuple[str, tuple[str, ...]]] = {}
+
+
+def fetch_autocommit(statement: Select[Any], params: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of a SELECT built once (a hot path's), as dicts, run on :func:`autocommit_connection`.
+
+    On psycopg2 the statement, compiled once, runs on the driver's cursor: SQLAlchemy's execution and result
+    machinery cost about as much CPU as the driver's round trip. Only for statements whose parameters are
+    plain strings or numbers and whose columns need no result processing on PostgreSQL (its driver returns
+    timezone-aware datetimes and, through the JSON decoders SQLAlchemy registers on every connection, the
+    stored JSON). A driver error is raised as SQLAlchemy's ``DBAPIError`` subclass for it (as from ``execute``);
+    on a disconnect the connection is thrown away and the pool's older connections are marked stale (replaced at
+    their next checkout), as ``execute`` does, and the request answers 503. Unlike ``execute``, the engine's
+    ``handle_error`` listeners are not called (there are none)."""
+    connection = autocommit_connection()
+    dialect = connection.dialect
+    if dialect.driver != "psycopg2":
+        return [dict(row._mapping) for row in connection.execute(statement, params)]
+    compiled = _COMPILED.get((statement, dialect.name))
+    if compiled is None:
+        sql = str(statement.compile(dialect=dialect))
+        compiled = _COMPILED.setdefault((statement, dialect.name), (sql, tuple(statement.selected_columns.keys())))
+    sql, names = compiled
+    dbapi_connection = connection.connection.dbapi_connection
+    assert dbapi_connection is not None
+    try:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(sql, params)
+            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+        finally:
+            cursor.close()
+    except dialect.loaded_dbapi.Error as exc:
+        lost = dialect.is_disconnect(exc, dbapi_connection, None)
+        if lost:  # what SQLAlchemy's execute does on a disconnect (Connection._handle_dbapi_exception)
+            connection.engine.pool._invalidate(connection.connection, exc)
+            connection.invalidate(exc)
+        raise DBAPIError.instance(sql, params, exc, dialect.loaded_dbapi.Error, connection_invalidated=lost) from exc
+
+
+def taken_autocommit_connection() -> Connection | None:
+    """The app context's :func:`autocommit_connection` if it took one (tests end its backend)."""
+    connection: Connection | None = g.get(_AUTOCOMMIT)
+    return connection
+
+
+def release_autocommit_connection() -> None:
+    """The app context's :func:`autocommit_connection` (if it took one) back to the pool now: a request that goes
+    on in the session's transaction holds one connection at a time; the pool's reset takes it out of autocommit
+    (:func:`_out_of_autocommit`). A connection the database dropped goes back too (it holds nothing uncommitted;
+    the pool's pre-ping replaces it when next checked out)."""
+    connection: Connection | None = g.pop(_AUTOCOMMIT, None)
+    if connection is None or connection.closed:  # closed: someone else already gave it back
+        return
+    try:
+        connection.close()
+    except Exception:
+        log.exception("returning the autocommit connection failed; it is discarded")
+        with contextlib.suppress(Exception):
+            connection.invalidate()
+
+
+def _close_autocommit_connection(exc: BaseException | None) -> None:
+    release_autocommit_connection()
+
+
+def _out_of_autocommit(dbapi_connection: Any, connection_record: Any, reset_state: Any) -> None:
+    """The pool's reset (psycopg2 engines): a connection goes back to the pool out of autocommit whichever way it
+    goes back (:func:`release_autocommit_connection`, a ``with`` block, the garbage collector's clean-up of a
+    connection nobody returned): the next checkout may be a session's transaction, which must be atomic. The flag
+    is the driver's, set on the client: no round trip. A connection in autocommit has no transaction open to stop
+    the change; a closed one is left alone (the pool's pre-ping replaces it)."""
+    if not dbapi_connection.closed and dbapi_connection.autocommit:
+        dbapi_connection.autocommit = False
+
+
 db = PayintentSQLAlchemy(model_class=Base)
 api = PayintentApi()
 
@@ -80,6 +169,31 @@ if TYPE_CHECKING:
     Model = Base
 else:
     Model = db.Model
+
+
+def autocommit_connection() -> Connection:
+    """The app context's (a request's) connection on which each statement commits by itself: no BEGIN, COMMIT or
+    ROLLBACK round trips. For a hot path's reads and a lone INSERT, never for statements that must commit
+    together. Checked out of the app's pool at the first call (once per request however many statements use it)
+    and returned at the end of the app context (:func:`release_autocommit_connection`; do not close it yourself).
+    Whichever way it goes back to the pool, the pool's reset takes it out of autocommit (:func:`_out_of_autocommit`).
+
+    On psycopg2 the driver's ``autocommit`` flag is set and cleared directly: SQLAlchemy's
+    ``isolation_level="AUTOCOMMIT"`` costs a round trip (``SET default_transaction_isolation``) every time the
+    connection goes back to the pool."""
+    connection: Connection | None = g.get(_AUTOCOMMIT)
+    if connection is not None and connection.closed:
+        # Closed by someone else (a ``with`` block): taking a second one would hold two connections at once.
+        raise RuntimeError("the app context's autocommit connection was closed; only release_autocommit_connection()"
+                           " may return it")  # fmt: skip
+    if connection is None:
+        connection = db.engine.connect()
+        if connection.dialect.driver == "psycopg2":
+            connection.connection.dbapi_connection.autocommit = True  # type: ignore[union-attr]
+        else:
+            connection = connection.execution_options(isolation_level="AUTOCOMMIT")
+        setattr(g, _AUTOCOMMIT, connection)
+    return connection
 
 
 def rowcount(result: Result[Any]) -> int:

@@ -17,7 +17,7 @@ import logging
 from flask import request
 
 from backend import appstate
-from backend.ephemeral import store
+from backend.ephemeral import EphemeralStore, store
 from backend.errors import DomainError
 
 log = logging.getLogger(__name__)
@@ -66,8 +66,18 @@ def hit(key: str, limit: int, window_seconds: int) -> int | None:
     name = f"rl:{key}"
     if counters.incr(name, window_seconds) <= limit:
         return None
+    return _resets_in(counters, name)
+
+
+def _resets_in(counters: EphemeralStore, name: str) -> int:
     _, resets_in = counters.count(name)
     return max(1, resets_in)
+
+
+def _limited(retry_after: int) -> DomainError:
+    return DomainError(
+        "RATE_LIMITED", "Too many requests; try again shortly", headers={"Retry-After": str(retry_after)}
+    )
 
 
 def enforce(key: str, per_minute: int) -> None:
@@ -76,6 +86,30 @@ def enforce(key: str, per_minute: int) -> None:
         return
     retry_after = hit(key, per_minute, 60)
     if retry_after is not None:
-        raise DomainError(
-            "RATE_LIMITED", "Too many requests; try again shortly", headers={"Retry-After": str(retry_after)}
-        )
+        raise _limited(retry_after)
+
+
+def enforce_and_count_ahead(key: str, per_minute: int, then: str, then_per_minute: int) -> int | None:
+    """:func:`enforce` ``key`` and, in the same round trip, count the request for ``then`` too if ``then``'s window
+    is open (a request already counted there in it) and ``key`` allowed it: ``then``'s new count, for
+    :func:`enforce_counted` once the request is known to count there (the API key's limit, after the key is
+    checked); None when ``then`` was left alone. A request pays one round trip for both limits, except the first
+    for ``then`` in each window; a made-up key never opens a window."""
+    if per_minute <= 0 or then_per_minute <= 0:
+        enforce(key, per_minute)
+        return None
+    counters = store()
+    name = f"rl:{key}"
+    count, then_count = counters.incr_pair(name, f"rl:{then}", 60, per_minute)
+    if count > per_minute:
+        raise _limited(_resets_in(counters, name))
+    return then_count
+
+
+def enforce_counted(then: str, then_per_minute: int, counted: int | None) -> None:
+    """The limit on ``then`` for a request :func:`enforce_and_count_ahead` counted there (``counted``) or not (None:
+    counted now)."""
+    if counted is None:
+        enforce(then, then_per_minute)
+    elif counted > then_per_minute:
+        raise _limited(_resets_in(store(), f"rl:{then}"))

@@ -7,10 +7,14 @@ Usage::
     .venv/bin/python -m bench.profile_api --pg-url postgresql://postgres@127.0.0.1:5432/test --top 30
 
 For the bare app and for get, list and create it prints the mean wall time per request, the SQL
-statements per request and the time spent in them (the cursor's execute, so round trips included),
+statements per request and the time spent in them (the cursor's execute, so round trips included), the
+round trips per request to PostgreSQL (every execute, commit and rollback on the driver's connection, the
+pool's pre-ping too) and to Redis (``--redis-url``: the rate limits' counters there),
 then, from cProfile run on CPU time, the CPU per request of the main steps (authentication, pool
 checkout, the service call, commit, teardown, ...) and the top functions by own time. No gunicorn,
 no sockets: this is the application's own CPU per request, the "app" column of bench/api.py split up.
+The API rate limits are on (per key and per IP, set too high to refuse anything) as in a deployment; without
+``--redis-url`` they count in the process.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import contextlib
 import cProfile
 import io
+import os
 import pstats
 import shutil
 import sys
@@ -34,6 +39,63 @@ from bench import api as bench_api
 from bench import bare_app
 
 warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
+
+
+class RoundTrips:
+    """Round trips to PostgreSQL (counted on the psycopg2 connection, so whatever path a query takes) and Redis."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def psycopg2_connection_factory(self) -> Any:
+        import psycopg2.extensions
+
+        counts = self.counts
+
+        class CountingCursor(psycopg2.extensions.cursor):
+            def execute(self, query: Any, vars: Any = None) -> Any:
+                connection = self.connection
+                if not connection.autocommit and connection.status == psycopg2.extensions.STATUS_READY:
+                    counts["pg begin"] += 1  # psycopg2 sends BEGIN on its own first
+                counts["pg execute"] += 1
+                if os.environ.get("PROFILE_API_TRACE"):
+                    print("   SQL:", " ".join(str(query)[:100].split()), file=sys.stderr)
+                return super().execute(query, vars)
+
+        class CountingConnection(psycopg2.extensions.connection):
+            def cursor(self, *args: Any, **kwargs: Any) -> Any:
+                kwargs.setdefault("cursor_factory", CountingCursor)
+                return super().cursor(*args, **kwargs)
+
+            def commit(self) -> None:
+                if self.status != psycopg2.extensions.STATUS_READY:  # no transaction open: psycopg2 sends nothing
+                    counts["pg commit"] += 1
+                super().commit()
+
+            def rollback(self) -> None:
+                if self.status != psycopg2.extensions.STATUS_READY:  # no transaction open: psycopg2 sends nothing
+                    counts["pg rollback"] += 1
+                super().rollback()
+
+        return CountingConnection
+
+    def install_redis(self) -> None:
+        from redis.connection import Connection
+
+        send = Connection.send_packed_command
+        counts = self.counts
+
+        def counting_send(self: Any, command: Any, check_health: bool = True) -> None:
+            counts["redis"] += 1
+            send(self, command, check_health)
+
+        Connection.send_packed_command = counting_send  # type: ignore[method-assign]
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+
+ROUND_TRIPS = RoundTrips()
 
 
 class SqlCounter:
@@ -71,10 +133,11 @@ def database(engine: str, pg_url: str | None, workdir: Path) -> Iterator[bench_a
             yield db
 
 
-def build_app(url: str, workdir: Path) -> tuple[Any, str, SqlCounter]:
-    import os
-
-    os.environ.update(LOG_LEVEL="WARNING", PAYINTENT_VAR_DIR=str(workdir / "var"))
+def build_app(url: str, workdir: Path, redis_url: str | None) -> tuple[Any, str, SqlCounter]:
+    # Rate limits on, as deployed, but too high to refuse any of the profile's requests.
+    os.environ.update(LOG_LEVEL="WARNING", PAYINTENT_VAR_DIR=str(workdir / "var"), REDIS_URL=redis_url or "",
+                      API_RATE_LIMIT_PER_KEY="100000000", API_RATE_LIMIT_PER_IP="100000000")  # fmt: skip
+    from backend import app as app_module
     from backend.app import create_app
     from backend.config import Settings
     from backend.extensions import db
@@ -84,6 +147,18 @@ def build_app(url: str, workdir: Path) -> tuple[Any, str, SqlCounter]:
     upgrade(url)
     settings = Settings.from_env()
     settings = type(settings)(**{**settings.__dict__, "database_url": url})
+    engine_options = app_module._engine_options
+
+    def counted_engine_options(url: str, pool_size: int | None = None) -> dict[str, Any]:
+        options = engine_options(url, pool_size)
+        if url.startswith("postgresql"):
+            options["connect_args"] = {
+                **options["connect_args"], "connection_factory": ROUND_TRIPS.psycopg2_connection_factory()}  # fmt: skip
+        return options
+
+    app_module._engine_options = counted_engine_options
+    if redis_url:
+        ROUND_TRIPS.install_redis()
     app = create_app(settings)
     counter = SqlCounter()
     with app.app_context():
@@ -104,6 +179,7 @@ def timed(label: str, n: int, call: Callable[[], Any], counter: SqlCounter | Non
     for _ in range(3):
         if counter:
             counter.reset()
+        ROUND_TRIPS.reset()
         wall, cpu = time.perf_counter(), time.process_time()
         for _ in range(n):
             call()
@@ -113,7 +189,9 @@ def timed(label: str, n: int, call: Callable[[], Any], counter: SqlCounter | Non
     if counter:
         statements = sum(counter.statements.values()) / n
         line += f"   SQL: {statements:.1f} statements, {counter.seconds / n * 1000:.3f} ms wall in execute"
+    trips = ", ".join(f"{name} {count / n:.2f}" for name, count in sorted(ROUND_TRIPS.counts.items()))
     print(line)
+    print(f"           round trips per request: {trips or 'none'}")
     if counter:
         for statement, count in counter.statements.most_common():
             print(f"           {count / n:4.1f} x {statement}")
@@ -123,12 +201,20 @@ def timed(label: str, n: int, call: Callable[[], Any], counter: SqlCounter | Non
 # Functions whose cumulative CPU is reported per request: (label, path suffix, function name).
 WATCHED = [
     ("whole request (Flask wsgi_app)", "flask/app.py", "wsgi_app"),
-    ("  api_key_required -> authenticate()", "backend/merchants/services.py", "authenticate"),
+    ("  authentication, limits included (auth.authenticated)", "backend/merchants/auth.py", "authenticated"),
+    ("    rate limits: IP, and the key when counted ahead", "backend/ratelimit.py", "enforce_and_count_ahead"),
+    ("    rate limits: the key after its check", "backend/ratelimit.py", "enforce_counted"),
+    ("    key lookup alone (session: list, cancel, ...)", "backend/merchants/services.py", "authenticate"),
+    ("    key + intent, one statement (get)", "backend/intents/services.py", "key_and_intent"),
+    ("    key + wallets, one statement (create)", "backend/intents/services.py", "key_and_wallets"),
+    ("      the hot read on the driver's cursor", "backend/extensions.py", "fetch_autocommit"),
     ("  pool checkout (incl. pre-ping)", "sqlalchemy/pool/base.py", "_checkout"),
     ("    pool_pre_ping SELECT 1", "sqlalchemy/engine/default.py", "_do_ping_w_event"),
     ("  webargs/marshmallow body parsing", "webargs/core.py", "parse"),
     ("  services.get_intent()", "backend/intents/services.py", "get_intent"),
-    ("  services.create_intent()", "backend/intents/services.py", "create_intent"),
+    ("  services.new_intent() (the row)", "backend/intents/services.py", "new_intent"),
+    ("  services.insert_intent() (the INSERT)", "backend/intents/services.py", "insert_intent"),
+    ("  SQLAlchemy Core execute (statements not on the cursor)", "sqlalchemy/engine/base.py", "_execute_clauseelement"),
     ("    payable_networks() (wallet query)", "backend/intents/services.py", "payable_networks"),
     ("  session.commit() (flush + INSERT + COMMIT)", "sqlalchemy/orm/scoping.py", "commit"),
     ("  intent_to_dict()", "backend/intents/services.py", "intent_to_dict"),
@@ -175,6 +261,7 @@ def main() -> int:
     parser.add_argument("--pg-url", default=None)
     parser.add_argument("-n", type=int, default=1000, help="requests per endpoint")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--redis-url", default=None, help="count the rate limits in this Redis (else in-process)")
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="payintent-profile-"))
@@ -187,7 +274,7 @@ def main() -> int:
 def run(args: argparse.Namespace, workdir: Path) -> int:
     with database(args.engine, args.pg_url, workdir) as db:
         print(f"{db.engine} {db.version} ({db.where})")
-        app, token, counter = build_app(db.url, workdir)
+        app, token, counter = build_app(db.url, workdir, args.redis_url)
         client = app.test_client()
         auth = {"Authorization": f"Bearer {token}"}
         ids = [

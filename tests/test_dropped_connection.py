@@ -54,10 +54,20 @@ class Killer:
     def kill_session_connection(self) -> None:
         from backend.extensions import db
 
-        if not self.armed:
-            return
+        if self.armed:
+            self._kill(db.session.connection())
+
+    def kill_request_connection(self) -> None:
+        """The request's autocommit connection (the hot reads': backend.extensions) if it took one, else its
+        session's."""
+        from backend.extensions import db, taken_autocommit_connection
+
+        if self.armed:
+            self._kill(taken_autocommit_connection() or db.session.connection())
+
+    def _kill(self, connection: sa.Connection) -> None:
         self.armed = False
-        pid = db.session.connection().connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
+        pid = connection.connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
         with self.admin.begin() as conn:
             assert conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar()
         self.wait_gone("pid = :pid", {"pid": pid})
@@ -94,7 +104,7 @@ def pg_app(postgresql_url: str, chains: ChainRegistry, killer: Killer) -> Iterat
 
     @application.after_request
     def kill_after_the_view(response: Any) -> Any:  # runs first of the after_request hooks: the view is done
-        killer.kill_session_connection()
+        killer.kill_request_connection()
         return response
 
     with application.app_context():
@@ -125,18 +135,25 @@ def test_a_connection_dropped_after_a_read_keeps_the_answer_and_the_next_request
     assert created.status_code == 201
     intent_id = created.json["data"]["intent_id"]
 
-    killer.armed = True  # the GET's read transaction is still open when its connection dies
+    killer.armed = True  # the GET reads outside any transaction (one autocommit statement): nothing is lost
     with caplog.at_level(logging.WARNING, logger="backend.extensions"):
         read = server.get(f"{INTENTS}/{intent_id}", headers=headers)
     assert killer.killed, "the fault was not injected"
     assert read.status_code == 200, read.get_data(as_text=True)
     assert read.json["data"]["intent_id"] == intent_id and read.json["data"]["status"] == "pending"
+    assert not [r for r in caplog.records if r.name == "backend.extensions"]
+
+    killer.armed = True  # the list's read transaction is still open when its connection dies
+    with caplog.at_level(logging.WARNING, logger="backend.extensions"):
+        listed = server.get(INTENTS, headers=headers)
+    assert listed.status_code == 200, listed.get_data(as_text=True)
+    assert [i["intent_id"] for i in listed.json["data"]["intents"]] == [intent_id]
     (record,) = [r for r in caplog.records if r.name == "backend.extensions"]
     assert record.levelno == logging.WARNING and record.exc_info is None  # expected: one line, no traceback
     assert "connection lost" in record.getMessage()
 
-    for _ in range(3):  # the same thread, new app contexts: no broken session or connection is reused
-        again = server.get(f"{INTENTS}/{intent_id}", headers=headers)
+    for path in (f"{INTENTS}/{intent_id}", INTENTS) * 3:  # the same thread, new app contexts: nothing broken reused
+        again = server.get(path, headers=headers)
         assert again.status_code == 200, again.get_data(as_text=True)
 
 
@@ -176,3 +193,64 @@ def test_a_connection_dropped_before_the_commit_is_503_and_writes_nothing(pg_app
     assert retried.status_code == 201, retried.get_data(as_text=True)
     with killer.admin.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM intents WHERE order_id = :k"), {"k": key}).scalar() == 1
+
+
+def test_a_connection_dropped_before_the_hot_read_is_503_and_the_next_read_works(pg_app, server, killer, monkeypatch):
+    """The GET's one statement (run on the driver's cursor) finds its connection gone: 503 SERVICE_UNAVAILABLE, as
+    from SQLAlchemy's execute, and the connection is thrown away, not returned to the pool."""
+    from backend import extensions
+
+    headers = merchant_of(pg_app).headers
+    intent_id = create_intent(server, headers).json["data"]["intent_id"]
+    taken = extensions.autocommit_connection
+
+    def dies_once_taken() -> Any:
+        connection = taken()
+        killer.kill_request_connection()
+        return connection
+
+    monkeypatch.setattr(extensions, "autocommit_connection", dies_once_taken)
+    killer.armed = True
+    failed = server.get(f"{INTENTS}/{intent_id}", headers=headers)
+    assert killer.killed
+    assert failed.status_code == 503, failed.get_data(as_text=True)
+    assert failed.json["error"]["code"] == "SERVICE_UNAVAILABLE"
+    for _ in range(3):
+        again = server.get(f"{INTENTS}/{intent_id}", headers=headers)
+        assert again.status_code == 200, again.get_data(as_text=True)
+
+
+def test_a_connection_lost_on_the_driver_cursor_marks_the_pool_stale_as_execute_does(
+    pg_app, server, killer, monkeypatch
+):
+    """SQLAlchemy's execute, on a disconnect, also marks every connection the pool already holds as stale (the
+    server that dropped one has likely dropped them all): the hot read on the driver's cursor does the same, so the
+    next checkouts get new connections instead of the survivors of the old server."""
+    from backend import extensions
+    from backend.extensions import db
+
+    headers = merchant_of(pg_app).headers
+    intent_id = create_intent(server, headers).json["data"]["intent_id"]
+    with pg_app.app_context():
+        db.engine.dispose()
+        held = [db.engine.connect() for _ in range(2)]  # two in the pool: one for the request, one left behind
+        before = {c.connection.dbapi_connection.info.backend_pid for c in held}  # type: ignore[union-attr]
+        for connection in held:
+            connection.close()
+    taken = extensions.autocommit_connection
+
+    def dies_once_taken() -> Any:
+        connection = taken()
+        killer.kill_request_connection()
+        return connection
+
+    monkeypatch.setattr(extensions, "autocommit_connection", dies_once_taken)
+    killer.armed = True
+    assert server.get(f"{INTENTS}/{intent_id}", headers=headers).status_code == 503
+    assert len(killer.killed) == 1 and killer.killed[0] in before
+    with pg_app.app_context():
+        after = [db.engine.connect() for _ in range(2)]
+        pids = {c.connection.dbapi_connection.info.backend_pid for c in after}  # type: ignore[union-attr]
+        for connection in after:
+            connection.close()
+    assert not pids & before, "a connection from before the disconnect was reused"

@@ -18,10 +18,11 @@ from backend import clock
 from backend.chains.registry import ChainRegistry, Network
 from backend.errors import ChainUnavailable, DomainError, not_found
 from backend.events.services import record_event
-from backend.extensions import db, rowcount
+from backend.extensions import autocommit_connection, db, fetch_autocommit, rowcount
 from backend.ids import intent_id as new_intent_id
 from backend.intents.models import CANCELLED, EXPIRED, PENDING, Intent
-from backend.merchants.models import Wallet
+from backend.merchants.models import ApiKey, Wallet
+from backend.merchants.services import ACTIVE_KEY, KEY_COLUMNS, accept_key, api_key_digest
 from backend.money import from_atomic, to_atomic
 from backend.rails.registry import rail_for
 
@@ -33,16 +34,34 @@ SWEEP_BATCH = 500
 # Statements on the hot paths are built once, on the tables (Core), not per request.
 _intents = Intent.__table__
 _wallets = Wallet.__table__
+_keys = ApiKey.__table__
 _COLUMNS = (
     _intents.c.id, _intents.c.status, _intents.c.amount_atomic, _intents.c.order_id, _intents.c.description,
     _intents.c.metadata, _intents.c.redirect_url, _intents.c.cancel_url, _intents.c.payment_requirements,
     _intents.c.created_at, _intents.c.expires_at, _intents.c.tx_hash, _intents.c.buyer_address, _intents.c.chain,
     _intents.c.paid_at, _intents.c.settlement_id,
 )  # fmt: skip
+_INSERT = insert(_intents)
 _GET = select(*_COLUMNS).where(
     _intents.c.id == bindparam("intent_id"), _intents.c.merchant_id == bindparam("merchant_id")
 )
 _WALLETS_OF = select(_wallets.c.network, _wallets.c.address).where(_wallets.c.merchant_id == bindparam("merchant_id"))
+# The API key and what the request reads, in one statement (a row with the key's columns, those of what was read
+# NULL when there is none; no row when the key is not active): the hot GET and POST read so.
+_KEY_AND_INTENT = (
+    select(*KEY_COLUMNS, *_COLUMNS)
+    .select_from(
+        _keys.outerjoin(
+            _intents, (_intents.c.id == bindparam("intent_id")) & (_intents.c.merchant_id == _keys.c.merchant_id)
+        )
+    )
+    .where(ACTIVE_KEY)
+)
+_KEY_AND_WALLETS = (
+    select(*KEY_COLUMNS, _wallets.c.network, _wallets.c.address)
+    .select_from(_keys.outerjoin(_wallets, _wallets.c.merchant_id == _keys.c.merchant_id))
+    .where(ACTIVE_KEY)
+)
 
 
 @dataclass(frozen=True)
@@ -78,10 +97,41 @@ def build_requirement(
     return requirement
 
 
-def payable_networks(merchant_id: str, registry: ChainRegistry) -> list[tuple[Network, str]]:
-    """(network, payout address) for each configured network the merchant has a wallet on."""
-    wallets = dict(db.session.execute(_WALLETS_OF, {"merchant_id": merchant_id}).all())
+def payable_networks(
+    merchant_id: str, registry: ChainRegistry, wallets: Mapping[str, str] | None = None
+) -> list[tuple[Network, str]]:
+    """(network, payout address) for each configured network the merchant has a wallet on (``wallets``: its
+    wallets, network -> address, when already read)."""
+    if wallets is None:
+        wallets = dict(db.session.execute(_WALLETS_OF, {"merchant_id": merchant_id}).all())
     return [(n, wallets[n.network]) for n in registry if n.network in wallets]
+
+
+def key_and_wallets(secret: str) -> tuple[str | None, dict[str, str]]:
+    """An API key's check (``merchants.auth.authenticated``'s lookup) and its merchant's wallets, network ->
+    address, read in one statement outside any transaction."""
+    digest = api_key_digest(secret)
+    if digest is None:
+        return None, {}
+    rows = fetch_autocommit(_KEY_AND_WALLETS, {"key_hash": digest})
+    merchant_id = accept_key(rows[0] if rows else None, digest, autocommit_connection().execute)
+    return merchant_id, {row["network"]: row["address"] for row in rows if row["network"] is not None}
+
+
+def key_and_intent(secret: str, intent_id: str) -> tuple[str | None, dict[str, Any] | None]:
+    """An API key's check (``merchants.auth.authenticated``'s lookup) and its merchant's intent ``intent_id``
+    (None: no such intent, or another merchant's), read in one statement outside any transaction."""
+    digest = api_key_digest(secret)
+    if digest is None:
+        return None, None
+    # An id that cannot be one matches nothing (NULL), without comparing it.
+    params = {"key_hash": digest, "intent_id": intent_id if _looks_like_uuid(intent_id) else None}
+    rows = fetch_autocommit(_KEY_AND_INTENT, params)
+    row = rows[0] if rows else None
+    merchant_id = accept_key(row, digest, autocommit_connection().execute)
+    if merchant_id is None or row is None or row["id"] is None:
+        return merchant_id, None
+    return merchant_id, row
 
 
 def _domain_name(network: Network) -> str | None:
@@ -93,11 +143,20 @@ def _domain_name(network: Network) -> str | None:
         ) from None
 
 
-def create_intent(
-    merchant_id: str, params: NewIntent, registry: ChainRegistry, checkout_host: str, *, commit: bool = True
+def new_intent(
+    merchant_id: str,
+    params: NewIntent,
+    registry: ChainRegistry,
+    checkout_host: str,
+    *,
+    wallets: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Create a pending intent with one requirement per payable network; returns its row values."""
-    networks = payable_networks(merchant_id, registry)
+    """The row of a new pending intent with one requirement per payable network, not yet written
+    (:func:`insert_intent` writes it): a caller whose INSERT commits by itself builds its answer first, so that
+    nothing that can fail runs after the commit.
+
+    ``wallets``: the merchant's wallets (network -> address) when already read (``key_and_wallets``)."""
+    networks = payable_networks(merchant_id, registry, wallets)
     if not networks:
         raise DomainError(
             "NO_PAYOUT_WALLET",
@@ -132,10 +191,19 @@ def create_intent(
         "paid_at": None,
         "settlement_id": None,
     }
-    db.session.execute(insert(_intents), row)
+    return row
+
+
+def insert_intent(row: dict[str, Any], *, commit: bool | None = True) -> None:
+    """Write a :func:`new_intent` row. ``commit=False``: in the session's transaction, for the caller to commit;
+    ``commit=None``: alone, outside the session (a statement that commits itself: no BEGIN and COMMIT round
+    trips; the intent exists once it returns, so the caller must have nothing left to do that can fail)."""
+    if commit is None:
+        autocommit_connection().execute(_INSERT, row)
+        return
+    db.session.execute(_INSERT, row)
     if commit:
         db.session.commit()
-    return row
 
 
 def effective_status(status: str, expires_at: datetime, now: datetime, settlement_id: str | None = None) -> str:

@@ -84,6 +84,24 @@ def test_merchant_without_wallet_gets_a_clear_4xx_and_no_intent(client, app):
     assert intent_count() == 0
 
 
+@pytest.mark.parametrize("idempotency_key", [None, "order-1"])
+def test_a_create_that_fails_building_its_answer_writes_no_intent(client, merchant, monkeypatch, idempotency_key):
+    """Without an Idempotency-Key the INSERT commits by itself: it runs only once the answer is built, so a 500
+    never leaves an intent behind (the client's retry would make a second payable one)."""
+    from backend.intents import views
+
+    def broken(value: Any) -> str:
+        raise RuntimeError("serialising failed")
+
+    monkeypatch.setattr(views, "dumps", broken)
+    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+    response = post(client, merchant, {"amount_usdc": 1, "order_id": "o-1"}, headers=headers)
+    assert response.status_code == 500
+    assert response.get_json()["error"]["code"] == "INTERNAL_ERROR"
+    db.session.rollback()
+    assert intent_count() == 0
+
+
 def test_wallet_change_applies_to_the_next_intent_only(client, app, merchant):
     from backend.merchants.services import set_wallet
 

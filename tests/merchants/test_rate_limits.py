@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pytest
+
 from backend.merchants import services
 from tests.intents.helpers import URL
 
@@ -127,3 +129,68 @@ def test_a_proxied_request_while_trusted_proxy_hops_is_0_is_logged_once(app, cli
             client.get(URL, headers={**merchant.headers, "X-Forwarded-For": "198.51.100.1"})
     warnings = [r.getMessage() for r in caplog.records if "TRUSTED_PROXY_HOPS is 0" in r.getMessage()]
     assert len(warnings) == 1 and "Set TRUSTED_PROXY_HOPS to the number of proxies" in warnings[0]
+
+
+@pytest.fixture(params=["memory", "redis"])
+def counters(request: Any, app: Any) -> str:
+    """Where the limits count: the in-process store, or Redis (the count-ahead script, one round trip)."""
+    if request.param == "redis":
+        limits(app, redis_url=request.getfixturevalue("redis_url"))
+    return str(request.param)
+
+
+def test_reads_and_creates_count_each_limit_once_per_request(app, client, merchant, counters):
+    """The hot GET and POST count the key and the client (IP) in one round trip once the key's window is open:
+    still exactly once per request each, the key's after the key is checked."""
+    intent_id = client.post(URL, json={"amount_usdc": 1}, headers=merchant.headers).get_json()["data"]["intent_id"]
+    limits(app, api_requests_per_minute_per_key=3, api_requests_per_minute_per_ip=1000)
+    calls = [
+        lambda: client.get(f"{URL}/{intent_id}", headers=merchant.headers),
+        lambda: client.post(URL, json={"amount_usdc": 1}, headers=merchant.headers),
+    ]
+    codes = [calls[i % 2]().status_code for i in range(5)]
+    assert codes == [200, 201, 200, 429, 429]
+    limited = client.get(f"{URL}/{intent_id}", headers=merchant.headers)
+    assert limited.get_json()["error"]["code"] == "RATE_LIMITED" and 1 <= int(limited.headers["Retry-After"]) <= 60
+    second_key = services.create_api_key(merchant.id).secret  # another key of the same merchant: its own budget
+    assert client.get(f"{URL}/{intent_id}", headers={"Authorization": f"Bearer {second_key}"}).status_code == 200
+
+    limits(app, api_requests_per_minute_per_key=1000, api_requests_per_minute_per_ip=8)  # 8 - the 7 above = 1 left
+    assert client.get(f"{URL}/{intent_id}", headers=merchant.headers).status_code == 200
+    assert client.get(f"{URL}/{intent_id}", headers=merchant.headers).status_code == 429
+    assert client.get(f"{URL}/{intent_id}", environ_base={"REMOTE_ADDR": "203.0.113.9"}).status_code == 401
+
+
+def test_a_made_up_or_revoked_key_is_401_not_429_and_opens_no_window(app, client, merchant, counters):
+    from backend.ephemeral import memory_store
+
+    intent_id = client.post(URL, json={"amount_usdc": 1}, headers=merchant.headers).get_json()["data"]["intent_id"]
+    limits(app, api_requests_per_minute_per_key=1, api_requests_per_minute_per_ip=1000)
+    wrong = {"Authorization": "Bearer sk_test_" + "y" * 40}
+    assert [client.get(f"{URL}/{intent_id}", headers=wrong).status_code for _ in range(3)] == [401, 401, 401]
+    if counters == "redis":
+        from redis import Redis
+
+        names = [n.decode() for n in Redis.from_url(app.config["PAYINTENT_SETTINGS"].redis_url).keys("*rl:api:key:*")]
+    else:
+        names = [n for n in memory_store()._data if "rl:api:key:" in n]
+    assert names == []  # no window for the made-up key
+    key_id = services.list_api_keys(merchant.id)[0].id
+    assert [client.get(f"{URL}/{intent_id}", headers=merchant.headers).status_code for _ in range(2)] == [200, 429]
+    services.revoke_api_key(merchant.id, key_id)
+    assert client.get(f"{URL}/{intent_id}", headers=merchant.headers).status_code == 401  # revoked: at once
+
+
+def test_incr_pair_counts_the_second_only_while_live_and_within_the_first_limit(app, counters):
+    from backend.ephemeral import store
+
+    with app.app_context():
+        counters_ = store()
+        for name in ("a", "b"):
+            counters_.delete(name)
+        assert counters_.incr_pair("a", "b", 60, 2) == (1, None)  # "b" has no window: left alone
+        assert counters_.count("b") == (0, 0)
+        assert counters_.incr("b", 60) == 1
+        assert counters_.incr_pair("a", "b", 60, 2) == (2, 2)
+        assert counters_.incr_pair("a", "b", 60, 2) == (3, None)  # "a" past its limit: "b" not counted
+        assert counters_.count("a")[0] == 3 and counters_.count("b")[0] == 2
