@@ -195,13 +195,10 @@ def test_a_connection_dropped_before_the_commit_is_503_and_writes_nothing(pg_app
         assert conn.execute(sa.text("SELECT count(*) FROM intents WHERE order_id = :k"), {"k": key}).scalar() == 1
 
 
-def test_a_connection_dropped_before_the_hot_read_is_503_and_the_next_read_works(pg_app, server, killer, monkeypatch):
-    """The GET's one statement (run on the driver's cursor) finds its connection gone: 503 SERVICE_UNAVAILABLE, as
-    from SQLAlchemy's execute, and the connection is thrown away, not returned to the pool."""
+def _kill_once_taken(killer: Any, monkeypatch: Any) -> None:
+    """The request's autocommit connection (the hot read's) is killed on the server right after it is taken."""
     from backend import extensions
 
-    headers = merchant_of(pg_app).headers
-    intent_id = create_intent(server, headers).json["data"]["intent_id"]
     taken = extensions.autocommit_connection
 
     def dies_once_taken() -> Any:
@@ -211,6 +208,15 @@ def test_a_connection_dropped_before_the_hot_read_is_503_and_the_next_read_works
 
     monkeypatch.setattr(extensions, "autocommit_connection", dies_once_taken)
     killer.armed = True
+
+
+def test_a_connection_dropped_before_the_hot_read_is_503_and_the_next_read_works(pg_app, server, killer, monkeypatch):
+    """The GET's one statement (run on the driver's cursor) finds its connection gone: 503 SERVICE_UNAVAILABLE, as
+    from SQLAlchemy's execute, and the connection is thrown away, not returned to the pool."""
+
+    headers = merchant_of(pg_app).headers
+    intent_id = create_intent(server, headers).json["data"]["intent_id"]
+    _kill_once_taken(killer, monkeypatch)
     failed = server.get(f"{INTENTS}/{intent_id}", headers=headers)
     assert killer.killed
     assert failed.status_code == 503, failed.get_data(as_text=True)
@@ -226,7 +232,6 @@ def test_a_connection_lost_on_the_driver_cursor_marks_the_pool_stale_as_execute_
     """SQLAlchemy's execute, on a disconnect, also marks every connection the pool already holds as stale (the
     server that dropped one has likely dropped them all): the hot read on the driver's cursor does the same, so the
     next checkouts get new connections instead of the survivors of the old server."""
-    from backend import extensions
     from backend.extensions import db
 
     headers = merchant_of(pg_app).headers
@@ -237,15 +242,7 @@ def test_a_connection_lost_on_the_driver_cursor_marks_the_pool_stale_as_execute_
         before = {c.connection.dbapi_connection.info.backend_pid for c in held}  # type: ignore[union-attr]
         for connection in held:
             connection.close()
-    taken = extensions.autocommit_connection
-
-    def dies_once_taken() -> Any:
-        connection = taken()
-        killer.kill_request_connection()
-        return connection
-
-    monkeypatch.setattr(extensions, "autocommit_connection", dies_once_taken)
-    killer.armed = True
+    _kill_once_taken(killer, monkeypatch)
     assert server.get(f"{INTENTS}/{intent_id}", headers=headers).status_code == 503
     assert len(killer.killed) == 1 and killer.killed[0] in before
     with pg_app.app_context():
