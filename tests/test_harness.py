@@ -83,10 +83,15 @@ def test_the_forwarder_pipes_bytes_and_comes_back_on_its_port(tmp_path: Path) ->
         upstream.close()
 
 
-class _Chain(BaseHTTPRequestHandler):
+class _JsonChain(BaseHTTPRequestHandler):
+    """A JSON-RPC endpoint: each POST's JSON body goes to ``answer``, whose result is sent back as JSON."""
+
+    def answer(self, request: Any) -> Any:
+        raise NotImplementedError
+
     def do_POST(self) -> None:
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        body = json.dumps({"jsonrpc": "2.0", "id": request["id"], "result": "0x1"}).encode()
+        body = json.dumps(self.answer(request)).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -97,26 +102,22 @@ class _Chain(BaseHTTPRequestHandler):
         pass
 
 
-class _CountingChain(BaseHTTPRequestHandler):
+class _Chain(_JsonChain):
+    def answer(self, request: Any) -> Any:
+        return {"jsonrpc": "2.0", "id": request["id"], "result": "0x1"}
+
+
+class _CountingChain(_JsonChain):
     """Answers a JSON-RPC call or batch (each call's result: its id) and counts the requests it got."""
 
     protocol_version = "HTTP/1.1"  # keeps connections open, as Anvil does
     requests_seen: list[Any] = []
 
-    def do_POST(self) -> None:
-        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+    def answer(self, request: Any) -> Any:
         self.requests_seen.append(request)
         calls = request if isinstance(request, list) else [request]
         answers = [{"jsonrpc": "2.0", "id": c["id"], "result": hex(c["id"]), "pad": "x" * 200} for c in calls]
-        body = json.dumps(answers if isinstance(request, list) else answers[0]).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+        return answers if isinstance(request, list) else answers[0]
 
 
 def test_the_forwarder_loses_answers_as_its_control_file_says(tmp_path: Path) -> None:
