@@ -107,31 +107,32 @@ def payable_networks(
     return [(n, wallets[n.network]) for n in registry if n.network in wallets]
 
 
+def _read_with_key(secret: str, statement: Any, params: dict[str, Any]) -> tuple[str | None, list[Any]]:
+    """An API key's check and ``statement``'s rows (each carrying the key's columns, ``KEY_COLUMNS``), read in one
+    statement outside any transaction: (merchant id or None, rows)."""
+    digest = api_key_digest(secret)
+    if digest is None:
+        return None, []
+    rows = fetch_autocommit(statement, {"key_hash": digest, **params})
+    return accept_key(rows[0] if rows else None, digest, autocommit_connection().execute), rows
+
+
 def key_and_wallets(secret: str) -> tuple[str | None, dict[str, str]]:
     """An API key's check (``merchants.auth.authenticated``'s lookup) and its merchant's wallets, network ->
     address, read in one statement outside any transaction."""
-    digest = api_key_digest(secret)
-    if digest is None:
-        return None, {}
-    rows = fetch_autocommit(_KEY_AND_WALLETS, {"key_hash": digest})
-    merchant_id = accept_key(rows[0] if rows else None, digest, autocommit_connection().execute)
+    merchant_id, rows = _read_with_key(secret, _KEY_AND_WALLETS, {})
     return merchant_id, {row["network"]: row["address"] for row in rows if row["network"] is not None}
 
 
 def key_and_intent(secret: str, intent_id: str) -> tuple[str | None, dict[str, Any] | None]:
     """An API key's check (``merchants.auth.authenticated``'s lookup) and its merchant's intent ``intent_id``
     (None: no such intent, or another merchant's), read in one statement outside any transaction."""
-    digest = api_key_digest(secret)
-    if digest is None:
-        return None, None
     # An id that cannot be one matches nothing (NULL), without comparing it.
-    params = {"key_hash": digest, "intent_id": intent_id if _looks_like_uuid(intent_id) else None}
-    rows = fetch_autocommit(_KEY_AND_INTENT, params)
-    row = rows[0] if rows else None
-    merchant_id = accept_key(row, digest, autocommit_connection().execute)
-    if merchant_id is None or row is None or row["id"] is None:
+    params = {"intent_id": intent_id if _looks_like_uuid(intent_id) else None}
+    merchant_id, rows = _read_with_key(secret, _KEY_AND_INTENT, params)
+    if merchant_id is None or rows[0]["id"] is None:  # an accepted key has its row
         return merchant_id, None
-    return merchant_id, row
+    return merchant_id, rows[0]
 
 
 def _domain_name(network: Network) -> str | None:
