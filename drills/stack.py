@@ -25,13 +25,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from harness import bootstrap, client, ready
+from harness import bootstrap, client, ready, redis_server
 from harness.chains import start_devnet
 from harness.env import PAYINTENT, RELAY_KEY_VARS, service_env
 from harness.errors import HarnessError
 from harness.ports import HOST, free_port
 from harness.proxy import set_loss, start_forwarder
-from harness.redis_server import redis_argv
 from harness.servers import start_helper
 from harness.session import Session
 
@@ -152,12 +151,7 @@ class Stack:
         self.pg_socket_dir = str(self.pg.get_postmaster_info().socket_dir)
 
     def start_redis(self) -> None:
-        self.redis_socket = self.workdir / "redis.sock"
-        self.redis_url = f"unix://{self.redis_socket}"
-        argv = redis_argv(self.workdir, self.redis_socket)
-        self.redis_socket.unlink(missing_ok=True)
-        self.proc["redis"] = self.procs.start(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait("redis-server", self.redis_ping, 15, self.proc["redis"])
+        self.proc["redis"], self.redis_url = redis_server.start_redis(self.workdir, procs=self.procs, timeout=15)
 
     def redis_ping(self) -> bool:
         return ready.redis_ping(self.redis_url)
