@@ -288,26 +288,38 @@ class RpcLog:
         self.methods[step] = Counter(m for m, _ in self.calls[start:end])
 
 
+def _rpc_methods(data: Any) -> str:
+    """A request body's JSON-RPC method, or ``batch:`` and its methods."""
+    try:
+        body = json.loads(data)
+    except (TypeError, ValueError):
+        return "?"
+    if isinstance(body, list):
+        return "batch:" + ",".join(str(item.get("method")) for item in body if isinstance(item, dict))
+    return str(body.get("method")) if isinstance(body, dict) else "?"
+
+
 def timed_chains(registry: Any, log: RpcLog) -> dict[str, Any]:
     """The service's own EvmChain clients (``backend.chains.evm.evm_chain``: the instances the rail and the
-    relayer use in this process), with every HTTP request their web3 provider sends timed into `log`
-    (answers web3 serves from its cache are not requests)."""
+    relayer use in this process), with every HTTP request their web3 provider's session sends (one call, or a
+    batch) timed into `log` (answers web3 serves from its cache are not requests)."""
     from backend.chains.evm import evm_chain
 
     chains = {}
     for network in registry:
         chain = evm_chain(network)
         provider = chain.w3.provider
-        send = provider._make_request  # the HTTP POST under make_request's cache and retries
+        manager = provider._request_session_manager
+        post = manager.make_post_request  # every HTTP POST: web3's calls (under its cache and retries) and batches
 
-        def timed_send(method: Any, request_data: bytes, send: Callable[..., Any] = send) -> Any:
+        def timed_post(uri: str, data: Any, *args: Any, post: Callable[..., Any] = post, **kwargs: Any) -> Any:
             started = time.perf_counter()
             try:
-                return send(method, request_data)
+                return post(uri, data, *args, **kwargs)
             finally:
-                log.calls.append((str(method), time.perf_counter() - started))
+                log.calls.append((_rpc_methods(data), time.perf_counter() - started))
 
-        provider._make_request = timed_send
+        manager.make_post_request = timed_post
         chains[network.network] = chain
     return chains
 
@@ -315,7 +327,6 @@ def timed_chains(registry: Any, log: RpcLog) -> dict[str, Any]:
 # One step of one payment in the breakdown: wall seconds, seconds inside web3's HTTP provider (its
 # make_request: requests, HTTP, the proxy, the chain), RPC calls, seconds at the chain (as the proxy saw it).
 Sample = tuple[float, float, int, float]
-RAW_READS = "  compare: 3 reads, 1 batch"
 # The rows, in order. The API's come from backend.timing's steps in submit_payment (STEP_ROWS), the
 # relayer's from the in-process relay half (scenarios.relay_in_process); rows starting with two spaces
 # are comparisons, not counted in the totals.
@@ -328,11 +339,7 @@ BREAKDOWN_STEPS = (
     ("asset current", "API", "the requirement's USDC contract is the network's (else REQUIREMENT_OUTDATED)"),
     ("verify", "API", "rail.parse_payment: parse_evm_payload + verify_evm_authorization"),
     ("  of it: signature", "API", "recover_authorizer alone (EIP-712 encode + ecrecover)"),
-    ("nonce read", "API", "EvmChain.authorization_state"),
-    ("code read", "API", "EvmChain.has_code (a payer with code is refused)"),
-    ("balance read", "API", "EvmChain.balance_of"),
-    ("latest block", "API", "EvmChain.latest_block (height and time)"),
-    (RAW_READS, "-", "not the service: the same three reads as one JSON-RPC batch (requests, trust_env off)"),
+    ("chain reads", "API", "rails.evm.rail.read_pre_claim_state: nonce, code, balance, latest block (one batch)"),
     ("relay budget", "API", "flow._budget (the relay budget's cost bounds)"),
     ("claim", "API", "services.claim: insert, conditional update, commit"),
     ("enqueue", "API", "flow.enqueue_settlement (the RQ job; here to a queue no relayer serves)"),
@@ -360,10 +367,7 @@ STEP_ROWS = {
     "check_pay_to_current": "payTo current",
     "check_asset_current": "asset current",
     "parse_payment": "verify",
-    "nonce_read": "nonce read",
-    "code_read": "code read",
-    "balance_read": "balance read",
-    "latest_block": "latest block",
+    "chain_reads": "chain reads",
     "budget": "relay budget",
     "claim": "claim",
     "enqueue_settlement": "enqueue",

@@ -14,8 +14,6 @@ from typing import Any
 from bench import _common as common
 from bench._common import BenchError
 from bench.pay.measure import (
-    BALANCE_OF_SELECTOR,
-    RAW_READS,
     STEP_ROWS,
     Call,
     Payment,
@@ -111,24 +109,6 @@ def run_config(stack: Stack, config: RunConfig, payments: list[Payment], warmup:
     for problem in problems:
         print(f"    PROBLEM {problem}", flush=True)
     return result
-
-
-AUTHORIZATION_STATE_SELECTOR = "0xe94a0102"  # authorizationState(address,bytes32)
-
-
-def raw_reads(session: Any, chain: Any, payer: str, nonce: bytes) -> tuple[bool, int, int]:
-    """authorizationState, balanceOf and blockNumber in one JSON-RPC batch, no web3 (a what-if, timed)."""
-    token = chain.network.usdc_address
-    padded = payer[2:].lower().rjust(64, "0")
-    batch = [
-        {"jsonrpc": "2.0", "id": 0, "method": "eth_call",
-         "params": [{"to": token, "data": AUTHORIZATION_STATE_SELECTOR + padded + nonce.hex()}, "latest"]},
-        {"jsonrpc": "2.0", "id": 1, "method": "eth_call",
-         "params": [{"to": token, "data": BALANCE_OF_SELECTOR + padded}, "latest"]},
-        {"jsonrpc": "2.0", "id": 2, "method": "eth_blockNumber", "params": []},
-    ]  # fmt: skip
-    answers = sorted(session.post(chain.network.rpc_url, json=batch, timeout=10).json(), key=lambda a: a["id"])
-    return int(answers[0]["result"], 16) == 1, int(answers[1]["result"], 16), int(answers[2]["result"], 16)
 
 
 class StepRecorder:
@@ -232,7 +212,6 @@ def breakdown(
     backend.timing, with the relayer's half run in between by relay_in_process."""
     from dataclasses import replace
 
-    import requests
     import sqlalchemy as sa
     from eth_account import Account
     from rq import Queue
@@ -267,8 +246,6 @@ def breakdown(
     steps: dict[str, list[Sample]] = defaultdict(list)
     raw: dict[str, list[tuple[float, float, int, float, float]]] = defaultdict(list)
     stack.proxy_records()  # start with an empty record
-    raw_session = requests.Session()
-    raw_session.trust_env = False  # no proxy lookup in the environment on every request
 
     def relay(p: Payment, rec: StepRecorder) -> None:
         with app.app_context():  # the relayer's job runs in a fresh app context
@@ -304,7 +281,6 @@ def breakdown(
             # Comparisons, after the payment (not counted in the totals).
             auth = parse_evm_payload(payload)
             rec.timed("  of it: signature", recover_authorizer, domain_of(requirement), auth.raw)
-            rec.timed(RAW_READS, raw_reads, raw_session, chains[p.network], auth.payer, auth.nonce)
         except Exception as exc:  # a transient RPC error, say: report it, keep going
             p.status, p.code = 0, f"{type(exc).__name__}: {str(exc)[:200]}"
             print(f"    breakdown payment {index} failed: {p.code}", flush=True)

@@ -4,6 +4,7 @@ in-process breakdown times submit_payment through, instead of a copy of its step
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from sqlalchemy.orm.attributes import flag_modified
 
 from backend import timing
+from backend.chains.evm import evm_chain
 from backend.errors import DomainError
 from backend.extensions import db
 from backend.intents.models import Intent
@@ -69,10 +71,7 @@ def test_a_payment_passes_every_step_in_order(pay_client, shop, devnet):
         *BEFORE_THE_RAIL,
         "parse_payment",
         "check_on_chain",
-        "nonce_read",
-        "code_read",
-        "balance_read",
-        "latest_block",
+        "chain_reads",
         "budget",
         "claim",
         "enqueue_settlement",
@@ -82,7 +81,7 @@ def test_a_payment_passes_every_step_in_order(pay_client, shop, devnet):
     assert [code for what, _, code in recorder.seen if what == "exit"] == [None] * len(recorder.entered())
     # Nested: the rail's reads are inside check_on_chain.
     names = [(what, name) for what, name, _ in recorder.seen]
-    assert names.index(("exit", "latest_block")) < names.index(("exit", "check_on_chain"))
+    assert names.index(("exit", "chain_reads")) < names.index(("exit", "check_on_chain"))
 
 
 def test_the_outdated_asset_check_is_a_step_and_stops_the_payment(pay_app, pay_client, shop, devnet):
@@ -104,3 +103,38 @@ def test_the_outdated_asset_check_is_a_step_and_stops_the_payment(pay_app, pay_c
     assert response.status_code == 409 and response.get_json()["error"]["code"] == "REQUIREMENT_OUTDATED"
     assert recorder.entered() == BEFORE_THE_RAIL
     assert recorder.seen[-1] == ("exit", "check_asset_current", "REQUIREMENT_OUTDATED")
+
+
+def test_the_chain_reads_before_the_claim_are_one_round_trip(pay_app, pay_client, shop, devnet):
+    """The nonce, code, balance and latest-block reads go to the chain as one JSON-RPC batch: one HTTP POST."""
+    with pay_app.app_context():
+        network = next(n for n in pay_app.extensions["payintent.chains"] if n.network == NETWORK)
+        manager = evm_chain(network).w3.provider._request_session_manager
+    posts: list[Any] = []
+    post = manager.make_post_request
+
+    def counting_post(uri: str, data: Any, *args: Any, **kwargs: Any) -> Any:
+        posts.append(json.loads(data))
+        return post(uri, data, *args, **kwargs)
+
+    class Counting(Recorder):
+        @contextlib.contextmanager
+        def __call__(self, name: str) -> Iterator[None]:
+            before = len(posts)
+            with super().__call__(name):
+                yield
+            if name == "chain_reads":
+                self.reads = posts[before:]
+
+    intent = create_intent(pay_client, shop)
+    payload = sign_authorization(devnet.buyer(2).key, requirement(intent, NETWORK))
+    recorder = Counting()
+    manager.make_post_request = counting_post
+    try:
+        with timing.recording(recorder):
+            response = pay(pay_client, shop, intent, NETWORK, payload)
+    finally:
+        del manager.make_post_request  # the class's method again
+    assert response.status_code == 200, response.get_json()
+    (batch,) = recorder.reads
+    assert [call["method"] for call in batch] == ["eth_call", "eth_getCode", "eth_call", "eth_getBlockByNumber"]

@@ -11,6 +11,7 @@ from decimal import Decimal
 from typing import Any
 
 import requests
+from eth_utils import function_signature_to_4byte_selector
 from redis import Redis
 from web3 import Web3
 
@@ -35,6 +36,7 @@ from backend.rails.base import (
 )
 from backend.rails.evm import outcome, relay, watch
 from backend.rails.evm.relay import EVM_SETTLEMENT_GAS
+from backend.rails.evm.rpcbatch import RpcCounter, call_many, quantity
 from backend.rails.evm.terms import PAYLOAD_FIELDS, EvmTerms, parse_evm_payload, verify_evm_authorization
 from backend.timing import step
 
@@ -51,7 +53,7 @@ cost_cache: dict[str, tuple[float, int]] = {}
 
 @dataclass(frozen=True)
 class PreClaimState:
-    """What /pay reads from an EVM chain before the claim (one round of reads: [3/5] batches them)."""
+    """What /pay reads from an EVM chain before the claim, in one JSON-RPC batch (``read_pre_claim_state``)."""
 
     nonce_used: bool
     payer_has_code: bool
@@ -60,21 +62,65 @@ class PreClaimState:
     latest_time: int
 
 
+# The pre-claim reads' calldata: the token's two views, ABI-encoded here (a selector, then 32-byte words).
+_AUTHORIZATION_STATE = function_signature_to_4byte_selector("authorizationState(address,bytes32)")
+_BALANCE_OF = function_signature_to_4byte_selector("balanceOf(address)")
+# A lone counter: the pre-claim reads ask for batches; a node that refuses them is asked one call each
+# (``rpcbatch.call_many``), and this remembers that for every /pay of the process.
+_PRE_CLAIM_RPC: dict[str, RpcCounter] = {}
+
+
+def _word(address: str) -> bytes:
+    return bytes(12) + bytes.fromhex(normalize_evm_address(address)[2:])
+
+
 def read_pre_claim_state(network: Network, terms: EvmTerms) -> PreClaimState:
+    """The nonce's state, the payer's code and USDC balance, then the latest block, in one JSON-RPC batch (one
+    round trip), asked in that order: the block is read after the state it is the start of."""
     chain = evm_chain(network)
+    token, payer = network.usdc_address, terms.payer
+    calls: list[tuple[str, Sequence[Any]]] = [
+        _view(token, _AUTHORIZATION_STATE + _word(payer) + terms.nonce),
+        ("eth_getCode", [payer, "latest"]),
+        _view(token, _BALANCE_OF + _word(payer)),
+        ("eth_getBlockByNumber", ["latest", False]),
+    ]
     try:
-        with step("nonce_read"):
-            used = chain.authorization_state(terms.payer, terms.nonce)
-        with step("code_read"):
-            has_code = chain.has_code(terms.payer)
-        with step("balance_read"):
-            balance = chain.balance_of(terms.payer)
-        with step("latest_block"):
-            start_block, chain_time = chain.latest_block()
+        with step("chain_reads"):
+            answers = call_many(chain.w3, calls, _PRE_CLAIM_RPC.setdefault(network.network, RpcCounter()))
+        errors = [answer.error for answer in answers if not answer.ok]
+        if errors:
+            raise ValueError(errors[0])
+        used, code, balance, block = (answer.result for answer in answers)
+        state = PreClaimState(
+            nonce_used=_uint(used) != 0,
+            payer_has_code=len(_hex_bytes(code)) > 0,
+            balance=_uint(balance),
+            latest_block=quantity(block["number"]),
+            latest_time=quantity(block["timestamp"]),
+        )
     except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
         log.warning("chain %s unreachable during /pay (%s)", network.network, type(exc).__name__)
         raise ChainUnavailable(network.name) from None
-    return PreClaimState(used, has_code, balance, start_block, chain_time)
+    return state
+
+
+def _view(contract: str, data: bytes) -> tuple[str, Sequence[Any]]:
+    return "eth_call", [{"to": contract, "data": "0x" + data.hex()}, "latest"]
+
+
+def _hex_bytes(value: Any) -> bytes:
+    if not isinstance(value, str) or not value.startswith("0x"):
+        raise ValueError("not a hex string")
+    return bytes.fromhex(value[2:])
+
+
+def _uint(value: Any) -> int:
+    """A view's one-word answer as an unsigned integer (an empty or short answer: no such view)."""
+    data = _hex_bytes(value)
+    if len(data) != 32:
+        raise ValueError(f"a {len(data)}-byte answer where one word was due")
+    return int.from_bytes(data, "big")
 
 
 def refuse(network: Network, terms: EvmTerms, state: PreClaimState) -> None:
