@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -174,14 +175,21 @@ class _ReadThenRelease(PayeeLedger):
         return landed
 
 
+# A pool's connection class's default socket timeout (making a connection object costs a /pay 3-4 % of its CPU).
+_DEFAULT_SOCKET_TIMEOUT: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
 def client_socket_timeout(redis: Redis) -> float | None:
     """The socket timeout of the client's connections: the one it was made with, else its connection class's
     default (redis-py 8: 5 s, which ``from_url`` does not put in ``connection_kwargs``)."""
     pool = redis.connection_pool
     if "socket_timeout" in pool.connection_kwargs:
         timeout = pool.connection_kwargs["socket_timeout"]
-    else:  # a connection object as the pool would make it (not connected, not counted by the pool)
-        timeout = getattr(pool.connection_class(**pool.connection_kwargs), "socket_timeout", None)
+    else:  # a connection object as the pool would make it (not connected, not counted by the pool), once per pool
+        if pool not in _DEFAULT_SOCKET_TIMEOUT:
+            made = pool.connection_class(**pool.connection_kwargs)
+            _DEFAULT_SOCKET_TIMEOUT[pool] = getattr(made, "socket_timeout", None)
+        timeout = _DEFAULT_SOCKET_TIMEOUT[pool]
     return float(timeout) if isinstance(timeout, int | float) and timeout > 0 else None
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from backend import clock
@@ -83,6 +83,18 @@ def requirement_for(
     )
 
 
+# Built once (a /pay runs each of these once or twice): the merchant's wallet on a network, and open settlements.
+_CURRENT_WALLET = select(Wallet.address).where(
+    Wallet.merchant_id == bindparam("merchant_id"), Wallet.network == bindparam("network")
+)
+_CURRENT_WALLET_LOCKED = _CURRENT_WALLET.with_for_update()
+_OPEN = select(func.count()).select_from(Settlement).where(Settlement.status.in_(st.OPEN))
+_OPEN_OF_PAYER = _OPEN.where(Settlement.payer == bindparam("payer"))
+_OPEN_OF_MERCHANT = _OPEN.where(
+    Settlement.merchant_id == bindparam("merchant_id"), Settlement.network == bindparam("network")
+)
+
+
 def check_pay_to_current(intent: Intent, network_id: str, pay_to: str, *, lock: bool = False) -> None:
     """Refuse a payment to a payTo that is no longer the merchant's wallet on the network (409
     REQUIREMENT_OUTDATED): the merchant changed or removed it after the intent was created.
@@ -93,8 +105,8 @@ def check_pay_to_current(intent: Intent, network_id: str, pay_to: str, *, lock: 
     change waits for a claim in progress, and a claim after the change sees the new wallet (PostgreSQL;
     SQLite serializes writers anyway).
     """
-    query = select(Wallet.address).where(Wallet.merchant_id == intent.merchant_id, Wallet.network == network_id)
-    current = db.session.scalar(query.with_for_update() if lock else query)
+    params = {"merchant_id": intent.merchant_id, "network": network_id}
+    current = db.session.scalar(_CURRENT_WALLET_LOCKED if lock else _CURRENT_WALLET, params)
     if current is None or not rail_of_network_id(network_id).same_address(current, pay_to):
         raise DomainError(
             "REQUIREMENT_OUTDATED",
@@ -192,8 +204,7 @@ def _lock_payer(intent_id: str, payer: str) -> None:
 
 def count_open_of_payer(payer: str) -> int:
     """The payer's settlements that are claimed and not finished, over every merchant and network."""
-    mine = (Settlement.payer == payer, Settlement.status.in_(st.OPEN))
-    return int(db.session.scalar(select(func.count()).select_from(Settlement).where(*mine)) or 0)
+    return int(db.session.scalar(_OPEN_OF_PAYER, {"payer": payer}) or 0)
 
 
 def _refuse_busy_payer(payer: str, open_of_payer: int) -> DomainError:
@@ -209,8 +220,7 @@ def _refuse_busy_payer(payer: str, open_of_payer: int) -> DomainError:
 
 def count_open(merchant_id: str, network_id: str) -> int:
     """The merchant's settlements on the network that are claimed and not finished."""
-    mine = (Settlement.merchant_id == merchant_id, Settlement.network == network_id, Settlement.status.in_(st.OPEN))
-    return int(db.session.scalar(select(func.count()).select_from(Settlement).where(*mine)) or 0)
+    return int(db.session.scalar(_OPEN_OF_MERCHANT, {"merchant_id": merchant_id, "network": network_id}) or 0)
 
 
 def claim(
