@@ -36,7 +36,7 @@ from backend.rails.base import (
 )
 from backend.rails.evm import outcome, relay, watch
 from backend.rails.evm.relay import EVM_SETTLEMENT_GAS
-from backend.rails.evm.rpcbatch import RpcCounter, call_many, quantity
+from backend.rails.evm.rpcbatch import RpcCounter, call_many
 from backend.rails.evm.terms import PAYLOAD_FIELDS, EvmTerms, parse_evm_payload, verify_evm_authorization
 from backend.timing import step
 
@@ -75,8 +75,12 @@ def _word(address: str) -> bytes:
 
 
 def read_pre_claim_state(network: Network, terms: EvmTerms) -> PreClaimState:
-    """The nonce's state, the payer's code and USDC balance, then the latest block, in one JSON-RPC batch (one
-    round trip), asked in that order: the block is read after the state it is the start of."""
+    """The nonce's state, the payer's code and USDC balance and the latest block, in one JSON-RPC batch (one round
+    trip). JSON-RPC leaves the order of a batch's answers to the node (a provider may run them at once, a proxy
+    split them), as separate calls could meet different backends before: the block may be a few newer than the
+    state read, which the search for the authorization's use allows for (it starts a margin below, see
+    ``outcome``). Answers are parsed strictly: anything but one 0/1 word, one word, hex code and a block with a hex
+    number and time is the chain's trouble (503), never a decision."""
     chain = evm_chain(network)
     token, payer = network.usdc_address, terms.payer
     calls: list[tuple[str, Sequence[Any]]] = [
@@ -87,17 +91,20 @@ def read_pre_claim_state(network: Network, terms: EvmTerms) -> PreClaimState:
     ]
     try:
         with step("chain_reads"):
-            answers = call_many(chain.w3, calls, _PRE_CLAIM_RPC.setdefault(network.network, RpcCounter()))
+            counter = _PRE_CLAIM_RPC.get(network.network) or _PRE_CLAIM_RPC.setdefault(network.network, RpcCounter())
+            answers = call_many(chain.w3, calls, counter)
         errors = [answer.error for answer in answers if not answer.ok]
         if errors:
             raise ValueError(errors[0])
         used, code, balance, block = (answer.result for answer in answers)
+        if not isinstance(block, Mapping):
+            raise ValueError("no latest block")
         state = PreClaimState(
-            nonce_used=_uint(used) != 0,
+            nonce_used=_bool(used),
             payer_has_code=len(_hex_bytes(code)) > 0,
             balance=_uint(balance),
-            latest_block=quantity(block["number"]),
-            latest_time=quantity(block["timestamp"]),
+            latest_block=_quantity(block.get("number")),
+            latest_time=_quantity(block.get("timestamp")),
         )
     except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
         log.warning("chain %s unreachable during /pay (%s)", network.network, type(exc).__name__)
@@ -121,6 +128,21 @@ def _uint(value: Any) -> int:
     if len(data) != 32:
         raise ValueError(f"a {len(data)}-byte answer where one word was due")
     return int.from_bytes(data, "big")
+
+
+def _quantity(value: Any) -> int:
+    """A JSON-RPC quantity, strictly: ``0x`` and hex digits (not None, not a decimal text)."""
+    if not isinstance(value, str) or not value.startswith("0x") or len(value) < 3:
+        raise ValueError("not a hex quantity")
+    return int(value[2:], 16)
+
+
+def _bool(value: Any) -> bool:
+    """A view's bool: one word, 0 or 1 (anything else is no answer of the token's, as web3's decoding held)."""
+    number = _uint(value)
+    if number > 1:
+        raise ValueError("a bool that is neither 0 nor 1")
+    return number == 1
 
 
 def refuse(network: Network, terms: EvmTerms, state: PreClaimState) -> None:
