@@ -62,6 +62,13 @@ def _engine_options(url: str, threads: int | None = None) -> dict[str, Any]:
     return options
 
 
+def most_connections(threads: int | None = None) -> int:
+    """The most database connections one process opens (``_engine_options``): an api process, or a relayer
+    process with ``threads`` settlement threads."""
+    options = _engine_options("postgresql://budget/payintent", threads)
+    return int(options["pool_size"]) + int(options["max_overflow"])
+
+
 def relative_redirect(response: Any) -> Any:
     """A redirect never names the request's Host and is never cached.
 

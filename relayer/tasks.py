@@ -211,11 +211,11 @@ def _settle_retrying(settlement_id: str, redis: Redis, ours: Callable[[], bool])
             if not _transient(exc) or time.monotonic() + delay > give_up:
                 raise
             _end_transaction()
-            if not ours():  # never settled without the lock (it expired, or Redis cannot say)
-                raise
             log.warning("settlement %s: %s (try %d); trying again in %.1f s", settlement_id, _briefly(exc), tries,
                         delay)  # fmt: skip
-        time.sleep(delay)
+            time.sleep(delay)
+            if not ours():  # never settled again without the lock (it expired, or Redis cannot say)
+                raise
         delay = min(delay * 2, SETTLE_RETRY_LONGEST_DELAY)
 
 
