@@ -34,11 +34,15 @@ MAX_REQUEST_BYTES = 64 * 1024
 # (32) requests at once, more than the pool holds: a request holds a connection only while its transaction is open,
 # and a /pay ends its transaction before it waits on the chain or the relayer (settlement.flow). A request that
 # finds none free within POOL_TIMEOUT_SECONDS is answered 503 SERVICE_UNAVAILABLE (backend.http_errors), not 500.
-# A relayer process keeps one connection per settlement thread instead of POOL_SIZE (each holds one while it
-# waits for the chain), with the same overflow: threads + POOL_OVERFLOW.
+# A relayer process keeps min(settlement threads, RELAYER_POOL_SIZE) connections and opens no more: a settlement
+# thread holds one only while it reads or writes, never while it waits for the chain (relayer.tasks ends its
+# transaction first), so its threads share fewer connections than they are; one that finds none free waits up to
+# POOL_TIMEOUT_SECONDS, and then its settlement is tried again (relayer.tasks.SETTLE_RETRY_SECONDS). A relayer thus
+# never opens a connection per thread when a block finishes all its settlements at once (docs/deploy.md's budget).
 POOL_SIZE = 5
 POOL_OVERFLOW = 15
 POOL_TIMEOUT_SECONDS = 10
+RELAYER_POOL_SIZE = 10
 
 
 def _engine_options(url: str, threads: int | None = None) -> dict[str, Any]:
@@ -49,13 +53,20 @@ def _engine_options(url: str, threads: int | None = None) -> dict[str, Any]:
         "connect_args": connect_args(url),
     }
     if make_url(url).database not in (None, "", ":memory:"):  # an in-memory SQLite keeps one connection per thread
-        pool_size = POOL_SIZE if threads is None else threads
-        options.update(pool_size=pool_size, max_overflow=POOL_OVERFLOW, pool_timeout=POOL_TIMEOUT_SECONDS)
+        pool_size, overflow = (POOL_SIZE, POOL_OVERFLOW) if threads is None else (min(threads, RELAYER_POOL_SIZE), 0)
+        options.update(pool_size=pool_size, max_overflow=overflow, pool_timeout=POOL_TIMEOUT_SECONDS)
     if url.startswith("postgresql"):
         # pool_pre_ping: a pooled connection the server dropped (a restart, an idle timeout) is replaced when
         # checked out, instead of failing the request that gets it.
         options.update(pool_pre_ping=True, pool_recycle=1800)
     return options
+
+
+def most_connections(threads: int | None = None) -> int:
+    """The most database connections one process opens (``_engine_options``): an api process, or a relayer
+    process with ``threads`` settlement threads."""
+    options = _engine_options("postgresql://budget/payintent", threads)
+    return int(options["pool_size"]) + int(options["max_overflow"])
 
 
 def relative_redirect(response: Any) -> Any:
@@ -82,8 +93,8 @@ def relative_redirect(response: Any) -> Any:
 def create_app(
     settings: Settings | None = None, chains: ChainRegistry | None = None, *, relayer_threads: int | None = None
 ) -> Flask:
-    """The app; ``relayer_threads``: a relayer process's settlement threads, its database pool keeps a connection
-    for each (each holds one while it waits for the chain) instead of the api's POOL_SIZE."""
+    """The app; ``relayer_threads``: a relayer process's settlement threads, which size its database pool
+    (``_engine_options``)."""
     settings = settings or Settings.from_env()
     # No app-wide /static: Flask's default served backend/static/ (the dashboard's and the docs' files) a second
     # time, without their security headers. Each blueprint serves its own files, with its headers.

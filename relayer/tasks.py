@@ -25,14 +25,17 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.job import Job, get_current_job
 
 from backend import appstate, logs
 from backend.chains.registry import Network
-from backend.errors import DomainError
+from backend.errors import DomainError, database_unavailable
 from backend.extensions import db
 from backend.intents.models import PAID, Intent
 from backend.queueing import RedisNotConfigured, app_job, app_redis
@@ -54,7 +57,7 @@ from backend.settlement import models as st
 from backend.settlement import services
 from backend.settlement.flow import notify_settled
 from backend.settlement.models import settlement_claim
-from backend.settlement.reconcile import FINISHED, LEDGER, paid, settle_from_chain
+from backend.settlement.reconcile import FINISHED, LEDGER, paid, rpc_unreachable, settle_from_chain
 from relayer.faults import crash_point
 from relayer.pool import SettlementPool
 
@@ -65,6 +68,13 @@ RECEIPT_TIMEOUT_SECONDS = 120
 # relayer that dies frees its settlements within seconds.
 JOB_LOCK_SECONDS = 15
 JOB_LOCK_KEY = "payintent:relayer:settling:{}"
+# A settlement that meets passing trouble (``_transient``: the database refusing a connection or dropping one, the
+# pool's wait running out, a chain's RPC or Redis unreachable) is settled again by its thread, still holding its
+# lock, after 0.5 s, then 1, 2, 4, 4... s, until SETTLE_RETRY_SECONDS have passed since the first try. Safe: a
+# settlement that was sent asks the chain first (``_settle``). Past it the job fails; the reconciler sends it again.
+SETTLE_RETRY_SECONDS = 45.0
+SETTLE_RETRY_FIRST_DELAY = 0.5
+SETTLE_RETRY_LONGEST_DELAY = 4.0
 # Set by relayer.worker at start-up: the only place relay keys live (per network, loaded by its rail).
 RELAY_KEYS: dict[str, RelayKeys] = {}
 
@@ -78,28 +88,38 @@ def _redis() -> Redis:
 
 
 @contextlib.contextmanager
-def settlement_lock(redis: Redis, settlement_id: str) -> Iterator[bool]:
-    """Hold the settlement for this job; yields False if another live relayer holds it."""
+def settlement_lock(redis: Redis, settlement_id: str) -> Iterator[Callable[[], bool] | None]:
+    """Hold the settlement for this job; yields None if another live relayer holds it, else a function that
+    says whether the lock is still ours (asks Redis: False if it cannot answer)."""
     key = JOB_LOCK_KEY.format(settlement_id)
     token = secrets.token_hex(8).encode()
     deadline = time.monotonic() + JOB_LOCK_SECONDS + 2  # a dead holder's lock expires by then
     while not redis.set(key, token, nx=True, ex=JOB_LOCK_SECONDS):
         if time.monotonic() > deadline:
-            yield False
+            yield None
             return
         time.sleep(0.25)
     stop = threading.Event()
 
+    def ours() -> bool:
+        try:
+            return bool(redis.get(key) == token)
+        except RedisError:
+            return False
+
     def renew() -> None:
         while not stop.wait(JOB_LOCK_SECONDS / 3):
-            if redis.get(key) != token:
-                return
-            redis.expire(key, JOB_LOCK_SECONDS)
+            try:
+                if redis.get(key) != token:
+                    return
+                redis.expire(key, JOB_LOCK_SECONDS)
+            except RedisError:  # a Redis blip: tried again at the next renewal (the lock lasts three of them)
+                continue
 
     renewer = threading.Thread(target=renew, name=f"lock-{settlement_id}", daemon=True)
     renewer.start()
     try:
-        yield True
+        yield ours
     finally:
         stop.set()
         renewer.join(timeout=2)
@@ -150,13 +170,14 @@ def _note_on_job(job: Job, note: dict[str, str]) -> None:
 @app_job
 def settle_now(settlement_id: str) -> str:
     redis = _redis()
-    with settlement_lock(redis, settlement_id) as held:
-        if not held:
+    with settlement_lock(redis, settlement_id) as ours:
+        if ours is None:
             return "already-being-settled"  # another relayer process is on it
-        # An exception (an RPC hiccup) propagates: RQ retries the job and /pay keeps waiting.
+        # Passing trouble is tried again here (SETTLE_RETRY_SECONDS); past that, or any other exception, propagates:
+        # the settlement stays open (the reconciler sends it again) and /pay keeps waiting.
         try:
-            outcome = _settle(settlement_id, redis)
-        except DomainError as err:  # a catalog error: a 5xx kind (CHAIN_UNAVAILABLE) is transient, the job retried
+            outcome = _settle_retrying(settlement_id, redis, ours)
+        except DomainError as err:  # a catalog error: a 5xx kind (CHAIN_UNAVAILABLE) is transient (retried above)
             (log.warning if err.http_status >= 500 else log.error)("settlement %s: %s %s", settlement_id, err.code, err)
             raise
     log.info("settlement %s: %s", settlement_id, outcome)
@@ -164,8 +185,70 @@ def settle_now(settlement_id: str) -> str:
     return outcome
 
 
-def _settle(settlement_id: str, redis: Redis) -> str:
+def _transient(exc: BaseException) -> bool:
+    """Passing trouble, not a decision: worth settling again soon (``SETTLE_RETRY_SECONDS``). A 4xx catalog error
+    (the payment cannot succeed) and a failing statement are decisions or bugs: never retried."""
+    if isinstance(exc, DomainError):
+        return exc.http_status >= 500  # CHAIN_UNAVAILABLE, SERVICE_UNAVAILABLE
+    if isinstance(exc, Exception) and database_unavailable(exc):  # "too many clients", a dropped connection, ...
+        return True
+    return isinstance(exc, RedisConnectionError | RedisTimeoutError) or rpc_unreachable(exc)
+
+
+def _settle_retrying(settlement_id: str, redis: Redis, ours: Callable[[], bool]) -> str:
+    """``_settle``, again after passing trouble (``_transient``) while the lock is still ``ours``, with a backoff,
+    until SETTLE_RETRY_SECONDS have passed. Each try starts from what the database and the chain say then: the
+    session is rolled back (what the failed try read or wrote is gone) and a sent settlement asks the chain
+    first, so a finish that failed after the receipt records the payment, never sends it again."""
+    give_up = time.monotonic() + SETTLE_RETRY_SECONDS
+    delay = SETTLE_RETRY_FIRST_DELAY
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return _settle(settlement_id, redis)
+        except Exception as exc:
+            if not _transient(exc) or time.monotonic() + delay > give_up:
+                raise
+            _end_transaction()
+            log.warning("settlement %s: %s (try %d); trying again in %.1f s", settlement_id, _briefly(exc), tries,
+                        delay)  # fmt: skip
+            time.sleep(delay)
+            if not ours():  # never settled again without the lock (it expired, or Redis cannot say)
+                raise
+        delay = min(delay * 2, SETTLE_RETRY_LONGEST_DELAY)
+
+
+def _briefly(exc: BaseException) -> str:
+    """An error in one line, without SQLAlchemy's statement and parameters (the retry's warning)."""
+    cause = getattr(exc, "orig", None) or exc
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0] if lines else ''}"
+
+
+def _end_transaction() -> None:
+    """Roll the session back (a dropped connection's rollback may fail too: the session is then closed)."""
+    try:
+        db.session.rollback()
+    except Exception:
+        with contextlib.suppress(Exception):
+            db.session.close()
+
+
+def _read_settlement(settlement_id: str) -> st.Settlement | None:
+    """The settlement as the database has it now, detached from the session, whose read transaction is ended:
+    the chain calls that follow (RPCs, the waits for a receipt or confirmations) hold no database connection,
+    so a relayer's threads share a pool smaller than their number (backend.app). Its attributes stay readable
+    (a detached object is never expired); whatever it writes next goes through ``services`` by its id."""
     settlement = services.get_settlement(settlement_id)
+    if settlement is not None:
+        db.session.expunge(settlement)
+    db.session.rollback()  # only reads so far (each write of the relayer commits)
+    return settlement
+
+
+def _settle(settlement_id: str, redis: Redis) -> str:
+    settlement = _read_settlement(settlement_id)
     if settlement is None or settlement.status not in st.OPEN:
         return "finished"
     network = appstate.chains().get(settlement.network)
@@ -193,7 +276,9 @@ def _settle(settlement_id: str, redis: Redis) -> str:
         # Seen, not landed, on a rail whose send repeats the very same transaction (Solana: one signature): it is
         # sent again below, as a dropped broadcast would otherwise just expire (our sends ask for no retries).
     intent = db.session.get(Intent, settlement.intent_id, populate_existing=True)
-    if intent is not None and intent.status == PAID and intent.settlement_id != settlement_id:
+    paid_by_another = intent is not None and intent.status == PAID and intent.settlement_id != settlement_id
+    db.session.rollback()  # the send's checks (RPCs) hold no connection; mark_submitted writes in a new transaction
+    if paid_by_another:
         if _may_land_unwatched(rail, claim):
             return "waiting-for-chain"  # nothing sent, nothing released: the chain decides (the reconciler)
         services.fail_settlement(settlement_id, "ALREADY_PAID", "the intent was paid by another authorization")
@@ -206,7 +291,7 @@ def _settle(settlement_id: str, redis: Redis) -> str:
                                  lambda tx, address, nonce: _submitted(settlement_id, tx, address, nonce))  # fmt: skip
     except CannotSucceed as exc:
         # Final, not retried: the chain still decides first (someone may have executed it), in _reverted.
-        return _reverted(rail, network, services.get_settlement(settlement_id) or settlement, exc.reason, exc.code)
+        return _reverted(rail, network, _read_settlement(settlement_id) or settlement, exc.reason, exc.code)
     except RelayRefuses as exc:  # nothing is sent now
         if exc.logged:
             log.error("settlement %s: %s", settlement_id, exc.logged)
@@ -221,7 +306,7 @@ def _settle(settlement_id: str, redis: Redis) -> str:
     except ChainDecides as exc:
         if exc.logged:
             log.warning("settlement %s: %s", settlement_id, exc.logged)
-        if settle_from_chain(network, services.get_settlement(settlement_id) or settlement) in FINISHED:
+        if settle_from_chain(network, _read_settlement(settlement_id) or settlement) in FINISHED:
             return exc.finished_result
         return exc.result
     crash_point("after-broadcast")
@@ -230,7 +315,7 @@ def _settle(settlement_id: str, redis: Redis) -> str:
     crash_point("before-finish")
     if landed is None:
         return "waiting-for-receipt"  # the reconciler finishes it
-    return _finish(rail, network, services.get_settlement(settlement_id) or settlement, claim, landed)
+    return _finish(rail, network, _read_settlement(settlement_id) or settlement, claim, landed)
 
 
 def _may_land_unwatched(rail: Rail, claim: Claim) -> bool:

@@ -32,15 +32,19 @@ def driver_dsn(database_url: str) -> str:
     return dsn
 
 
-@pytest.mark.parametrize("threads", [None, 1, 32])
-def test_a_pool_keeps_5_connections_or_one_per_relayer_thread_and_15_more_at_most(db_url, threads):
+@pytest.mark.parametrize(("threads", "size", "overflow"), [(None, 5, 15), (1, 1, 0), (4, 4, 0), (32, 10, 0)])
+def test_the_api_pool_keeps_5_connections_and_15_more_a_relayer_at_most_10_whatever_its_threads(
+    db_url, threads, size, overflow
+):
+    """A relayer's threads share at most RELAYER_POOL_SIZE connections: 4 relayers of 32 threads once opened
+    4 x 47 connections when a block finished their settlements together, past PostgreSQL's max_connections."""
     from backend.app import create_app
     from backend.extensions import db
 
     with create_app(make_settings(db_url), relayer_threads=threads).app_context():
         pool = db.engine.pool
         assert isinstance(pool, sa.pool.QueuePool)
-        assert (pool.size(), pool._max_overflow) == (5 if threads is None else threads, 15)
+        assert (pool.size(), pool._max_overflow) == (size, overflow)
         db.engine.dispose()
 
 

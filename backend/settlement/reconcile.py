@@ -113,14 +113,14 @@ class ChainPass:
 
     def charge(self, network: str, started: float, error: BaseException | None = None) -> None:
         self.spent[network] = self.spent.get(network, 0.0) + time.monotonic() - started
-        if error is not None and _unreachable(error):
+        if error is not None and rpc_unreachable(error):
             self.down.add(network)
 
     def end(self) -> None:
         ChainPass._troubled = self.down | {n for n, spent in self.spent.items() if spent >= self.seconds}
 
 
-def _unreachable(error: BaseException) -> bool:
+def rpc_unreachable(error: BaseException) -> bool:
     """A timeout or a connection that failed: the RPC, not this settlement, is in trouble."""
     if isinstance(error, SolanaRpcError):
         return error.unreachable

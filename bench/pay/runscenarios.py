@@ -94,7 +94,9 @@ def run_scenarios(args: argparse.Namespace) -> int:
                 stack.start_devnet(exit_stack)
                 stack.start_redis()
                 stack.write_chains_files()
-                stack.prepare_database(exit_stack.enter_context(bench_api.postgresql(args.pg_url, workdir)))
+                stack.prepare_database(
+                    exit_stack.enter_context(bench_api.postgresql(args.pg_url, workdir, stack.connection_budget()))
+                )
                 exit_stack.callback(stack.stop_relayers)  # relayers stop before PostgreSQL does
                 stack.start_api(exit_stack)
                 stack.use_relayers(4, 4)

@@ -34,6 +34,11 @@ from bench.pay.measure import (
 from harness import audit, proxy
 from harness.ready import wait_all_registered
 
+# The most relayer processes a run starts (scenarios.RunConfig, runscenarios, __main__'s capacity run: 4), and the
+# connections the benchmark's own reads and the CLI calls may add: PostgreSQL's max_connections (connection_budget).
+MOST_RELAYERS = 4
+CONNECTIONS_OF_OUR_OWN = 20
+
 # --- the stack ---------------------------------------------------------------------------------------
 
 
@@ -156,6 +161,16 @@ class Stack:
         for network in self.networks:
             common.payintent(env, "wallet", "set", "--merchant", self.merchant_id, "--network", network,
                              "--address", self.payout)  # fmt: skip
+
+    def connection_budget(self) -> int:
+        """PostgreSQL connections the stack may open at once: each API worker's pool, MOST_RELAYERS relayers' (the
+        pools' rule: backend.app), and room for the benchmark's own reads and the CLI's. PostgreSQL's default
+        max_connections (100) is below it: the 256-payer runs met "too many clients" (docs/benchmarks.md)."""
+        from backend.app import most_connections
+        from backend.config import MAX_RELAYER_THREADS
+
+        relayer = most_connections(MAX_RELAYER_THREADS)  # whatever RELAYER_THREADS is
+        return self.workers * most_connections() + MOST_RELAYERS * relayer + CONNECTIONS_OF_OUR_OWN
 
     def start_api(self, stack: contextlib.ExitStack) -> None:
         # Threads as `payintent serve` runs them (WEB_THREADS' default): a /pay waiting for its block holds a thread.

@@ -3,8 +3,9 @@
 ``enqueue_settlement`` asked RQ to retry a failed settle job after 1, 3 and 10 s. RQ parks such a retry
 in its ScheduledJobRegistry for a scheduler to move back, and the relayer runs its workers without one
 (``backend.queueing.work``: ``with_scheduler=False``): the retries never ran. They are gone; the
-reconciler, which sends again every settlement left open past ``STALE_AFTER``, is the one retry path
-(its re-sending is tested in test_recovery.py).
+reconciler, which sends again every settlement left open past ``STALE_AFTER``, is the one retry path of a
+failed job (its re-sending is tested in test_recovery.py). Within a job, the settlement thread tries again
+on passing trouble only (``relayer.tasks._transient``; its retry is tested in test_relayer_connections.py).
 """
 
 from __future__ import annotations
@@ -58,3 +59,34 @@ def test_what_ends_a_settlement_and_what_is_tried_again():
     ]
     assert all(final_refusal(exc) for exc in final)
     assert not any(final_refusal(exc) for exc in transient)
+
+
+def test_a_settlement_thread_tries_again_passing_trouble_never_a_decision():
+    """Too many clients, a dropped connection, the pool's wait, a chain or Redis unreachable pass; a 4xx catalog
+    error (the payment cannot succeed), a failing statement or a Redis command refused do not."""
+    import requests
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import ResponseError
+    from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+    from backend.errors import DomainError
+    from relayer.tasks import _transient
+
+    passing = [
+        OperationalError("SELECT 1", {}, Exception("FATAL:  sorry, too many clients already")),
+        PoolTimeout("QueuePool limit of size 10 overflow 0 reached, connection timed out, timeout 10.00"),
+        DomainError("CHAIN_UNAVAILABLE", "eip155:84532 cannot be reached right now; try again"),
+        RedisConnectionError("Connection refused"),
+        requests.exceptions.ConnectionError("connection refused"),
+        requests.exceptions.ReadTimeout("read timed out"),
+    ]
+    decisions = [
+        DomainError("INVALID_REQUEST", "no"),
+        IntegrityError("INSERT", {}, Exception("duplicate key value")),
+        ProgrammingError("SELECT", {}, Exception("syntax error")),
+        ResponseError("WRONGTYPE"),
+        ValueError("FiatTokenV2: authorization is used or canceled"),
+    ]
+    assert all(_transient(exc) for exc in passing)
+    assert not any(_transient(exc) for exc in decisions)
