@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from backend.extensions import Model, UTCDateTime
@@ -16,6 +16,7 @@ SUBMITTED = "submitted"
 CONFIRMED = "confirmed"
 FAILED = "failed"
 OPEN = (PENDING, SUBMITTED)
+_OPEN_WITH_NONCE = text("status IN ('pending', 'submitted') AND relay_nonce IS NOT NULL")
 
 
 def _terms_of_its_rail() -> str:
@@ -44,6 +45,17 @@ class Settlement(Model):
         CheckConstraint(_terms_of_its_rail(), name="terms_of_rail"),
         Index("ix_settlements_status_updated", "status", "updated_at"),
         Index("ix_settlements_watched_at", "watched_at"),
+        # One open settlement per (account, nonce): the record is fenced even when two processes believe they own
+        # the account (a lease lost unseen); a replacement of a settlement's own transaction keeps its row.
+        Index(
+            "uq_settlements_open_relay_nonce",
+            "network",
+            "relay_address",
+            "relay_nonce",
+            unique=True,
+            sqlite_where=_OPEN_WITH_NONCE,
+            postgresql_where=_OPEN_WITH_NONCE,
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -105,6 +117,7 @@ def settlement_claim(settlement: Settlement) -> Claim:
         tx_id=settlement.tx_hash,
         relay_address=settlement.relay_address,
         start_block=settlement.start_block,
+        relay_nonce=settlement.relay_nonce,
     )
 
 

@@ -31,6 +31,7 @@ from backend.chains.registry import ChainRegistry
 from backend.events.models import Event
 from backend.extensions import db
 from backend.rails.evm.outcome import EXPIRY_GRACE_SECONDS
+from backend.rails.evm.relay import LEASE_KEY
 from backend.settlement.models import Settlement
 from backend.settlement.reconcile import reconcile
 from payintent.eip3009 import sign_authorization
@@ -221,6 +222,10 @@ def test_a_reorg_that_undoes_the_payment_is_not_paid_and_the_payment_is_sent_aga
 
     # The reconciler finds it unused and still valid: it is sent again, and this time it stays.
     chain.rpc("evm_setIntervalMining", 1)
+    # Its recorded nonce is unconsumed again (the reorg): sent again only at that (account, nonce), by a process
+    # that owns the account (review-evmwait M2). The crashed process's lease, as if its 30 s had passed:
+    crashed = careful.settlement(intent_id).relay_address
+    Redis.from_url(careful.redis_url).delete(LEASE_KEY.format(NETWORK, crashed))
     healthy = careful.relayer()
     try:
         assert careful.reconcile_later(300)["resent"] == 1
