@@ -286,20 +286,30 @@ def test_0012_keeps_a_duplicate_open_relay_nonce_on_the_newest_row_only(empty_ur
             ("stl_a", "submitted", "2026-11-24 12:05:00", "0xrelay"),  # newest open: keeps 7
             ("stl_b", "submitted", "2026-11-24 12:01:00", "0xrelay"),  # older open: cleared
             ("stl_c", "confirmed", "2026-11-24 12:09:00", "0xrelay"),  # closed: kept, outside the index
-            ("stl_d", "submitted", "2026-11-24 12:00:00", "0xRELAY"),  # another address to the index: kept
+            ("stl_d", "submitted", "2026-11-24 12:00:00", "0xRELAY"),  # the same account in another case: cleared
+            ("stl_e", "submitted", "2026-11-24 12:00:00", "0xother"),  # another account: kept
         ]:  # fmt: skip
             conn.execute(insert, {"id": settlement_id, "status": status, "at": at, "relay": relay})
     with caplog.at_level("WARNING", logger="backend.migrations.0012"):
         upgrade(empty_url)
     assert current_revision(empty_url) == head_revision()
-    assert "stl_b" in caplog.text and "stl_a" not in caplog.text
+    assert "stl_b" in caplog.text and "stl_d" in caplog.text and "stl_a" not in caplog.text
     with engine.connect() as conn:
         rows = conn.exec_driver_sql("SELECT id, relay_nonce FROM settlements ORDER BY id")
-        assert [tuple(row) for row in rows] == [("stl_a", 7), ("stl_b", None), ("stl_c", 7), ("stl_d", 7)]
-        indexes = {index["name"] for index in sa.inspect(conn).get_indexes("settlements")}
-        assert "uq_settlements_open_relay_nonce" in indexes
+        assert [tuple(row) for row in rows] == [
+            ("stl_a", 7), ("stl_b", None), ("stl_c", 7), ("stl_d", None), ("stl_e", 7)
+        ]  # fmt: skip
+        listed = (  # expression indexes: SQLAlchemy's inspector skips them on SQLite
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'settlements'"
+            if conn.dialect.name == "sqlite"
+            else "SELECT indexname FROM pg_indexes WHERE tablename = 'settlements'"
+        )
+        indexes = set(conn.exec_driver_sql(listed).scalars())
+        assert {"uq_settlements_open_relay_nonce", "ix_settlements_relay_nonce"} <= indexes
     with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
         conn.exec_driver_sql("UPDATE settlements SET relay_nonce = 7 WHERE id = 'stl_b'")
+    with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:  # "0xRELAY" is "0xrelay"
+        conn.exec_driver_sql("UPDATE settlements SET relay_nonce = 7 WHERE id = 'stl_d'")
     with engine.begin() as conn:  # a closed row may still share it
         conn.exec_driver_sql("UPDATE settlements SET relay_nonce = 7, status = 'failed' WHERE id = 'stl_b'")
     engine.dispose()

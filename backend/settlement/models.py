@@ -17,6 +17,9 @@ CONFIRMED = "confirmed"
 FAILED = "failed"
 OPEN = (PENDING, SUBMITTED)
 _OPEN_WITH_NONCE = text("status IN ('pending', 'submitted') AND relay_nonce IS NOT NULL")
+# Relay accounts compared whatever the case of their hex (an EVM address's checksum casing is not part of it), as
+# ``max_relay_nonce`` compares them; both indexes below are on this expression.
+_RELAY_ACCOUNT = text("lower(relay_address)")
 
 
 def _terms_of_its_rail() -> str:
@@ -50,12 +53,15 @@ class Settlement(Model):
         Index(
             "uq_settlements_open_relay_nonce",
             "network",
-            "relay_address",
+            _RELAY_ACCOUNT,
             "relay_nonce",
             unique=True,
             sqlite_where=_OPEN_WITH_NONCE,
             postgresql_where=_OPEN_WITH_NONCE,
         ),
+        # ``max_relay_nonce`` (an account's start, and the adoption's look at every free account each ADOPT_SECONDS):
+        # the highest nonce of (network, account) read from the index's end, not a scan of every settlement.
+        Index("ix_settlements_relay_nonce", "network", _RELAY_ACCOUNT, "relay_nonce"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
