@@ -31,7 +31,7 @@ from backend.chains.registry import ChainRegistry
 from backend.events.models import Event
 from backend.extensions import db
 from backend.rails.evm.outcome import EXPIRY_GRACE_SECONDS
-from backend.rails.evm.relay import LEASE_KEY
+from backend.rails.evm.relay import LEASE_KEY, NONCE_KEY
 from backend.settlement.models import Settlement
 from backend.settlement.reconcile import reconcile
 from payintent.eip3009 import sign_authorization
@@ -40,6 +40,7 @@ from tests.conftest import make_settings, truncate_all
 from tests.settlement.conftest import stop_process
 from tests.settlement.test_duplicate import _execute
 from tests.settlement.test_pay import create_intent, pay, requirement
+from tests.settlement.test_payer_code import relay_addresses
 from tests.settlement.test_recovery import Isolated, _token
 
 NETWORK = "eip155:84532"
@@ -79,7 +80,7 @@ class ChainControl:
 
 
 @pytest.fixture
-def chain(devnet: Any) -> Iterator[ChainControl]:
+def chain(devnet: Any, redis_server_url: str) -> Iterator[ChainControl]:
     control = ChainControl(devnet.w3(NETWORK))
     start = control.rpc("evm_snapshot")
     try:
@@ -88,6 +89,9 @@ def chain(devnet: Any) -> Iterator[ChainControl]:
         control.rpc("evm_setIntervalMining", 0)
         control.rpc("evm_revert", start)  # the chain (and its clock) as the other tests left it
         control.rpc("evm_setAutomine", True)
+        # The relay accounts' nonce hints name transactions the revert undid: the next relayer would cancel their
+        # nonces at its start (an extra transaction in another test's count).
+        Redis.from_url(redis_server_url).delete(*[NONCE_KEY.format(NETWORK, a) for a in relay_addresses(devnet)])
 
 
 class Careful(Isolated):
