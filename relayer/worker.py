@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 from flask import Flask, has_app_context
 from redis import Redis
@@ -16,6 +17,7 @@ from redis import Redis
 from backend import appstate
 from backend.logs import register_secret
 from backend.queueing import app_redis, relayer_queue, set_job_app, stop_requested, work
+from backend.rails.evm import accounts, identity
 from backend.rails.registry import rail_for
 from backend.settlement import services as settlement_services
 from relayer import tasks
@@ -59,6 +61,9 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False, threads: 
     with app.app_context():
         app_redis()  # made once here, not by several settlement threads at once
     threads = threads or settings.relayer_threads
+    # Before the first lease: a relayer restarted in a dead one's slot takes its relay accounts back at once.
+    state_dir = settings.relayer_state_dir
+    accounts.use_identity(identity.claim(Path(state_dir) if state_dir else None))
     pool = tasks.POOL = SettlementPool(threads, tasks.settle_handed)
     log.info("relayer: listening on %s with %d settlement thread(s)", ", ".join(queues), threads)
     try:
@@ -66,6 +71,7 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False, threads: 
         finish_in_flight(pool, stopped=stop_requested())
     finally:
         tasks.POOL = None
+        accounts.release_all()  # a clean stop frees its relay accounts for any relayer at once
 
 
 def run_pool(processes: int, argv: list[str]) -> int:

@@ -10,8 +10,11 @@ queued behind a nonce it never broadcast is adopted by a live relayer, whose sta
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +23,7 @@ from eth_account import Account
 from backend.rails.base import Claim, LeftOpen
 from backend.rails.evm import accounts as accounts_module
 from backend.rails.evm import pipeline, relay, sender
+from backend.rails.evm.relay import RelayUnavailable
 from tests.rails.test_evm_pipeline import NETWORK, Chain, _until, node  # noqa: F401
 from tests.rails.test_evm_refusals import _refuse
 from tests.settlement.conftest import devnet  # noqa: F401  (the session's devnet)
@@ -295,3 +299,63 @@ def test_concurrent_first_takes_lease_one_account(node: Chain):  # noqa: F811
         assert len(taken) == 8 and len(set(taken)) == 1 and pool.owned() == [taken[0]]
     finally:
         pool.release()
+
+
+# A relayer process: claims an identity slot of argv[2], leases the relay account of key argv[3] on the devnet's chain
+# (chains file argv[1]), says so, and lives until killed.
+_LEASING_RELAYER = """
+import sys, time
+from pathlib import Path
+from eth_account import Account
+from redis import Redis
+from backend.chains.evm import evm_chain
+from backend.chains.registry import ChainRegistry
+from backend.rails.evm import accounts, identity
+chain = evm_chain(ChainRegistry.load(sys.argv[1]).get(sys.argv[4]))
+pool = accounts.AccountPool(Redis.from_url(sys.argv[5]), chain, [Account.from_key(sys.argv[3])], None,
+                            identity=identity.claim(Path(sys.argv[2])))
+print(pool.take(wait_seconds=5).account.address, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_relayer_restarted_in_a_dead_ones_slot_takes_its_accounts_back_at_once(
+    node: Chain,  # noqa: F811
+    tmp_path: Path,
+):
+    """The drill's regression: a SIGKILLed relayer's accounts stayed leased for LEASE_SECONDS, so the relayers
+    restarted after it found none free (4 accounts, a death every few seconds) and /pay timed out. A relayer that
+    holds the dead one's identity slot (its flock, which the kernel freed at the death) takes them back at once; one
+    in another slot never does while the holder lives (it may still broadcast)."""
+    from backend.rails.evm import identity
+
+    account = node.relay_account()
+    key = relay.LEASE_KEY.format(NETWORK, account.address)
+    argv = [node.devnet.info["chains_file"], str(tmp_path), account.key.hex(), NETWORK, node.redis_url]
+    child = subprocess.Popen([sys.executable, "-c", _LEASING_RELAYER, *argv], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline().decode().strip() == account.address
+        held = node.redis.get(key)
+        # Alive: another slot, another identity; the account is not taken from it.
+        other = accounts_module.AccountPool(node.redis, node.chain, [account], None, identity=identity.claim(tmp_path))
+        with pytest.raises(RelayUnavailable):
+            other.take(wait_seconds=1)
+        assert node.redis.get(key) == held
+        other.release()
+        child.kill()  # SIGKILL: no release; the key stays for LEASE_SECONDS
+        child.wait()
+        assert node.redis.get(key) == held
+        restarted = accounts_module.AccountPool(
+            node.redis, node.chain, [account], None, identity=identity.claim(tmp_path)
+        )  # the dead one's slot, now free
+        try:
+            began = time.monotonic()
+            assert restarted.take(wait_seconds=2).account.address == account.address
+            assert time.monotonic() - began < 2 and node.redis.get(key) == restarted.token
+        finally:
+            restarted.release()
+        assert not node.redis.exists(key)  # a clean stop frees it for anyone
+    finally:
+        child.kill()
+        child.wait()
+        node.redis.delete(key)

@@ -42,6 +42,7 @@ class Chain:
         self.chain = evm_chain(self.network)
         self.w3: Web3 = self.chain.w3
         self.redis = Redis.from_url(redis_url)
+        self.redis_url = redis_url
         self.w3_token = _token(devnet, NETWORK)[1]
 
     def rpc(self, method: str, *params: Any) -> Any:

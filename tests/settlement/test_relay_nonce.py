@@ -242,3 +242,21 @@ def test_the_highest_recorded_nonce_is_read_from_an_index(app: Any) -> None:
                 rows = conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, parameters)
             plan = "\n".join(str(row[-1]) for row in rows)
     assert "ix_settlements_relay_nonce" in plan, plan
+
+
+def test_a_relayer_stopped_cleanly_frees_its_relay_accounts_at_once(iso: Any) -> None:
+    """SIGTERM: the relayer main gives its leases up on its way out (``accounts.release_all``), so another relayer
+    (on any host) may take them at once, not LEASE_SECONDS later."""
+    intent = create_intent(iso.client, iso.shop, 1)
+    payload = sign_authorization(iso.devnet.buyer(0).key, requirement(intent, NETWORK))
+    redis = Redis.from_url(iso.redis_url)
+    relayer = iso.relayer()
+    try:
+        pay(iso.client, iso.shop, intent, NETWORK, payload)
+        iso.wait_paid(intent["intent_id"])
+        leased = list(redis.scan_iter(match=evm.LEASE_KEY.format(NETWORK, "*")))
+        assert len(leased) == 1  # the account it paid from
+    finally:
+        stop_process(relayer)
+    assert relayer.returncode == 0
+    assert list(redis.scan_iter(match=evm.LEASE_KEY.format(NETWORK, "*"))) == []

@@ -1,13 +1,15 @@
 """The relay accounts one relayer process owns on one EVM chain, each with its local nonce manager.
 
-A process leases an account for its lifetime (a Redis key holding the process's token, renewed every third of
-``LEASE_SECONDS`` by a daemon thread), so two relayer processes never send from the same account, and a dead
-process's accounts are free again within ``LEASE_SECONDS``. A process holds one account and leases another only
-when every one it holds is left aside (short of ETH); with several processes each holds its share; when none is
-free it waits (``RelayUnavailable`` after ``wait_seconds``). A lease found taken by another process, or gone, at
-renewal is given up at once (the account is no longer used here; leased again later, it starts afresh). A
-second thread repairs the owned accounts and adopts free ones a dead relayer left with an unmined nonce (``adopt``).
-Every broadcast from a leased account checks the lease right before it (``broadcast``).
+A process leases an account for its lifetime (a Redis key holding the process's token, renewed every
+``RENEW_SECONDS`` by a daemon thread), so two relayer processes never send from the same account, and a dead
+process's accounts are free again within ``LEASE_SECONDS``, or at once for a relayer restarted in the dead one's
+identity slot (``identity.py``: the slot's lock proves its earlier holders dead), which takes them back. A process
+holds one account and leases another only when every one it holds is left aside (short of ETH); with several
+processes each holds its share; when none is free it waits (``RelayUnavailable`` after ``wait_seconds``). A lease
+found taken by another process, or gone, at renewal is given up at once (the account is no longer used here; leased
+again later, it starts afresh). A second thread repairs the owned accounts and adopts free ones a dead relayer left
+with an unmined nonce (``adopt``). Every broadcast from a leased account checks the lease right before it
+(``broadcast``).
 
 On first use of an account its ``NonceManager`` starts after every nonce that may have been used (the chain's
 pending count, the Redis hint, and the highest ``relay_nonce`` a settlement recorded: ``recorded_nonce``, given by
@@ -41,7 +43,11 @@ from backend.rails.evm.relay import LEASE_KEY, RelayUnavailable, fees
 
 log = logging.getLogger(__name__)
 
-LEASE_SECONDS = 30  # a dead relayer's accounts are free again within this
+LEASE_SECONDS = 12  # a dead relayer's accounts are free again within this (at once for its restart: ``identity``)
+RENEW_SECONDS = 3.0  # how often the leases are renewed
+# A lease is used for a broadcast only until this long before it may lapse in Redis (measured from the start of the
+# renewal that set it, on the monotonic clock): room for a pause (GC, a stopped VM) between the check and the send.
+LEASE_MARGIN_SECONDS = 5.0
 REPAIR_SECONDS = 3.0  # how often the nonces the node lacks below an account's next nonce are filled
 ADOPT_SECONDS = 15.0  # how often free accounts are looked at for a dead relayer's unmined nonces (``adopt``)
 RecordedNonce = Callable[[str, str], "int | None"]  # (network, relay address) -> highest relay_nonce recorded
@@ -50,6 +56,17 @@ RecordedNonce = Callable[[str, str], "int | None"]  # (network, relay address) -
 # Compare-and-set on the lease key: only the process whose token it holds renews or deletes it.
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) end return 0"
 _DELETE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# A free key is set; one holding another process of this identity's value (``ARGV[2]``, never this process's own:
+# ``ARGV[3]``) is taken over: that process held this identity's slot, which this one holds now, so it is dead.
+_ACQUIRE = """
+local held = redis.call('get', KEYS[1])
+if not held then redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[4]) return 1 end
+if ARGV[2] ~= '' and string.sub(held, 1, #ARGV[2]) == ARGV[2] and string.sub(held, 1, #ARGV[3]) ~= ARGV[3] then
+  redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[4]) return 2
+end
+return 0
+"""
+_PROCESS = secrets.token_hex(8)  # this process (its pools' lease values share it)
 
 
 @dataclass
@@ -89,6 +106,7 @@ class AccountPool:
         accounts: list[LocalAccount],
         recorded_nonce: RecordedNonce | None,
         lease_seconds: int = LEASE_SECONDS,
+        identity: str | None = None,
     ) -> None:
         self.redis = redis
         self.chain = chain
@@ -96,7 +114,9 @@ class AccountPool:
         self.accounts = accounts
         self.recorded_nonce = recorded_nonce
         self.lease_seconds = lease_seconds
-        self.token = secrets.token_hex(8).encode()
+        # The lease value: "<identity>:<process>:<pool>" (``identity``: this process's slot, ``identity.claim``).
+        self.identity = identity or ""
+        self.token = f"{self.identity}:{_PROCESS}:{secrets.token_hex(8)}".encode()
         self._lock = threading.Lock()
         self._owned: dict[str, Owned] = {}
         self._next = 0
@@ -123,7 +143,7 @@ class AccountPool:
                     # Not renewed in time (a paused process, Redis away): another process may own it now.
                     log.error("relay account %s on %s: lease not renewed in time; no longer used by this process",
                               address, self.network)  # fmt: skip
-                    del self._owned[address]
+                    self._owned.pop(address).given_up = True  # a renewal in flight never makes it valid again
                 usable = [o for address, o in self._owned.items() if address not in skip]
                 # An adopted account (filling a dead relayer's gaps) only when no other is usable: then it is ours.
                 usable = [o for o in usable if not o.adopted] or usable
@@ -176,7 +196,7 @@ class AccountPool:
         try:
             key = LEASE_KEY.format(self.network, address)
             began = time.monotonic()
-            if not self.redis.set(key, self.token, nx=True, ex=self.lease_seconds):
+            if not self._acquire(key):
                 return None
             owned = Owned(account, NonceManager.for_chain(self.chain, address, self.redis), key, adopted=adopted)
             owned.valid_until = began + self._valid_for()
@@ -289,8 +309,17 @@ class AccountPool:
         log.info("relay account %s on %s: adopted account released (all its nonces mined)", owned.account.address,
                  self.network)  # fmt: skip
 
+    def _acquire(self, key: str) -> bool:
+        """The lease of ``key`` set to this pool's token if free, or taken over from a dead process of this identity."""
+        mine = f"{self.identity}:" if self.identity else ""
+        this_process = f"{self.identity}:{_PROCESS}:"
+        got = int(self.redis.eval(_ACQUIRE, 1, key, self.token, mine, this_process, self.lease_seconds))
+        if got == 2:
+            log.warning("relay account lease %s taken back from a dead relayer of this identity slot", key)
+        return got > 0
+
     def _valid_for(self) -> float:
-        return self.lease_seconds - max(self.lease_seconds / 6, 1.0)
+        return self.lease_seconds - min(LEASE_MARGIN_SECONDS, self.lease_seconds / 2)
 
     def _renew_key(self, key: str) -> bool:
         return bool(self.redis.eval(_RENEW, 1, key, self.token, self.lease_seconds))
@@ -325,7 +354,7 @@ class AccountPool:
         if self._renewer is None or not self._renewer.is_alive():
 
             def renewing() -> None:
-                while not self._stop.wait(self.lease_seconds / 3):
+                while not self._stop.wait(min(RENEW_SECONDS, self.lease_seconds / 4)):
                     try:
                         self.renew()
                     except Exception as exc:  # Redis away: tried again; the lease lasts lease_seconds
@@ -442,12 +471,19 @@ def fill_nonce(chain: EvmChain, owned: Owned, nonce: int) -> str | None:
 
 _pools: dict[str, AccountPool] = {}
 _pools_lock = threading.Lock()
+_identity: list[str | None] = [None]
+
+
+def use_identity(identity: str | None) -> None:
+    """The pools made from now on lease in ``identity`` (``identity.claim``: the relayer main, once at start)."""
+    _identity[0] = identity
 
 
 def account_pool(
     redis: Redis, chain: EvmChain, accounts: list[LocalAccount], recorded_nonce: RecordedNonce | None
 ) -> AccountPool:
-    """The process's pool of ``chain``'s network (one per network and process)."""
+    """The process's pool of ``chain``'s network (one per network and process), leasing in this process's identity
+    (``use_identity``)."""
     network = chain.network.network
     with _pools_lock:
         pool = _pools.get(network)
@@ -458,12 +494,14 @@ def account_pool(
         ):
             if pool is not None:
                 pool.release()
-            pool = _pools[network] = AccountPool(redis, chain, accounts, recorded_nonce)
+            pool = _pools[network] = AccountPool(redis, chain, accounts, recorded_nonce, identity=_identity[0])
         return pool
 
 
 @atexit.register
-def _release_all() -> None:
+def release_all() -> None:
+    """Every pool's accounts given up (a clean stop: the relayer main's end, and at exit)."""
     with _pools_lock:
         for pool in _pools.values():
             pool.release()
+        _pools.clear()  # a later send makes a new pool (a released one never leases again)
