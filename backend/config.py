@@ -93,6 +93,8 @@ class Settings:
     # Settlements one relayer process runs at once (RELAYER_THREADS, ``payintent relayer --threads``): each mostly
     # waits for the chain, so their waits overlap; the relayer's database pool and RPC sessions follow it.
     relayer_threads: int = 32
+    # RELAYER_STATE_DIR: the relayer processes' identity slots (backend/rails/evm/identity.py); None: the default.
+    relayer_state_dir: str | None = None
     # Parallel webhook senders per worker process (a slow receiver holds one of them, not the queue).
     webhook_concurrency: int = 8
     # Attempts of one merchant in flight at once across all workers: keep it below webhook_concurrency,
@@ -179,6 +181,7 @@ class Settings:
             relayer_queue=_env("RELAYER_QUEUE", "relayer"),
             relayer_networks=tuple(n.strip() for n in _env("RELAYER_NETWORKS", "").split(",") if n.strip()),
             relayer_threads=min(MAX_RELAYER_THREADS, max(1, int(_env("RELAYER_THREADS", "32")))),
+            relayer_state_dir=_env("RELAYER_STATE_DIR", "") or None,
             webhook_concurrency=max(1, int(_env("WEBHOOK_CONCURRENCY", "8"))),
             webhook_max_in_flight_per_merchant=max(1, int(_env("WEBHOOK_MAX_IN_FLIGHT_PER_MERCHANT", "2"))),
             webhook_dns_timeout_seconds=min(10.0, max(0.1, float(_env("WEBHOOK_DNS_TIMEOUT_SECONDS", "5")))),

@@ -61,7 +61,7 @@ def default_slots_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"payintent-password-slots-{os.getuid()}"
 
 
-def _usable(directory: Path) -> bool:
+def private_dir_usable(directory: Path) -> bool:
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = directory.lstat()
@@ -77,7 +77,7 @@ class HashGate:
     def __init__(self, slots: int, wait_seconds: float, directory: Path | None) -> None:
         self.slots = max(1, slots)
         self.wait_seconds = max(0.0, wait_seconds)
-        self.directory = directory if directory is not None and _usable(directory) else None
+        self.directory = directory if directory is not None and private_dir_usable(directory) else None
         if directory is not None and self.directory is None:
             log.warning("LOGIN_HASH_SLOTS_DIR %s is not usable: password hashes are bounded per process", directory)
         self._local = threading.BoundedSemaphore(self.slots)
@@ -112,7 +112,7 @@ class HashGate:
         assert directory is not None
         error: OSError | None = None
         for _ in range(2):  # a directory removed between the check and the open: once more
-            if not _usable(directory):
+            if not private_dir_usable(directory):
                 break
             try:
                 return self._try_file_slot()

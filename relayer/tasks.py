@@ -271,8 +271,9 @@ def _settle(settlement_id: str, redis: Redis) -> str:
         status = rail.watch(network, [claim]).get(claim.tx_id)
         if status is not None and status.state in (TxState.SUCCEEDED, TxState.FAILED):
             return _finish(rail, network, settlement, claim, status)
-        if status is not None and status.state is TxState.PENDING and not rail.resends_same_transaction:
+        if status is not None and status.state is TxState.PENDING and not rail.resends_same_transaction and status.held:
             return "still-pending"  # our earlier transaction may still be mined: never send a second one
+        # Not held but its recorded nonce unconsumed (EVM): the submit sends only at that nonce (never a new one).
         # Seen, not landed, on a rail whose send repeats the very same transaction (Solana: one signature): it is
         # sent again below, as a dropped broadcast would otherwise just expire (our sends ask for no retries).
     intent = db.session.get(Intent, settlement.intent_id, populate_existing=True)

@@ -8,14 +8,18 @@ relayer per chain is a relayer with RELAYER_NETWORKS set to that chain.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from pathlib import Path
 
-from flask import Flask
+from flask import Flask, has_app_context
 from redis import Redis
 
 from backend import appstate
 from backend.logs import register_secret
 from backend.queueing import app_redis, relayer_queue, set_job_app, stop_requested, work
+from backend.rails.evm import accounts, identity
 from backend.rails.registry import rail_for
+from backend.settlement import services as settlement_services
 from relayer import tasks
 from relayer.keys import RelayKeyError, load_relay_keys
 from relayer.pool import SettlementPool, finish_in_flight
@@ -36,6 +40,9 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False, threads: 
     if missing:
         raise RelayKeyError(f"no relay keys for {', '.join(missing)} (named in RELAYER_NETWORKS)")
     register_secret(*(secret for loaded in keys.values() for secret in loaded.secrets()))  # never logged
+    for loaded in keys.values():
+        # A rail whose relay starts its nonces after the ones settlements recorded (EVM) is told how to read them.
+        loaded.use_recorded_nonces(_in_app(app, settlement_services.max_relay_nonce))
     tasks.RELAY_KEYS.clear()
     tasks.RELAY_KEYS.update(keys)
     for network_id, loaded in keys.items():
@@ -54,6 +61,9 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False, threads: 
     with app.app_context():
         app_redis()  # made once here, not by several settlement threads at once
     threads = threads or settings.relayer_threads
+    # Before the first lease: a relayer restarted in a dead one's slot takes its relay accounts back at once.
+    state_dir = settings.relayer_state_dir
+    accounts.use_identity(identity.claim(Path(state_dir) if state_dir else None))
     pool = tasks.POOL = SettlementPool(threads, tasks.settle_handed)
     log.info("relayer: listening on %s with %d settlement thread(s)", ", ".join(queues), threads)
     try:
@@ -61,14 +71,16 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False, threads: 
         finish_in_flight(pool, stopped=stop_requested())
     finally:
         tasks.POOL = None
+        accounts.release_all()  # a clean stop frees its relay accounts for any relayer at once
 
 
 def run_pool(processes: int, argv: list[str]) -> int:
     """Supervise ``processes`` relayer processes (each with its settlement threads), restarting any that dies.
 
-    Each send leases a free relay account of its chain, so the settlements in progress across the processes use
-    the chain's accounts in parallel. One process with threads is the usual shape (RELAYER_THREADS); several
-    suit a relayer whose one process is CPU-bound. SIGTERM, SIGINT or SIGHUP stops them all.
+    Each process leases relay accounts of its chain for its lifetime (backend/rails/evm/accounts.py), so N
+    processes use up to N accounts of a chain in parallel, each with many transactions in flight. One process with
+    threads (RELAYER_THREADS) is the usual shape; several suit a relayer whose one process is CPU-bound. SIGTERM,
+    SIGINT or SIGHUP stops them all.
     """
     import signal
     import subprocess
@@ -109,3 +121,16 @@ def run_pool(processes: int, argv: list[str]) -> int:
             except subprocess.TimeoutExpired:
                 child.kill()
     return 0
+
+
+def _in_app(app: Flask, read: Callable[[str, str], int | None]) -> Callable[[str, str], int | None]:
+    """``read`` in ``app``'s context, pushed when the caller has none (the relay pool's repair thread adopting a
+    dead relayer's account reads the recorded nonces there; a settlement thread already has one)."""
+
+    def in_app(network: str, address: str) -> int | None:
+        if has_app_context():
+            return read(network, address)
+        with app.app_context():
+            return read(network, address)
+
+    return in_app

@@ -266,3 +266,50 @@ def test_0011_adds_relay_nonce_null_on_old_rows_and_a_downgrade_keeps_the_rows(e
     with engine.connect() as conn:
         assert [r[0] for r in conn.exec_driver_sql("SELECT relay_nonce FROM settlements")] == [None, None]
     engine.dispose()
+
+
+def test_0012_keeps_a_duplicate_open_relay_nonce_on_the_newest_row_only(empty_url, caplog):
+    """The relay before 0012 could record one (account, nonce) on two open settlements: the upgrade keeps it on the
+    most recently submitted one, clears it (NULL) on the other, leaves closed rows alone, then builds the index,
+    which refuses a new duplicate."""
+    upgrade(empty_url, "0011")
+    engine = sa.create_engine(empty_url, poolclass=sa.pool.NullPool)
+    insert = sa.text(
+        "INSERT INTO settlements (id, intent_id, merchant_id, network, asset, payer, pay_to, amount_atomic, nonce, "
+        "status, created_at, updated_at, submitted_at, valid_after, valid_before, signature, tx_hash, relay_address, "
+        "relay_nonce) VALUES (:id, 'int_x', 'mer_x', 'eip155:84532', 'A', 'P', 'Q', 1, :id, :status, "
+        "'2026-11-24 12:00:00', :at, :at, 0, 1, '0x', :id, :relay, 7)"
+    )
+    with engine.begin() as conn:
+        _merchant_and_intent(conn)
+        for settlement_id, status, at, relay in [
+            ("stl_a", "submitted", "2026-11-24 12:05:00", "0xrelay"),  # newest open: keeps 7
+            ("stl_b", "submitted", "2026-11-24 12:01:00", "0xrelay"),  # older open: cleared
+            ("stl_c", "confirmed", "2026-11-24 12:09:00", "0xrelay"),  # closed: kept, outside the index
+            ("stl_d", "submitted", "2026-11-24 12:00:00", "0xRELAY"),  # the same account in another case: cleared
+            ("stl_e", "submitted", "2026-11-24 12:00:00", "0xother"),  # another account: kept
+        ]:  # fmt: skip
+            conn.execute(insert, {"id": settlement_id, "status": status, "at": at, "relay": relay})
+    with caplog.at_level("WARNING", logger="backend.migrations.0012"):
+        upgrade(empty_url)
+    assert current_revision(empty_url) == head_revision()
+    assert "stl_b" in caplog.text and "stl_d" in caplog.text and "stl_a" not in caplog.text
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql("SELECT id, relay_nonce FROM settlements ORDER BY id")
+        assert [tuple(row) for row in rows] == [
+            ("stl_a", 7), ("stl_b", None), ("stl_c", 7), ("stl_d", None), ("stl_e", 7)
+        ]  # fmt: skip
+        listed = (  # expression indexes: SQLAlchemy's inspector skips them on SQLite
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'settlements'"
+            if conn.dialect.name == "sqlite"
+            else "SELECT indexname FROM pg_indexes WHERE tablename = 'settlements'"
+        )
+        indexes = set(conn.exec_driver_sql(listed).scalars())
+        assert {"uq_settlements_open_relay_nonce", "ix_settlements_relay_nonce"} <= indexes
+    with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE settlements SET relay_nonce = 7 WHERE id = 'stl_b'")
+    with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:  # "0xRELAY" is "0xrelay"
+        conn.exec_driver_sql("UPDATE settlements SET relay_nonce = 7 WHERE id = 'stl_d'")
+    with engine.begin() as conn:  # a closed row may still share it
+        conn.exec_driver_sql("UPDATE settlements SET relay_nonce = 7, status = 'failed' WHERE id = 'stl_b'")
+    engine.dispose()

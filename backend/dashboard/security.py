@@ -57,8 +57,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import urlsplit
 
-from flask import Flask, current_app, request, session
-from flask.sessions import SecureCookieSessionInterface
+from flask import Flask, Request, current_app, request, session
+from flask.sessions import SecureCookieSession, SecureCookieSessionInterface
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 from werkzeug.wrappers import Response
 
@@ -96,6 +96,13 @@ class DashboardSessionInterface(SecureCookieSessionInterface):
 
     def get_cookie_secure(self, app: Flask) -> bool:
         return bool(request.is_secure) or super().get_cookie_secure(app)
+
+    def open_session(self, app: Flask, request: Request) -> SecureCookieSession | None:
+        # No session cookie (every API call): the empty session Flask would give, without first building the
+        # cookie's signing serializer, which only reading a cookie needs.
+        if app.secret_key and not request.cookies.get(self.get_cookie_name(app)):
+            return self.session_class()
+        return super().open_session(app, request)
 
 
 # --- CSRF ----------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ observability) and the relayer call them instead of branching on ``network.kind`
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -86,6 +86,8 @@ class Claim:
     tx_id: str | None
     relay_address: str | None
     start_block: int | None
+    # EVM: the relay nonce recorded with ``tx_id`` (a second transaction only ever goes at it while it may be mined).
+    relay_nonce: int | None = None
 
 
 class Outcome(Enum):
@@ -134,6 +136,9 @@ class TxStatus:
     block: int | None = None  # where it landed (what ``wait_final`` waits on)
     final: bool = False  # landed and final already (EVM: one confirmation is final; Solana: confirmed)
     cost: int | None = None  # what it cost the relay, if the status shows it (EVM: the receipt's gas)
+    # PENDING: the node holds it. False (EVM): not held, but its recorded relay nonce is not consumed yet, so it may
+    # still be mined (another node's pool): a submit sends again only at that nonce, and the claim is not released.
+    held: bool = True
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,12 @@ class BeforeBroadcast(Protocol):
     def __call__(self, tx_id: str, relay_address: str, relay_nonce: int | None) -> None: ...
 
 
+class RelayNonceTaken(Exception):
+    """Raised by ``BeforeBroadcast`` when another open settlement already recorded this (relay account, nonce)
+    (the unique index over open rows, migration 0012): two processes believed they owned the account. Nothing is
+    broadcast at that nonce, and no cancel either: it is the other settlement's."""
+
+
 class RelayKeyError(RuntimeError):
     """The relay keys are missing or do not match the chains file (the message holds no key)."""
 
@@ -164,6 +175,10 @@ class RelayKeys(Protocol):
 
     def summary(self, network_id: str) -> str:
         """What the relayer logs at start-up."""
+
+    def use_recorded_nonces(self, recorded_nonce: Callable[[str, str], int | None]) -> None:
+        """How the relay reads the highest relay nonce settlements recorded per (network, relay address): wired by
+        every relayer process before its first submit (EVM: a submit without it fails; Solana: unused)."""
 
 
 class SubmitError(Exception):

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from backend.extensions import Model, UTCDateTime
@@ -16,6 +16,10 @@ SUBMITTED = "submitted"
 CONFIRMED = "confirmed"
 FAILED = "failed"
 OPEN = (PENDING, SUBMITTED)
+_OPEN_WITH_NONCE = text("status IN ('pending', 'submitted') AND relay_nonce IS NOT NULL")
+# Relay accounts compared whatever the case of their hex (an EVM address's checksum casing is not part of it), as
+# ``max_relay_nonce`` compares them; both indexes below are on this expression.
+_RELAY_ACCOUNT = text("lower(relay_address)")
 
 
 def _terms_of_its_rail() -> str:
@@ -44,6 +48,20 @@ class Settlement(Model):
         CheckConstraint(_terms_of_its_rail(), name="terms_of_rail"),
         Index("ix_settlements_status_updated", "status", "updated_at"),
         Index("ix_settlements_watched_at", "watched_at"),
+        # One open settlement per (account, nonce): the record is fenced even when two processes believe they own
+        # the account (a lease lost unseen); a replacement of a settlement's own transaction keeps its row.
+        Index(
+            "uq_settlements_open_relay_nonce",
+            "network",
+            _RELAY_ACCOUNT,
+            "relay_nonce",
+            unique=True,
+            sqlite_where=_OPEN_WITH_NONCE,
+            postgresql_where=_OPEN_WITH_NONCE,
+        ),
+        # ``max_relay_nonce`` (an account's start, and the adoption's look at every free account each ADOPT_SECONDS):
+        # the highest nonce of (network, account) read from the index's end, not a scan of every settlement.
+        Index("ix_settlements_relay_nonce", "network", _RELAY_ACCOUNT, "relay_nonce"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -105,6 +123,7 @@ def settlement_claim(settlement: Settlement) -> Claim:
         tx_id=settlement.tx_hash,
         relay_address=settlement.relay_address,
         start_block=settlement.start_block,
+        relay_nonce=settlement.relay_nonce,
     )
 
 

@@ -31,7 +31,7 @@ from backend.intents.models import PAID, PENDING, Intent
 from backend.intents.services import effective_status
 from backend.merchants.models import Wallet
 from backend.money import from_atomic
-from backend.rails.base import Terms
+from backend.rails.base import RelayNonceTaken, Terms
 from backend.rails.registry import rail_for, rail_of_network_id
 from backend.settlement import models as st
 from backend.settlement.models import Settlement
@@ -326,13 +326,33 @@ def mark_submitted(settlement_id: str, tx_hash: str, relay_address: str, *, rela
     sending is recoverable. ``relay_nonce`` is always given (None on Solana): an EVM caller that forgot it would
     blank the recorded nonce."""
     now = clock.now()
-    db.session.execute(
-        update(Settlement)
-        .where(Settlement.id == settlement_id, Settlement.status.in_(st.OPEN))
-        .values(status=st.SUBMITTED, tx_hash=tx_hash, relay_address=relay_address, relay_nonce=relay_nonce,
-                submitted_at=now, updated_at=now)
-    )  # fmt: skip
-    db.session.commit()
+    try:
+        db.session.execute(
+            update(Settlement)
+            .where(Settlement.id == settlement_id, Settlement.status.in_(st.OPEN))
+            .values(status=st.SUBMITTED, tx_hash=tx_hash, relay_address=relay_address, relay_nonce=relay_nonce,
+                    submitted_at=now, updated_at=now)
+        )  # fmt: skip
+        db.session.commit()
+    except IntegrityError as exc:
+        db.session.rollback()
+        if "relay_nonce" in str(exc):  # the index uq_settlements_open_relay_nonce (names vary by engine)
+            # Another open settlement holds this (account, nonce): never broadcast there (migration 0012).
+            raise RelayNonceTaken(
+                f"nonce {relay_nonce} of {relay_address} is recorded by another open settlement"
+            ) from None
+        raise
+
+
+def max_relay_nonce(network: str, relay_address: str) -> int | None:
+    """The highest ``relay_nonce`` any settlement recorded for (network, relay account), whatever its status (None:
+    none): a relay account's nonce manager starts above it (backend/rails/evm/accounts.py)."""
+    found = db.session.execute(
+        select(func.max(Settlement.relay_nonce)).where(
+            Settlement.network == network, func.lower(Settlement.relay_address) == relay_address.lower()
+        )
+    ).scalar()
+    return None if found is None else int(found)
 
 
 def complete_settlement(settlement_id: str, tx_hash: str) -> bool:

@@ -9,14 +9,12 @@ JSON log to a file the tests read.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -133,9 +131,8 @@ def evm_network(rpc_url: str, network: str = BASE_SEPOLIA, **extra: Any) -> dict
 @pytest.fixture(scope="session")
 def relayer(db_url: str, redis_server_url: str, devnet: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:  # noqa: F811
     log = tmp_path_factory.mktemp("observability-relayer") / "relayer.log"
-    with mock.patch.dict(os.environ, {"PAYINTENT_TEST_RELAYER_LOG": str(log)}):
-        proc = start_relayer(db_url, redis_server_url, devnet.info["chains_file"],
-                             RELAYER_QUEUE=RELAYER_QUEUE, LOG_LEVEL="INFO", LOG_FORMAT="json")  # fmt: skip
+    proc = start_relayer(db_url, redis_server_url, devnet.info["chains_file"], log_file=log,
+                         RELAYER_QUEUE=RELAYER_QUEUE, LOG_LEVEL="INFO", LOG_FORMAT="json")  # fmt: skip
     proc.log_path = log  # type: ignore[attr-defined]
     yield proc
     stop_process(proc)

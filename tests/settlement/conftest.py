@@ -60,11 +60,22 @@ def devnet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Devnet]:
             os.environ["PAYINTENT_VAR_DIR"] = previous
 
 
-def start_relayer(db_url: str, redis_url: str, chains_file: str, **extra_env: str) -> subprocess.Popen[bytes]:
+def start_relayer(
+    db_url: str, redis_url: str, chains_file: str, *, log_file: Path | None = None, **extra_env: str
+) -> subprocess.Popen[bytes]:
+    """A relayer registered with RQ. ``log_file``: its output goes there (a test that reads it)."""
     env = {**os.environ, "DATABASE_URL": db_url, "REDIS_URL": redis_url, "CHAINS_FILE": chains_file,
-           "LOG_LEVEL": "WARNING", **extra_env}  # fmt: skip
-    log = open(os.environ.get("PAYINTENT_TEST_RELAYER_LOG", os.devnull), "ab")  # noqa: SIM115
+           "LOG_LEVEL": os.environ.get("PAYINTENT_TEST_RELAYER_LOG_LEVEL", "WARNING"), **extra_env}  # fmt: skip
+    # PAYINTENT_TEST_RELAYER_LOG: a file the relayers' output is appended to, one per xdist worker (its name gets
+    # the worker's suffix), each relayer's lines after one naming the test that started it and its pid.
+    path = os.environ.get("PAYINTENT_TEST_RELAYER_LOG") if log_file is None else None
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    target = log_file or (f"{path}.{worker}" if path and worker else path or os.devnull)
+    log = open(target, "ab")  # noqa: SIM115
     proc = subprocess.Popen([PAYINTENT, "relayer"], env=env, stdout=log, stderr=log)
+    if path:
+        log.write(f"--- relayer {proc.pid} of {os.environ.get('PYTEST_CURRENT_TEST')} {extra_env}\n".encode())
+        log.flush()
     wait_registered(proc, redis_url)  # takes jobs from now on (a loaded machine may take seconds to get here)
     return proc
 

@@ -31,6 +31,7 @@ from backend.chains.registry import ChainRegistry
 from backend.events.models import Event
 from backend.extensions import db
 from backend.rails.evm.outcome import EXPIRY_GRACE_SECONDS
+from backend.rails.evm.relay import LEASE_KEY, NONCE_KEY
 from backend.settlement.models import Settlement
 from backend.settlement.reconcile import reconcile
 from payintent.eip3009 import sign_authorization
@@ -39,6 +40,7 @@ from tests.conftest import make_settings, truncate_all
 from tests.settlement.conftest import stop_process
 from tests.settlement.test_duplicate import _execute
 from tests.settlement.test_pay import create_intent, pay, requirement
+from tests.settlement.test_payer_code import relay_addresses
 from tests.settlement.test_recovery import Isolated, _token
 
 NETWORK = "eip155:84532"
@@ -78,7 +80,7 @@ class ChainControl:
 
 
 @pytest.fixture
-def chain(devnet: Any) -> Iterator[ChainControl]:
+def chain(devnet: Any, redis_server_url: str) -> Iterator[ChainControl]:
     control = ChainControl(devnet.w3(NETWORK))
     start = control.rpc("evm_snapshot")
     try:
@@ -87,6 +89,9 @@ def chain(devnet: Any) -> Iterator[ChainControl]:
         control.rpc("evm_setIntervalMining", 0)
         control.rpc("evm_revert", start)  # the chain (and its clock) as the other tests left it
         control.rpc("evm_setAutomine", True)
+        # The relay accounts' nonce hints name transactions the revert undid: the next relayer would cancel their
+        # nonces at its start (an extra transaction in another test's count).
+        Redis.from_url(redis_server_url).delete(*[NONCE_KEY.format(NETWORK, a) for a in relay_addresses(devnet)])
 
 
 class Careful(Isolated):
@@ -221,6 +226,10 @@ def test_a_reorg_that_undoes_the_payment_is_not_paid_and_the_payment_is_sent_aga
 
     # The reconciler finds it unused and still valid: it is sent again, and this time it stays.
     chain.rpc("evm_setIntervalMining", 1)
+    # Its recorded nonce is unconsumed again (the reorg): sent again only at that (account, nonce), by a process
+    # that owns the account (review-evmwait M2). The crashed process's lease, as if its 30 s had passed:
+    crashed = careful.settlement(intent_id).relay_address
+    Redis.from_url(careful.redis_url).delete(LEASE_KEY.format(NETWORK, crashed))
     healthy = careful.relayer()
     try:
         assert careful.reconcile_later(300)["resent"] == 1

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import requests
 from redis import Redis
+from rq import Queue, Worker
 from sqlalchemy import select, update
 
 from backend import clock as clock_module
@@ -28,6 +29,7 @@ from backend.events.models import Event
 from backend.extensions import db
 from backend.intents.models import Intent
 from backend.intents.services import expire_overdue
+from backend.queueing import relayer_queue
 from backend.rails.evm import relay as evm_relay
 from backend.settlement.models import Settlement
 from backend.settlement.reconcile import reconcile
@@ -146,6 +148,10 @@ def test_relayer_killed_before_broadcast_is_sent_again(iso):
     finally:
         stop_process(crashing)
     assert iso.devnet.balance(NETWORK, iso.payout) == 0  # recorded as submitted, never sent
+    # Its recorded nonce is unconsumed: sent again only at that (account, nonce), by a process that owns the
+    # account (review-evmwait M2). The dead process's lease, as if its 30 s had passed:
+    crashed = iso.settlement(intent["intent_id"]).relay_address
+    Redis.from_url(iso.redis_url).delete(evm_relay.LEASE_KEY.format(NETWORK, crashed))
     healthy = iso.relayer()
     try:
         counts = iso.reconcile_later()
@@ -252,11 +258,17 @@ def test_relayer_pool_uses_several_relay_accounts_in_parallel(iso):
         sign_authorization(iso.devnet.buyer(i % 3).key, requirement(it, NETWORK)) for i, it in enumerate(intents)
     ]
     env = {**os.environ, "DATABASE_URL": iso.db_url, "REDIS_URL": iso.redis_url, "LOG_LEVEL": "WARNING",
-           "CHAINS_FILE": iso.devnet.info["chains_file"], "RELAYER_QUEUE": iso.queue}  # fmt: skip
+           "CHAINS_FILE": iso.devnet.info["chains_file"], "RELAYER_QUEUE": iso.queue,
+           # One settlement at a time per process: with its threads, one process could take all 8 (one account).
+           "RELAYER_THREADS": "1"}  # fmt: skip
     pool = subprocess.Popen([PAYINTENT, "relayer", "--processes", "4"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
-        time.sleep(2)
+        queue = Queue(relayer_queue(iso.queue, NETWORK), connection=Redis.from_url(iso.redis_url))
+        deadline = time.monotonic() + 60
+        while Worker.count(queue=queue) < 4:  # all four take jobs, not the first one alone
+            assert time.monotonic() < deadline and pool.poll() is None
+            time.sleep(0.1)
 
         def attempt(pair: tuple[dict[str, Any], dict[str, Any]]) -> int:
             with iso.app.test_client() as c:

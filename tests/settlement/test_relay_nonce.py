@@ -113,3 +113,150 @@ def test_a_send_tried_again_after_nonce_too_low_records_the_nonce_it_signed_last
     row = iso.settlement(intent["intent_id"])
     assert (row.tx_hash, row.relay_address, row.relay_nonce) == (tx_hash, mined["from"], mined["nonce"])
     assert iso.devnet.balance(NETWORK, iso.payout) == 1_000_000
+
+
+def test_a_relayer_restarted_after_a_crash_fills_the_gap_and_the_payment_and_later_ones_settle(iso: Any) -> None:
+    """The relayer dies between the record and the broadcast; the next relayer process that owns the account starts
+    its nonces after the recorded one (``services.max_relay_nonce``) and fills the gap with a cancel, so the account
+    does not stall: the crashed settlement is sent again at a later nonce and paid once, a later payment too."""
+    intent = create_intent(iso.client, iso.shop, 1)
+    payload = sign_authorization(iso.devnet.buyer(1).key, requirement(intent, NETWORK))
+    crashing = iso.relayer(fault="after-mark-submitted")
+    try:
+        assert pay(iso.client, iso.shop, intent, NETWORK, payload).status_code == 504
+        assert crashing.wait(timeout=30) == CRASH_EXIT_CODE
+    finally:
+        stop_process(crashing)
+    settlement = iso.settlement(intent["intent_id"])
+    account, gap = settlement.relay_address, settlement.relay_nonce
+    assert account and gap is not None
+    assert services.max_relay_nonce(NETWORK, account.lower()) == gap
+    redis = Redis.from_url(iso.redis_url)
+    redis.delete(evm.LEASE_KEY.format(NETWORK, account))  # the dead process's lease, as if its 30 s had passed
+    for address in EVM_RAIL.relay_accounts(iso.devnet.chains.get(NETWORK)):
+        if address != account:  # the next relayer can only own the crashed one's account
+            redis.set(evm.LEASE_KEY.format(NETWORK, address), b"another-process", ex=120)
+    relayer = iso.relayer()
+    try:
+        iso.reconcile_later(120)
+        paid = iso.wait_paid(intent["intent_id"])
+        second = create_intent(iso.client, iso.shop, 1)
+        pay(iso.client, iso.shop, second, NETWORK,
+            sign_authorization(iso.devnet.buyer(1).key, requirement(second, NETWORK)))  # fmt: skip
+        later = iso.wait_paid(second["intent_id"])
+    finally:
+        stop_process(relayer)
+        for address in EVM_RAIL.relay_accounts(iso.devnet.chains.get(NETWORK)):
+            if redis.get(evm.LEASE_KEY.format(NETWORK, address)) == b"another-process":
+                redis.delete(evm.LEASE_KEY.format(NETWORK, address))
+    w3 = iso.devnet.w3(NETWORK)
+    filled = w3.eth.get_transaction(_tx_at(w3, account, gap))
+    assert filled["to"] == account and filled["value"] == 0  # the gap: a cancel
+    for tx_hash in (paid.tx_hash, later.tx_hash):
+        tx = w3.eth.get_transaction(tx_hash)
+        assert tx["from"] == account and tx["nonce"] > gap
+    assert iso.devnet.balance(NETWORK, iso.payout) == 2_000_000  # each paid once
+    assert len(iso.completed_events(intent["intent_id"])) == 1
+
+
+def _tx_at(w3: Any, address: str, nonce: int) -> str:
+    head = int(w3.eth.block_number)
+    for number in range(head, max(head - 200, -1), -1):
+        for tx in w3.eth.get_block(number, full_transactions=True)["transactions"]:
+            if tx["from"] == address and tx["nonce"] == nonce:
+                return "0x" + bytes(tx["hash"]).hex()
+    raise AssertionError(f"no transaction of {address} at nonce {nonce} in the last 200 blocks")
+
+
+def test_two_open_settlements_never_record_the_same_relay_account_and_nonce(iso: Any) -> None:
+    """The unique index over open rows (migration 0012): a second open settlement's record of an (account, nonce)
+    another open one holds fails (``RelayNonceTaken``, nothing changed), whatever the case of the address's hex (the
+    index is on lower(relay_address), as ``max_relay_nonce`` compares), its own replacement at its nonce records,
+    and once the first is closed the nonce may be recorded again (a closed row keeps its nonce, unconstrained)."""
+    import secrets
+    from datetime import UTC, datetime
+
+    from backend.extensions import db
+    from backend.intents.models import Intent
+    from backend.rails.base import RelayNonceTaken
+    from backend.settlement.models import Settlement
+
+    now = datetime.now(UTC)
+    account = Account.create().address
+    rows = []
+    for _ in range(2):
+        intent = db.session.get(Intent, create_intent(iso.client, iso.shop, 1)["intent_id"])
+        assert intent is not None
+        row = Settlement(id="stl_" + secrets.token_hex(16), intent_id=intent.id, merchant_id=intent.merchant_id,
+                         network=NETWORK, asset=iso.devnet.info["networks"][NETWORK]["usdc_address"],
+                         payer=Account.create().address, pay_to=iso.payout, amount_atomic=1, valid_after=0,
+                         valid_before=2**40, nonce="0x" + secrets.token_hex(32), signature="0x" + "00" * 65,
+                         status="pending", created_at=now, updated_at=now)  # fmt: skip
+        db.session.add(row)
+        rows.append(row.id)
+    db.session.commit()
+    first, second = rows
+    services.mark_submitted(first, "0x" + "01" * 32, account, relay_nonce=7)
+    services.mark_submitted(first, "0x" + "02" * 32, account, relay_nonce=7)  # its own replacement: same nonce
+    with pytest.raises(RelayNonceTaken):
+        services.mark_submitted(second, "0x" + "03" * 32, account, relay_nonce=7)
+    with pytest.raises(RelayNonceTaken):  # the same account written in lowercase hex: still the same account
+        services.mark_submitted(second, "0x" + "03" * 32, account.lower(), relay_nonce=7)
+    assert services.max_relay_nonce(NETWORK, account.lower()) == services.max_relay_nonce(NETWORK, account) == 7
+    services.mark_submitted(second, "0x" + "04" * 32, account, relay_nonce=8)  # another nonce: fine
+    db.session.expire_all()
+    held = {
+        s.id: (s.status, s.tx_hash, s.relay_nonce) for s in db.session.query(Settlement).filter(Settlement.id.in_(rows))
+    }
+    assert held == {first: ("submitted", "0x" + "02" * 32, 7), second: ("submitted", "0x" + "04" * 32, 8)}
+    services.fail_settlement(first, "SETTLEMENT_FAILED", "test: closed")
+    services.mark_submitted(second, "0x" + "05" * 32, account, relay_nonce=7)  # the closed row does not hold it
+
+
+def test_the_highest_recorded_nonce_is_read_from_an_index(app: Any) -> None:
+    """``max_relay_nonce`` runs at each account's start and, for every free account, at each adoption round
+    (ADOPT_SECONDS): it read every settlement (a sequential scan on PostgreSQL, 190 ms at 300k rows); it reads the
+    end of ix_settlements_relay_nonce (network, lower(relay_address), relay_nonce) instead (0.1 ms)."""
+    from sqlalchemy import event
+
+    from backend.extensions import db
+
+    statements: list[tuple[str, Any]] = []
+
+    def capture(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        statements.append((statement, parameters))
+
+    with app.app_context():
+        engine = db.engine
+        event.listen(engine, "before_cursor_execute", capture)
+        try:
+            assert services.max_relay_nonce(NETWORK, "0x" + "Ab" * 20) is None
+        finally:
+            event.remove(engine, "before_cursor_execute", capture)
+        ((statement, parameters),) = [s for s in statements if "relay_nonce" in s[0]]
+        with engine.connect() as conn:
+            if conn.dialect.name == "postgresql":
+                conn.exec_driver_sql("SET enable_seqscan = off")  # an empty table: any usable index is chosen
+                rows = conn.exec_driver_sql("EXPLAIN " + statement, parameters)
+            else:
+                rows = conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, parameters)
+            plan = "\n".join(str(row[-1]) for row in rows)
+    assert "ix_settlements_relay_nonce" in plan, plan
+
+
+def test_a_relayer_stopped_cleanly_frees_its_relay_accounts_at_once(iso: Any) -> None:
+    """SIGTERM: the relayer main gives its leases up on its way out (``accounts.release_all``), so another relayer
+    (on any host) may take them at once, not LEASE_SECONDS later."""
+    intent = create_intent(iso.client, iso.shop, 1)
+    payload = sign_authorization(iso.devnet.buyer(0).key, requirement(intent, NETWORK))
+    redis = Redis.from_url(iso.redis_url)
+    relayer = iso.relayer()
+    try:
+        pay(iso.client, iso.shop, intent, NETWORK, payload)
+        iso.wait_paid(intent["intent_id"])
+        leased = list(redis.scan_iter(match=evm.LEASE_KEY.format(NETWORK, "*")))
+        assert len(leased) == 1  # the account it paid from
+    finally:
+        stop_process(relayer)
+    assert relayer.returncode == 0
+    assert list(redis.scan_iter(match=evm.LEASE_KEY.format(NETWORK, "*"))) == []

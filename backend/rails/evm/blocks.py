@@ -140,12 +140,13 @@ class BlockWatcher:
         with self._lock:
             return {tx_hash: tracked.key for tx_hash, tracked in self._tracked.items()}
 
-    def poll(self) -> list[Event]:
-        """Read the head; on a new one, the tracked transactions' receipts and their blocks, in one batch (with the
-        head again: depth is judged by the lower of the two). Nothing changes unless every read succeeded."""
+    def poll(self, force: bool = False) -> list[Event]:
+        """Read the head; on a new one (or ``force``: a hash tracked since may be in a head read already), the tracked
+        transactions' receipts and their blocks, in one batch (with the head again: depth is judged by the lower of
+        the two). Nothing changes unless every read succeeded."""
         with self._polling:
             head = quantity(_result(call_one(self.chain.w3, "eth_blockNumber", [], self.counter), "eth_blockNumber"))
-            if head == self._head:
+            if head == self._head and not force:
                 return []
             with self._lock:
                 snapshot = dict(self._tracked)

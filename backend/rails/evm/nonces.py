@@ -19,8 +19,8 @@ nonce, the reconciler's resend too, and a send error that is not final (a timeou
 no Redis hint, so the next settlement may record the same (account, nonce) on a second row. For money that is
 harmless (the token executes an authorization once, whichever transaction carries it; the other costs gas), but
 a replacement "at the settlement's recorded nonce" could then replace another settlement's transaction. So the
-pipeline must own every nonce (``returned`` only before the nonce is recorded) before replacements are made, and
-(network, relay_address, relay_nonce) gets a unique index only then.
+pipeline owns every nonce (``returned`` only before the nonce is recorded), and (network, relay_address,
+relay_nonce) is unique over open settlements (migration 0012): a second record of an open one's nonce fails.
 """
 
 from __future__ import annotations
@@ -114,6 +114,9 @@ class NonceManager:
         self._free: set[int] = set()  # returned, below ``_next``: handed out again first (lowest first)
         self._allocated: set[int] = set()  # handed out, neither sent nor returned yet
         self._in_flight: dict[int, InFlight] = {}
+        # Recorded on a settlement, not taken by the node, and no fill (cancel) sent yet: ``repair``'s to fill.
+        self._unfilled: set[int] = set()
+        self._fills: set[str] = set()  # the hashes of the cancels sent to fill nonces (a retry may replace one)
         # The chain's pending count at ``start``, raised by ``resync`` (never lowered: a lagging node answers
         # less): nonces below it are counted, so never handed out again nor taken back by ``returned``.
         self._floor = 0
@@ -170,6 +173,7 @@ class NonceManager:
             self._free.clear()
             self._allocated.clear()
             self._in_flight.clear()
+            self._unfilled.clear()
             gaps = self._gaps()
         with self._hint_lock:
             self._hinted = hint[0] if hint is not None else -1
@@ -194,7 +198,7 @@ class NonceManager:
 
     def _gaps(self) -> list[int]:
         assert self._next is not None
-        taken = self._allocated | self._free | self._in_flight.keys()
+        taken = self._allocated | self._free | self._unfilled | self._in_flight.keys()
         return [n for n in range(self._floor, self._next) if n not in taken]
 
     def _require_started(self) -> int:
@@ -239,7 +243,12 @@ class NonceManager:
                 self._next -= 1
                 self._free.discard(self._next)
 
-    def sent(self, nonce: int, tx_hash: str) -> None:
+    def is_fill(self, tx_hash: str | None) -> bool:
+        """Whether ``tx_hash`` is a cancel this manager sent to fill a nonce (``sent(..., fill=True)``)."""
+        with self._lock:
+            return tx_hash is not None and tx_hash.lower() in self._fills
+
+    def sent(self, nonce: int, tx_hash: str, *, fill: bool = False) -> None:
         """A transaction at ``nonce`` was broadcast (a first one, one sent again, a replacement or a gap's
         cancel, allocated here or not): it is in flight until mined, never handed out again (taken from the
         returned ones; the next fresh nonce moves past it), and the Redis hint names it if it is the highest
@@ -248,12 +257,53 @@ class NonceManager:
             next_nonce = self._require_started()
             self._allocated.discard(nonce)
             self._free.discard(nonce)
+            self._unfilled.discard(nonce)
             self._next = max(next_nonce, nonce + 1)
             self._in_flight[nonce] = InFlight(nonce, tx_hash, self.monotonic())
+            if fill:
+                self._fills.add(tx_hash.lower())
         with self._hint_lock:
             if nonce >= self._hinted:
                 self._hinted = nonce
                 self.redis.set(self.hint_key, f"{nonce}:{tx_hash}")
+
+    def unfilled(self, nonce: int) -> None:
+        """``nonce`` (allocated, maybe recorded on a settlement) was not taken by the node and its fill failed:
+        never handed out again; ``take_for_fill`` gives it to the repair step."""
+        with self._lock:
+            self._allocated.discard(nonce)
+            self._free.discard(nonce)
+            if nonce >= self._floor:
+                self._unfilled.add(nonce)
+
+    def consumed(self, nonce: int) -> None:
+        """The node said ``nonce`` is taken on chain ("nonce too low"): forgotten here."""
+        with self._lock:
+            self._allocated.discard(nonce)
+            self._unfilled.discard(nonce)
+
+    def take_for_fill(self, nonce: int) -> tuple[str, str | None] | None:
+        """For the repair step, ``nonce`` being the node's pending count (the lowest one it lacks): ("resend",
+        hash) when it is ours in flight (send the same bytes again; ``reclaim`` if they are gone or refused), ("fill",
+        None) when it is a hole, an unfilled one or untracked below the next nonce (it is now allocated: a cancel,
+        then ``sent``, else ``unfilled``), None when a sender holds it now or it is not below the next nonce."""
+        with self._lock:
+            next_nonce = self._require_started()
+            if nonce >= next_nonce or nonce in self._allocated:
+                return None
+            if nonce in self._in_flight:
+                return "resend", self._in_flight[nonce].tx_hash
+            self._free.discard(nonce)
+            self._unfilled.discard(nonce)
+            self._allocated.add(nonce)
+            return "fill", None
+
+    def reclaim(self, nonce: int) -> None:
+        """Our in-flight transaction at ``nonce`` cannot be sent again (no bytes, or refused): it is allocated to
+        the repair step, which fills it with a cancel."""
+        with self._lock:
+            self._in_flight.pop(nonce, None)
+            self._allocated.add(nonce)
 
     def holes(self) -> list[int]:
         """Returned nonces not handed out again yet, lowest first: while any is below a sent one, the later
@@ -265,6 +315,16 @@ class NonceManager:
         """What was sent and not yet seen mined (as of the last ``stuck``), lowest nonce first."""
         with self._lock:
             return [self._in_flight[n] for n in sorted(self._in_flight)]
+
+    def prune_mined(self) -> int:
+        """Forget what the chain's latest block counted (in flight below it, and the hashes of those cancels), so
+        a process-lifetime manager holds only what is in flight; returns that count. Run by the repair step."""
+        mined = self.chain_count("latest")
+        with self._lock:
+            for nonce in [n for n in self._in_flight if n < mined]:
+                del self._in_flight[nonce]
+            self._fills &= {tx.tx_hash.lower() for tx in self._in_flight.values()}
+        return mined
 
     def stuck(self, older_than: float) -> list[InFlight]:
         """The transactions sent at least ``older_than`` seconds ago that the chain's latest block has not counted

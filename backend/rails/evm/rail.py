@@ -34,7 +34,8 @@ from backend.rails.base import (
     TxStatus,
     common_columns,
 )
-from backend.rails.evm import outcome, relay, watch
+from backend.rails.evm import outcome, relay, sender, watch
+from backend.rails.evm.pipeline import shared_watcher
 from backend.rails.evm.relay import EVM_SETTLEMENT_GAS
 from backend.rails.evm.rpcbatch import RpcCounter, call_many
 from backend.rails.evm.terms import PAYLOAD_FIELDS, EvmTerms, parse_evm_payload, verify_evm_authorization
@@ -332,15 +333,16 @@ class EvmRail:
         before_broadcast: BeforeBroadcast,
     ) -> Submission:
         assert isinstance(keys, relay.EvmRelayKeys)
-        return relay.submit(network, claim, keys.accounts, leases, before_broadcast)
+        if keys.recorded_nonce is None:  # never silently without the database's floor (a reused recorded nonce)
+            raise RuntimeError(f"the relay keys of {network.network} have no recorded-nonce lookup")
+        return sender.submit(network, claim, keys.accounts, leases, before_broadcast, keys.recorded_nonce)
 
     def watch(self, network: Network, claims: Sequence[Claim]) -> dict[str, TxStatus]:
         return watch.watch(evm_chain(network), claims)
 
     def wait_landed(self, network: Network, claim: Claim, timeout: float) -> TxStatus | None:
-        chain = evm_chain(network)
-        receipt = watch.wait_receipt(chain, claim.tx_id, timeout) if claim.tx_id else None
-        return None if receipt is None else watch.status_of(chain, receipt, None)
+        # The process's watcher of the network: one batch per new head for every job waiting (rails/evm/pipeline.py).
+        return shared_watcher(evm_chain(network)).wait(claim.tx_id, timeout) if claim.tx_id else None
 
     def wait_final(self, network: Network, status: TxStatus, timeout: float) -> bool:
         return status.block is not None and watch.wait_confirmations(evm_chain(network), status.block, timeout)

@@ -353,10 +353,16 @@ def submit(
 
 
 class EvmRelayKeys:
-    """A network's relay accounts (several: each job leases a free one)."""
+    """A network's relay accounts (the relayer process leases its share: rails/evm/accounts.py)."""
 
     def __init__(self, accounts: list[LocalAccount]) -> None:
         self.accounts = accounts
+        # (network, address) -> the highest relay_nonce a settlement recorded: set by the relayer's main
+        # (``use_recorded_nonces``), which may read the database; the rail does not.
+        self.recorded_nonce: Callable[[str, str], int | None] | None = None
+
+    def use_recorded_nonces(self, recorded_nonce: Callable[[str, str], int | None]) -> None:
+        self.recorded_nonce = recorded_nonce
 
     def addresses(self) -> tuple[str, ...]:
         return tuple(account.address for account in self.accounts)

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from eth_typing import HexStr
+from eth_utils import to_checksum_address
 from web3.exceptions import TimeExhausted, TransactionNotFound
 
 from backend.chains.evm import EvmChain
@@ -89,6 +90,22 @@ def watch(chain: EvmChain, claims: Sequence[Claim]) -> dict[str, TxStatus]:
         # mined between the two reads): PENDING, never UNKNOWN (which lets the caller release the claim).
         known = isinstance(answer.result, Mapping) if answer.ok else is_known(chain, tx_hash)
         statuses[tx_hash] = TxStatus(TxState.PENDING if known else TxState.UNKNOWN)
+    # Ours, not held by the node, but its recorded (account, nonce) not consumed on chain yet: another node's pool
+    # may still mine it, so PENDING (never UNKNOWN, which lets the caller release the claim or send at a new nonce)
+    # until that nonce is taken (the account owner's repair step fills it: the same bytes again, or a cancel).
+    unconsumed = [
+        claim
+        for claim in claims
+        if claim.tx_id
+        and claim.relay_address
+        and claim.relay_nonce is not None
+        and statuses[claim.tx_id.lower()].state is TxState.UNKNOWN
+    ]
+    for claim in unconsumed:
+        assert claim.tx_id and claim.relay_address and claim.relay_nonce is not None
+        mined = int(chain.w3.eth.get_transaction_count(to_checksum_address(claim.relay_address), "latest"))
+        if mined <= claim.relay_nonce:
+            statuses[claim.tx_id.lower()] = TxStatus(TxState.PENDING, held=False)
     return {claim.tx_id: statuses[claim.tx_id.lower()] for claim in claims if claim.tx_id}
 
 

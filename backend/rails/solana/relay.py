@@ -157,6 +157,9 @@ class SolanaRelayKeys:
     def summary(self, network_id: str) -> str:
         return f"fee payer {self.keypair.pubkey()} on {network_id}"
 
+    def use_recorded_nonces(self, recorded_nonce: Callable[[str, str], int | None]) -> None:
+        """Solana has no relay nonces: unused."""
+
 
 def load_keys(network: Network, secrets: Sequence[str]) -> SolanaRelayKeys | None:
     """The fee-payer keypair (a base58 64-byte secret key); must match fee_payer."""

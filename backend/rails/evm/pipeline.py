@@ -1,0 +1,246 @@
+"""The pipelined EVM relayer's shared watcher: one background thread per network reads each new head once.
+
+``wait_landed`` of many concurrent settle jobs costs one JSON-RPC batch per new head (``BlockWatcher``), not one
+``eth_getTransactionReceipt`` poll per job: a job registers its transaction's hash (``expect``, before it is
+broadcast) and sleeps on an ``Event``; the watcher thread polls the head at about a quarter of the block time seen
+(at least ``MIN_POLL_SECONDS``, at most ``MAX_POLL_SECONDS``; ``EVM_WATCH_POLL_SECONDS`` fixes it) and wakes every
+waiter whose receipt the batch brought.
+
+A transaction the watcher reports ``Missing`` (no receipt for ``missing_after`` new heads) that the node does not
+hold any more (``eth_getTransactionByHash`` null) is broadcast again from its signed bytes (kept in memory per hash
+while tracked): the very same transaction, same hash and nonce, so nothing is recorded again. A watcher thread that
+died is started again by the next waiter; a waiter never waits past its timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from backend.chains.evm import EvmChain
+from backend.rails.base import TxState, TxStatus
+from backend.rails.evm.blocks import DEFAULT_MISSING_AFTER, BlockWatcher, Final, Mined, Missing, Reorged
+from backend.rails.evm.rpcbatch import call_one
+
+log = logging.getLogger(__name__)
+
+MIN_POLL_SECONDS = 0.2
+MAX_POLL_SECONDS = 1.0
+POLL_ENV = "EVM_WATCH_POLL_SECONDS"  # a fixed poll interval (seconds), else derived from the block time seen
+MISSING_ENV = "EVM_WATCH_MISSING_AFTER"  # new heads without a receipt before a transaction counts as missing
+# A tracked transaction nobody waits for is forgotten this long after it was expected (the reconciler owns it then).
+FORGET_AFTER_SECONDS = 1800.0
+# The signed bytes of a forgotten transaction not seen mined are kept this long (``raw_of``: sent again as they are).
+KEEP_RAW_SECONDS = 86_400.0
+
+
+@dataclass
+class _Expected:
+    event: threading.Event = field(default_factory=threading.Event)
+    status: TxStatus | None = None  # the receipt's status once mined (None: not mined, or reorged out)
+    raw: bytes | None = None  # the signed transaction, to broadcast again if the node dropped it
+    may_send: Callable[[], bool] | None = None  # whether its account's lease is surely ours (checked before a send)
+    since: float = field(default_factory=time.monotonic)
+    waiters: int = 0
+
+
+class SharedWatcher:
+    """One network's watcher thread and the transactions its jobs wait for; thread-safe."""
+
+    def __init__(self, chain: EvmChain, poll_seconds: float | None = None, missing_after: int | None = None) -> None:
+        self.chain = chain
+        env_missing = os.environ.get(MISSING_ENV, "").strip()
+        self.blocks = BlockWatcher(chain, missing_after or int(env_missing or DEFAULT_MISSING_AFTER))
+        env_poll = os.environ.get(POLL_ENV, "").strip()
+        self.fixed_poll = poll_seconds if poll_seconds is not None else (float(env_poll) if env_poll else None)
+        self._lock = threading.Lock()
+        self._expected: dict[str, _Expected] = {}
+        self._kept: dict[str, tuple[float, bytes | None]] = {}  # forgotten, not seen mined: (when, signed bytes)
+        self._new: list[str] = []  # expected since the last poll: handed to the BlockWatcher by the thread
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._heads: deque[float] = deque(maxlen=8)  # when new heads were seen (monotonic)
+        self.rebroadcasts = 0
+        self._force = False  # hashes were handed to the BlockWatcher and not read yet (only the thread touches it)
+
+    # Jobs
+    def expect(self, tx_hash: str, raw: bytes | None = None, may_send: Callable[[], bool] | None = None) -> None:
+        """Watch ``tx_hash`` from now on (call it before the broadcast, so no head can hold it unread); ``raw`` is
+        broadcast again if the node drops it, only while ``may_send()`` (the sending account's lease) holds."""
+        key = _key(tx_hash)
+        with self._lock:
+            expected = self._expected.get(key)
+            if expected is None:
+                self._expected[key] = _Expected(raw=raw, may_send=may_send)
+                self._new.append(key)
+            elif raw is not None:
+                expected.raw = raw
+                expected.may_send = may_send
+        self.ensure_running()
+
+    def wait(self, tx_hash: str, timeout: float) -> TxStatus | None:
+        """The transaction's status once a new head shows its receipt (``watch.status_of`` with no head), or None
+        after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        key = _key(tx_hash)
+        with self._lock:  # expected and counted in one locked step: the forget rule cannot drop it in between
+            expected = self._expected.get(key)
+            if expected is None:
+                expected = self._expected[key] = _Expected()
+                self._new.append(key)
+            expected.waiters += 1
+            expected.since = time.monotonic()
+        self.ensure_running()
+        try:
+            while True:
+                with self._lock:
+                    if expected.status is not None:
+                        if expected.waiters == 1 and self._expected.get(key) is expected:
+                            del self._expected[key]  # mined and told: the thread stops reading it
+                        return expected.status
+                    expected.event.clear()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.ensure_running()  # a dead watcher thread is started again
+                expected.event.wait(min(left, 1.0))
+        finally:
+            with self._lock:
+                expected.waiters -= 1
+
+    def raw_of(self, tx_hash: str) -> bytes | None:
+        """The signed bytes of a transaction of this process not seen mined (None: unknown here, or mined)."""
+        key = _key(tx_hash)
+        with self._lock:
+            expected = self._expected.get(key)
+            return expected.raw if expected is not None else self._kept.get(key, (0.0, None))[1]
+
+    def forget(self, tx_hash: str) -> None:
+        key = _key(tx_hash)
+        with self._lock:
+            self._expected.pop(key, None)
+            self._kept.pop(key, None)
+        # the BlockWatcher is only touched by the thread: it drops untracked hashes on its next round
+
+    # The thread
+    def ensure_running(self) -> None:
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._thread = threading.Thread(
+                target=self._run, name=f"evm-watch-{self.chain.network.network}", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def poll_seconds(self) -> float:
+        if self.fixed_poll is not None:
+            return self.fixed_poll
+        if len(self._heads) < 3:
+            return MIN_POLL_SECONDS
+        gaps = [b - a for a, b in zip(self._heads, list(self._heads)[1:], strict=False)]
+        return min(max(statistics.median(gaps) / 4, MIN_POLL_SECONDS), MAX_POLL_SECONDS)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception as exc:  # an RPC hiccup: the next round reads again
+                log.warning("EVM watcher of %s: %s", self.chain.network.network, type(exc).__name__)
+            self._stop.wait(self.poll_seconds())
+
+    def poll_once(self) -> None:
+        """One round: hand new hashes to the BlockWatcher, poll it, act on its events."""
+        with self._lock:
+            new, self._new = self._new, []
+            known = set(self._expected)
+            now = time.monotonic()
+            for key, expected in list(self._expected.items()):
+                if expected.waiters == 0 and now - expected.since > FORGET_AFTER_SECONDS:
+                    del self._expected[key]
+                    known.discard(key)
+                    if expected.raw is not None:  # not seen mined: its bytes stay, to send it again at its nonce
+                        self._kept[key] = (now, expected.raw)
+            for key in [k for k, (at, _) in self._kept.items() if now - at > KEEP_RAW_SECONDS]:
+                del self._kept[key]
+        for key in new:
+            if key in known:
+                self.blocks.track(key, key)
+        for key in set(self.blocks.tracked()) - known:
+            self.blocks.untrack(key)
+        head_before = self.blocks.head
+        # A hash expected since the last round may be in a head already read: read it even if the head has not moved.
+        self._force = self._force or bool(new)
+        events = self.blocks.poll(force=self._force)
+        self._force = False  # read (a failed poll raised above: the next round reads again)
+        if self.blocks.head != head_before:
+            self._heads.append(time.monotonic())
+        for event in events:
+            if isinstance(event, Mined | Final):
+                state = TxState.SUCCEEDED if event.succeeded else TxState.FAILED
+                # As ``watch.status_of(chain, receipt, None)``: final only where one confirmation is final (the
+                # job's ``wait_final`` and the chain's decision in relayer/tasks.py do the rest).
+                status = TxStatus(state, event.block_number, self.chain.network.confirmations <= 1, event.cost_wei)
+                self._settle(event.tx_hash, status)
+            elif isinstance(event, Reorged):
+                self._settle(event.tx_hash, None)
+            elif isinstance(event, Missing):
+                self._missing(event.tx_hash)
+
+    def _settle(self, key: str, status: TxStatus | None) -> None:
+        with self._lock:
+            expected = self._expected.get(key)
+            if expected is None:
+                return
+            expected.status = status
+            if status is not None:
+                expected.raw = None  # mined: never broadcast again
+            expected.event.set()
+
+    def _missing(self, key: str) -> None:
+        """Broadcast the same signed transaction again if the node no longer holds it."""
+        with self._lock:
+            expected = self._expected.get(key)
+            raw = expected.raw if expected is not None else None
+            may_send = expected.may_send if expected is not None else None
+        if raw is None or (may_send is not None and not may_send()):
+            return  # nothing to send, or not from an account that may be another process's now
+        answer = call_one(self.chain.w3, "eth_getTransactionByHash", [key], self.blocks.counter)
+        if not answer.ok or answer.result is not None:
+            return  # the node holds it (or said nothing): it waits its turn
+        try:
+            self.chain.w3.eth.send_raw_transaction(raw)
+            self.rebroadcasts += 1
+            log.warning("EVM watcher of %s: %s was dropped by the node; broadcast again", self.chain.network.network,
+                        key)  # fmt: skip
+        except Exception as exc:
+            # "nonce too low": its nonce was taken (mined by another of ours, or a gap's cancel): it can never land.
+            log.warning("EVM watcher of %s: broadcasting %s again failed: %s", self.chain.network.network, key, exc)
+
+
+def _key(tx_hash: str) -> str:
+    return "0x" + tx_hash.removeprefix("0x").lower()
+
+
+_watchers: dict[str, SharedWatcher] = {}
+_watchers_lock = threading.Lock()
+
+
+def shared_watcher(chain: EvmChain) -> SharedWatcher:
+    """The process's watcher of ``chain``'s network (started lazily by its first job)."""
+    network = chain.network.network
+    with _watchers_lock:
+        watcher = _watchers.get(network)
+        if watcher is None or watcher.chain is not chain:
+            if watcher is not None:
+                watcher.stop()
+            watcher = _watchers[network] = SharedWatcher(chain)
+        return watcher
