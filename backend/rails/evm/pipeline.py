@@ -9,7 +9,8 @@ waiter whose receipt the batch brought.
 A transaction the watcher reports ``Missing`` (no receipt for ``missing_after`` new heads) that the node does not
 hold any more (``eth_getTransactionByHash`` null) is broadcast again from its signed bytes (kept in memory per hash
 while tracked): the very same transaction, same hash and nonce, so nothing is recorded again. A watcher thread that
-died is started again by the next waiter; a waiter never waits past its timeout.
+died is started again by the next waiter; a waiter never waits past its timeout. A job that replaced its
+transaction at the same nonce waits on both (``wait_any``): the chain mines one of them.
 """
 
 from __future__ import annotations
