@@ -316,6 +316,8 @@ def _settle(settlement_id: str, redis: Redis) -> str:
     crash_point("before-finish")
     if landed is None:
         return "waiting-for-receipt"  # the reconciler finishes it
+    if landed.tx_id is not None:  # a replacement at its nonce landed, or the one it replaced: finished with that one
+        claim = dataclasses.replace(claim, tx_id=landed.tx_id)
     return _finish(rail, network, _read_settlement(settlement_id) or settlement, claim, landed)
 
 

@@ -139,6 +139,9 @@ class TxStatus:
     # PENDING: the node holds it. False (EVM): not held, but its recorded relay nonce is not consumed yet, so it may
     # still be mined (another node's pool): a submit sends again only at that nonce, and the claim is not released.
     held: bool = True
+    # The transaction that landed, when ``wait_landed`` watched more than the claim's own (EVM: a replacement with
+    # higher fees at its nonce, or the transaction it replaced): the one a settlement is finished with.
+    tx_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -364,7 +367,10 @@ class Rail(Protocol):
         """The status of each claim's own transaction (``Claim.tx_id``), by id; one look, many per call."""
 
     def wait_landed(self, network: Network, claim: Claim, timeout: float) -> TxStatus | None:
-        """Wait up to ``timeout`` for the claim's transaction to land (mined / confirmed); None if it did not."""
+        """Wait up to ``timeout`` for the claim's transaction to land (mined / confirmed); None if it did not. EVM:
+        a transaction this process sent in the same job that stays unmined under fees the chain has outgrown is
+        replaced at its nonce with higher fees while it waits (recorded first with the submit's
+        ``before_broadcast``); the status's ``tx_id`` names the one that landed when it is not ``claim.tx_id``."""
 
     def wait_final(self, network: Network, status: TxStatus, timeout: float) -> bool:
         """Wait up to ``timeout`` until a landed transaction's block is final (the network's confirmations)."""

@@ -9,7 +9,8 @@ waiter whose receipt the batch brought.
 A transaction the watcher reports ``Missing`` (no receipt for ``missing_after`` new heads) that the node does not
 hold any more (``eth_getTransactionByHash`` null) is broadcast again from its signed bytes (kept in memory per hash
 while tracked): the very same transaction, same hash and nonce, so nothing is recorded again. A watcher thread that
-died is started again by the next waiter; a waiter never waits past its timeout.
+died is started again by the next waiter; a waiter never waits past its timeout. A job that replaced its
+transaction at the same nonce waits on both (``wait_any``): the chain mines one of them.
 """
 
 from __future__ import annotations
@@ -87,32 +88,55 @@ class SharedWatcher:
     def wait(self, tx_hash: str, timeout: float) -> TxStatus | None:
         """The transaction's status once a new head shows its receipt (``watch.status_of`` with no head), or None
         after ``timeout`` seconds."""
+        got = self.wait_any([tx_hash], timeout)
+        return got[1] if got is not None else None
+
+    def wait_any(self, tx_hashes: list[str], timeout: float) -> tuple[str, TxStatus] | None:
+        """(hash, status) of the first of ``tx_hashes`` a new head shows mined (a transaction and its replacements
+        at one nonce: whichever lands), or None after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        key = _key(tx_hash)
+        keys = [_key(tx_hash) for tx_hash in tx_hashes]
+        waited: list[tuple[str, _Expected]] = []
         with self._lock:  # expected and counted in one locked step: the forget rule cannot drop it in between
-            expected = self._expected.get(key)
-            if expected is None:
-                expected = self._expected[key] = _Expected()
-                self._new.append(key)
-            expected.waiters += 1
-            expected.since = time.monotonic()
+            for key in keys:
+                expected = self._expected.get(key)
+                if expected is None:
+                    expected = self._expected[key] = _Expected()
+                    self._new.append(key)
+                expected.waiters += 1
+                expected.since = time.monotonic()
+                waited.append((key, expected))
         self.ensure_running()
         try:
             while True:
                 with self._lock:
-                    if expected.status is not None:
-                        if expected.waiters == 1 and self._expected.get(key) is expected:
-                            del self._expected[key]  # mined and told: the thread stops reading it
-                        return expected.status
-                    expected.event.clear()
+                    for key, expected in waited:
+                        if expected.status is not None:
+                            if expected.waiters == 1 and self._expected.get(key) is expected:
+                                del self._expected[key]  # mined and told: the thread stops reading it
+                            return key, expected.status
+                    for _, expected in waited:
+                        expected.event.clear()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
                 self.ensure_running()  # a dead watcher thread is started again
-                expected.event.wait(min(left, 1.0))
+                # One event to sleep on (the newest's); the others are looked at again within a poll's time.
+                waited[-1][1].event.wait(min(left, 1.0 if len(waited) == 1 else self.poll_seconds()))
         finally:
             with self._lock:
-                expected.waiters -= 1
+                for _, expected in waited:
+                    expected.waiters -= 1
+
+    def replaced(self, tx_hash: str) -> None:
+        """A replacement at its nonce took ``tx_hash``'s place in the pool: still watched (either may be mined),
+        never broadcast again (its bytes would only be refused as underpriced, or push the replacement out)."""
+        key = _key(tx_hash)
+        with self._lock:
+            expected = self._expected.get(key)
+            if expected is not None:
+                expected.raw = None
+            self._kept.pop(key, None)
 
     def raw_of(self, tx_hash: str) -> bytes | None:
         """The signed bytes of a transaction of this process not seen mined (None: unknown here, or mined)."""

@@ -35,7 +35,6 @@ from backend.rails.base import (
     common_columns,
 )
 from backend.rails.evm import outcome, relay, sender, watch
-from backend.rails.evm.pipeline import shared_watcher
 from backend.rails.evm.relay import EVM_SETTLEMENT_GAS
 from backend.rails.evm.rpcbatch import RpcCounter, call_many
 from backend.rails.evm.terms import PAYLOAD_FIELDS, EvmTerms, parse_evm_payload, verify_evm_authorization
@@ -341,8 +340,9 @@ class EvmRail:
         return watch.watch(evm_chain(network), claims)
 
     def wait_landed(self, network: Network, claim: Claim, timeout: float) -> TxStatus | None:
-        # The process's watcher of the network: one batch per new head for every job waiting (rails/evm/pipeline.py).
-        return shared_watcher(evm_chain(network)).wait(claim.tx_id, timeout) if claim.tx_id else None
+        # The process's watcher of the network: one batch per new head for every job waiting (rails/evm/pipeline.py);
+        # a stuck transaction of this job's submit is replaced with higher fees meanwhile (sender.wait_landed).
+        return sender.wait_landed(evm_chain(network), claim, timeout)
 
     def wait_final(self, network: Network, status: TxStatus, timeout: float) -> bool:
         return status.block is not None and watch.wait_confirmations(evm_chain(network), status.block, timeout)

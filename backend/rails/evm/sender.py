@@ -6,13 +6,19 @@ Before a nonce is taken, ONE batch asks: the payer's code (``eth_getCode``), the
 account's balance and an ``eth_call`` of ``transferWithAuthorization`` from that account with ``GAS_LIMIT`` gas and
 the fee fields it will be sent with (the simulation replaces ``eth_estimateGas``: the gas limit is fixed and checked).
 The transaction's hash is recorded (``before_broadcast``) and handed to the shared watcher (with its signed bytes,
-to broadcast again if the node drops it) before it is broadcast.
+to broadcast again if the node drops it) before it is broadcast. The job then waits for it here (``wait_landed``),
+replacing it at its nonce with higher fees when it stays unmined under fees the chain has outgrown (``_bump``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import threading
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from eth_account.signers.local import LocalAccount
@@ -22,7 +28,15 @@ from web3.exceptions import Web3RPCError
 
 from backend.chains.evm import EvmChain, evm_chain
 from backend.chains.registry import Network
-from backend.rails.base import BeforeBroadcast, CannotSucceed, Claim, LeftOpen, RelayNonceTaken, Submission
+from backend.rails.base import (
+    BeforeBroadcast,
+    CannotSucceed,
+    Claim,
+    LeftOpen,
+    RelayNonceTaken,
+    Submission,
+    TxStatus,
+)
 from backend.rails.evm.accounts import (
     AccountPool,
     LeaseLost,
@@ -57,6 +71,15 @@ from backend.rails.evm.terms import EvmTerms
 from backend.rails.evm.watch import rpc_counter
 
 log = logging.getLogger(__name__)
+
+# A transaction of ours pending this many new heads with fees below what the chain now asks (``fees``) is replaced at
+# its nonce with higher fees (``replacement_fees``) by the job waiting for it (``wait_landed``).
+REPLACE_AFTER_ENV = "EVM_REPLACE_AFTER"
+DEFAULT_REPLACE_AFTER = 3
+# No replacement's maxFeePerGas goes above this many times the settlement's first transaction's: a fee spike cannot
+# drain the relay account; at the cap the transaction is left as it is, loudly.
+MAX_FEE_MULTIPLE_ENV = "EVM_REPLACE_MAX_FEE_MULTIPLE"
+DEFAULT_MAX_FEE_MULTIPLE = 4.0
 
 
 class PayerHasCode(Exception):
@@ -302,6 +325,7 @@ def _send(
                                    loud=True) from None  # fmt: skip
                 raise LeftOpen(f"the node did not take it: {exc}", "node-refused") from None
         manager.sent(nonce, tx_hash)
+        _remember(tx_hash, _Sent(owned, call, nonce, fee_fields, int(fee_fields["maxFeePerGas"]), before_broadcast))
         return Submission(tx_hash, account.address)
     raise RelayUnavailable("could not send the transaction")
 
@@ -362,6 +386,140 @@ def _replace(
                 manager.unfilled(nonce)  # the repair step fills it
             raise LeftOpen(f"the node did not take it ({refusal or 'no bytes'}; then {exc})", "node-refused") from None
     manager.sent(nonce, tx_hash)
+    _remember(tx_hash, _Sent(owned, call, nonce, new_fees, int(old_fees["maxFeePerGas"]), before_broadcast))
     log.warning("relay nonce %d of %s: refused as underpriced, the transfer sent again there as %s", nonce,
                 account.address, tx_hash)  # fmt: skip
     return Submission(tx_hash, account.address)
+
+
+# Replacing a stuck transaction with higher fees (docs/architecture.md, "The pipelined EVM relay": "Replace").
+
+
+@dataclass
+class _Sent:
+    """What the job that sent a transfer needs to replace it at its nonce while it waits for it."""
+
+    owned: Owned
+    call: Any
+    nonce: int
+    fees: dict[str, int]  # the newest transaction's
+    first_fee_cap: int  # the settlement's first transaction's maxFeePerGas (the cap's base)
+    record: BeforeBroadcast  # the submit's ``before_broadcast`` (``mark_submitted``), in the job's thread
+    at: float = dataclasses.field(default_factory=time.monotonic)
+    capped: bool = False  # said loudly once: at the cap, not bumped further
+
+
+_sent: dict[str, _Sent] = {}
+_sent_lock = threading.Lock()
+_SENT_KEEP_SECONDS = 3600.0  # a job that never waited (an error between submit and wait) leaves no entry for good
+
+
+def _remember(tx_hash: str, sent: _Sent) -> None:
+    now = time.monotonic()
+    with _sent_lock:
+        for key in [k for k, v in _sent.items() if now - v.at > _SENT_KEEP_SECONDS]:
+            del _sent[key]
+        _sent[tx_hash.lower()] = sent
+
+
+def _env_number(name: str, default: float) -> float:
+    text = os.environ.get(name, "").strip()
+    return float(text) if text else default
+
+
+def wait_landed(chain: EvmChain, claim: Claim, timeout: float) -> TxStatus | None:
+    """Wait on the shared watcher for the claim's transaction to be mined. When this job sent it (``submit`` in
+    this thread) and it stays unmined for ``EVM_REPLACE_AFTER`` new heads with fees below what the chain now asks,
+    it is replaced at its (account, nonce) with ``replacement_fees`` (recorded first, as every new hash), and every
+    transaction of the settlement at that nonce is waited for: the chain mines one of them. The status's ``tx_id``
+    names the one mined."""
+    if not claim.tx_id:
+        return None
+    watcher = shared_watcher(chain)
+    with _sent_lock:
+        sent = _sent.pop(claim.tx_id.lower(), None)
+    if sent is None:  # not sent by this job (a retry): waited for as it is
+        return watcher.wait(claim.tx_id, timeout)
+    replace_after = max(1, int(_env_number(REPLACE_AFTER_ENV, DEFAULT_REPLACE_AFTER)))
+    hashes = [claim.tx_id]
+    deadline = time.monotonic() + timeout
+    since: int | None = None  # the head from which new heads are counted (the first seen, then each look)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        got = watcher.wait_any(hashes, min(left, 1.0))
+        if got is not None:
+            mined, status = got
+            for other in hashes:
+                if other.lower() != mined:
+                    watcher.forget(other)  # its nonce is mined: it can never be (a reorg: the chain decides again)
+            return dataclasses.replace(status, tx_id=mined if mined != claim.tx_id.lower() else None)
+        head = watcher.blocks.head
+        if head is None:
+            continue
+        if since is None or head < since:
+            since = head
+        if head - since < replace_after:
+            continue
+        since = head
+        try:
+            replacement = _bump(chain, sent, hashes[-1])
+        except Exception as exc:  # an RPC hiccup: the transaction in flight stands; looked at again later
+            log.warning("relay nonce %d of %s: no replacement now (%s)", sent.nonce, sent.owned.account.address,
+                        type(exc).__name__)  # fmt: skip
+            continue
+        if replacement is not None:
+            hashes.append(replacement)
+
+
+def _bump(chain: EvmChain, sent: _Sent, current_hash: str) -> str | None:
+    """Replace ``current_hash`` (unmined) at its nonce if its fees are below the chain's now: the new hash recorded
+    (``sent.record``), handed to the watcher, then broadcast while the lease is surely ours. None when it is left
+    as it is (its fees still suffice, at the cap, the lease not surely ours, the node refused the replacement);
+    the transaction in flight stands in every case (nothing here fills or cancels the nonce)."""
+    account, manager = sent.owned.account, sent.owned.manager
+    current = fees(chain)
+    old_cap, old_tip = int(sent.fees["maxFeePerGas"]), int(sent.fees["maxPriorityFeePerGas"])
+    if old_cap >= int(current["maxFeePerGas"]) and old_tip >= int(current["maxPriorityFeePerGas"]):
+        return None  # priced as the chain asks: it waits its turn
+    cap = int(sent.first_fee_cap * _env_number(MAX_FEE_MULTIPLE_ENV, DEFAULT_MAX_FEE_MULTIPLE))
+    new_fees = replacement_fees(sent.fees, current, cap)
+    if new_fees is None:
+        if not sent.capped:
+            sent.capped = True
+            log.error("relay nonce %d of %s: %s is stuck under the chain's fees (%s) and its replacement would pass "
+                      "the fee cap (%d wei per gas, %s x the first): left as it is", sent.nonce, account.address,
+                      current_hash, current, cap, MAX_FEE_MULTIPLE_ENV)  # fmt: skip
+        return None
+    if not sent.owned.valid():
+        return None  # the lease may be another process's: nothing recorded, nothing sent
+    signed = _sign(chain, sent.call, account, sent.nonce, new_fees)
+    tx_hash = "0x" + bytes(signed.hash).hex()
+    # Recorded before the broadcast (a crash after it leaves the row naming a transaction that may be mined). A
+    # failure here leaves the row naming either hash; both are at the recorded nonce, and the settlement is finished
+    # by the authorization's use on chain (``settle_from_chain``), whichever executed it.
+    sent.record(tx_hash, account.address, sent.nonce)
+    raw = bytes(signed.raw_transaction)
+    watcher = shared_watcher(chain)
+    watcher.expect(tx_hash, raw, sent.owned.valid)
+    try:
+        broadcast(chain, sent.owned, raw)
+    except LeaseLost:
+        watcher.forget(tx_hash)
+        log.warning("relay nonce %d of %s: the lease is not surely ours, %s not replaced", sent.nonce,
+                    account.address, current_hash)  # fmt: skip
+        return None
+    except Exception as exc:
+        if "already known" not in str(exc).lower() and node_answered(exc):
+            watcher.forget(tx_hash)  # not taken ("nonce too low": one of ours there was mined, the wait tells which)
+            log.warning("relay nonce %d of %s: the node did not take the replacement of %s: %s", sent.nonce,
+                        account.address, current_hash, exc)  # fmt: skip
+            return None
+        # Else the node has it, or may (a timeout): it is in flight with the one it replaces.
+    manager.sent(sent.nonce, tx_hash)
+    watcher.replaced(current_hash)
+    log.warning("relay nonce %d of %s: %s stuck under the chain's fees (%s), replaced by %s with %s", sent.nonce,
+                account.address, current_hash, current, tx_hash, new_fees)  # fmt: skip
+    sent.fees = new_fees
+    return tx_hash

@@ -1,0 +1,241 @@
+"""A stuck relay transaction replaced at its nonce with higher fees, through the relayer's own settle flow on a real
+Anvil (``relayer.tasks._settle`` in a thread of the test, with relay accounts of its own): the base fee is raised
+above the transaction's maxFeePerGas block after block (``anvil_setNextBlockBaseFeePerGas``, mining by hand), so
+the node holds it and never mines it. The settlement ends paid once whichever of the two is mined, and the fee cap
+stops the bumps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from eth_account import Account
+from eth_account.signers.local import LocalAccount
+from redis import Redis
+
+from backend.extensions import db
+from backend.rails.evm import accounts as accounts_module
+from backend.rails.evm import pipeline, relay, sender
+from backend.settlement import services
+from payintent.eip3009 import sign_authorization
+from relayer import tasks
+from relayer.worker import _in_app
+from tests.settlement.conftest import devnet  # noqa: F401  (the session's devnet)
+from tests.settlement.test_pay import create_intent, pay, requirement
+from tests.settlement.test_recovery import NETWORK, iso
+
+__all__ = ["iso"]
+
+
+class Stuck:
+    """One test's relay account, the settle thread, and the chain's mining by hand."""
+
+    def __init__(self, iso: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.iso = iso
+        self.w3 = iso.devnet.w3(NETWORK)
+        self.redis = Redis.from_url(iso.redis_url)
+        self.relay: LocalAccount = Account.create()
+        self.rpc("anvil_setBalance", self.relay.address, hex(10**20))
+        keys = relay.EvmRelayKeys([self.relay])
+        keys.use_recorded_nonces(_in_app(iso.app, services.max_relay_nonce))
+        monkeypatch.setitem(tasks.RELAY_KEYS, NETWORK, keys)
+        monkeypatch.setattr(relay, "FEE_CACHE_SECONDS", 0.0)  # the chain's fees read afresh at each look
+        self.records: list[tuple[str, str, int | None]] = []
+        real = services.mark_submitted
+
+        def recording(settlement_id: str, tx_hash: str, address: str, *, relay_nonce: int | None) -> None:
+            self.records.append((tx_hash, address, relay_nonce))
+            real(settlement_id, tx_hash, address, relay_nonce=relay_nonce)
+
+        monkeypatch.setattr(services, "mark_submitted", recording)
+        self.outcomes: list[str] = []
+
+    def rpc(self, method: str, *params: Any) -> Any:
+        response = self.w3.provider.make_request(method, list(params))
+        assert "error" not in response, (method, response)
+        return response["result"]
+
+    def open_settlement(self, buyer: int, amount: float = 1) -> tuple[str, str]:
+        """A paid-for intent whose settlement waits in the (private, unserved) relayer queue: (intent, settlement)."""
+        intent = create_intent(self.iso.client, self.iso.shop, amount)
+        payload = sign_authorization(self.iso.devnet.buyer(buyer).key, requirement(intent, NETWORK))
+        assert pay(self.iso.client, self.iso.shop, intent, NETWORK, payload).status_code == 504  # nobody settles it
+        return intent["intent_id"], self.iso.settlement(intent["intent_id"]).id
+
+    def settle_in_thread(self, settlement_id: str) -> threading.Thread:
+        def run() -> None:
+            with self.iso.app.app_context():
+                try:
+                    self.outcomes.append(tasks._settle(settlement_id, self.redis))
+                finally:
+                    db.session.remove()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    def mine(self, base_fee: int | None = None) -> None:
+        if base_fee is not None:
+            self.rpc("anvil_setNextBlockBaseFeePerGas", hex(base_fee))
+        self.rpc("evm_mine")
+
+    def mine_high_until(self, high: int, done: Callable[[], bool], blocks: int = 200) -> None:
+        """Blocks whose base fee is ``high`` (above the transaction's fee cap), a little time apart, until ``done``."""
+        for _ in range(blocks):
+            if done():
+                return
+            self.mine(high)
+            time.sleep(0.25)
+        raise AssertionError("timed out")
+
+    def pending(self, tx_hash: str) -> dict[str, Any]:
+        until(lambda: _known(self.w3, tx_hash))
+        tx = self.w3.eth.get_transaction(tx_hash)
+        assert tx["blockNumber"] is None
+        return dict(tx)
+
+
+def _known(w3: Any, tx_hash: str) -> bool:
+    try:
+        w3.eth.get_transaction(tx_hash)
+        return True
+    except Exception:
+        return False
+
+
+def until(condition: Callable[[], Any], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def stuck(iso: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stuck]:
+    monkeypatch.setattr(tasks, "RECEIPT_TIMEOUT_SECONDS", 60)
+    # Anvil drops a pending transaction once the base fee passes its fee cap (geth keeps it, waiting) and refuses
+    # its bytes again; the repair step would then fill its nonce with a cancel, racing the replacement: off here.
+    monkeypatch.setattr(accounts_module, "REPAIR_SECONDS", 3600.0)
+    _reset()
+    control = Stuck(iso, monkeypatch)
+    try:
+        yield control
+    finally:
+        control.rpc("evm_setAutomine", True)
+        _reset()
+
+
+def _reset() -> None:
+    """Fresh process-wide watchers and account pools, as a new relayer process has."""
+    for watcher in pipeline._watchers.values():
+        watcher.stop()
+    pipeline._watchers.clear()
+    for pool in accounts_module._pools.values():
+        pool.release()
+    accounts_module._pools.clear()
+
+
+def _paid_once(stuck: Stuck, intent_id: str, tx_hash: str, payout_before: int, amount: int) -> None:
+    settlement = stuck.iso.settlement(intent_id)
+    assert (settlement.status, settlement.tx_hash) == ("confirmed", tx_hash)
+    assert stuck.iso.intent_row(intent_id).status == "paid"
+    assert len(stuck.iso.completed_events(intent_id)) == 1
+    assert stuck.iso.devnet.balance(NETWORK, stuck.iso.payout) - payout_before == amount  # moved once, on chain
+    assert stuck.w3.eth.get_transaction_receipt(tx_hash)["status"] == 1
+
+
+def test_a_stuck_transaction_is_replaced_with_higher_fees_and_the_account_goes_on(stuck: Stuck) -> None:
+    intent_id, settlement_id = stuck.open_settlement(0)
+    stuck.rpc("evm_setAutomine", False)
+    thread = stuck.settle_in_thread(settlement_id)
+    until(lambda: stuck.records)
+    first, address, nonce = stuck.records[0]
+    old = stuck.pending(first)
+    # The fees rise past what it was signed with (its maxFeePerGas below every new block's base fee): held, not mined.
+    high = old["maxFeePerGas"] * 3 // 2
+    stuck.mine_high_until(high, lambda: len(stuck.records) > 1)
+    second, address2, nonce2 = stuck.records[1]
+    assert (address2, nonce2) == (address, nonce) == (stuck.relay.address, nonce)  # the same (account, nonce)
+    new = stuck.pending(second)
+    assert new["nonce"] == nonce
+    assert new["maxFeePerGas"] >= -(-old["maxFeePerGas"] * 9 // 8) and new["maxFeePerGas"] > high
+    assert new["maxPriorityFeePerGas"] >= -(-old["maxPriorityFeePerGas"] * 9 // 8)
+    assert stuck.iso.settlement(intent_id).tx_hash == second  # recorded before its broadcast
+    stuck.mine()  # the base fee falls back a little, still above the old fee cap: only the replacement fits
+    thread.join(timeout=60)
+    assert stuck.outcomes == ["confirmed"]
+    _paid_once(stuck, intent_id, second, 0, 1_000_000)
+    assert stuck.w3.eth.get_transaction_count(stuck.relay.address, "latest") == nonce + 1
+    assert len(stuck.records) == 2
+    # The account is not stalled: the next payment goes at the next nonce and is paid.
+    stuck.rpc("evm_setAutomine", True)
+    intent2, settlement2 = stuck.open_settlement(1, 2)
+    stuck.settle_in_thread(settlement2).join(timeout=60)
+    assert stuck.outcomes == ["confirmed", "confirmed"]
+    assert stuck.records[2][1:] == (stuck.relay.address, nonce + 1)
+    _paid_once(stuck, intent2, stuck.records[2][0], 1_000_000, 2_000_000)
+
+
+def test_the_replaced_transaction_mined_after_all_still_pays_the_settlement_once(stuck: Stuck) -> None:
+    intent_id, settlement_id = stuck.open_settlement(2)
+    stuck.rpc("evm_setAutomine", False)
+    thread = stuck.settle_in_thread(settlement_id)
+    until(lambda: stuck.records)
+    first, _, nonce = stuck.records[0]
+    old = stuck.pending(first)
+    until(lambda: pipeline._watchers[NETWORK].raw_of(first) is not None)
+    old_raw = pipeline._watchers[NETWORK].raw_of(first)
+    assert old_raw is not None
+    stuck.mine_high_until(old["maxFeePerGas"] * 3 // 2, lambda: len(stuck.records) > 1)
+    second = stuck.records[1][0]
+    stuck.pending(second)
+    assert stuck.iso.settlement(intent_id).tx_hash == second
+    # Another pool kept the first: the replacement is lost, the first is mined.
+    stuck.rpc("anvil_dropTransaction", second)
+    stuck.mine(1)  # the fees fall (a node refuses a fee cap below the base fee)
+    stuck.w3.eth.send_raw_transaction(old_raw)
+    stuck.mine(1)
+    assert stuck.w3.eth.get_transaction_receipt(first)["status"] == 1
+    thread.join(timeout=60)
+    assert stuck.outcomes == ["confirmed"]
+    _paid_once(stuck, intent_id, first, 0, 1_000_000)
+    assert stuck.w3.eth.get_transaction_count(stuck.relay.address, "latest") == nonce + 1
+
+
+def test_fees_at_the_cap_are_not_bumped_further(
+    stuck: Stuck, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the cap at 2 x the first fee cap, the replacement is signed at the cap; when the fees rise past it too,
+    it is left as it is, loudly, however many heads go by (no third transaction); it is mined once they fall."""
+    monkeypatch.setenv(sender.MAX_FEE_MULTIPLE_ENV, "2")
+    intent_id, settlement_id = stuck.open_settlement(0)
+    stuck.rpc("evm_setAutomine", False)
+    thread = stuck.settle_in_thread(settlement_id)
+    until(lambda: stuck.records)
+    first = stuck.records[0][0]
+    old = stuck.pending(first)
+    stuck.mine_high_until(old["maxFeePerGas"] * 3 // 2, lambda: len(stuck.records) > 1)
+    second = stuck.records[1][0]
+    assert stuck.pending(second)["maxFeePerGas"] == 2 * old["maxFeePerGas"]  # the market asks more: capped
+    watcher = pipeline._watchers[NETWORK]
+    raw = watcher.raw_of(second)
+    assert raw is not None
+    with caplog.at_level(logging.ERROR, logger=sender.__name__):
+        above_the_cap = 3 * old["maxFeePerGas"]
+        stuck.mine_high_until(above_the_cap, lambda: "fee cap" in caplog.text)
+        for _ in range(4 * sender.DEFAULT_REPLACE_AFTER):  # many more heads at fees above the cap: no third
+            stuck.mine(above_the_cap)
+            time.sleep(0.25)
+    assert [tx for tx, _, _ in stuck.records] == [first, second]
+    stuck.mine(1)  # the fees fall
+    if not _known(stuck.w3, second):  # Anvil dropped it while the base fee was above its fee cap (geth keeps it)
+        stuck.w3.eth.send_raw_transaction(raw)
+    stuck.mine(1)
+    thread.join(timeout=60)
+    assert stuck.outcomes == ["confirmed"]
+    _paid_once(stuck, intent_id, second, 0, 1_000_000)
