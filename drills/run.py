@@ -8,7 +8,7 @@ the database: payments attempted and settled, double charges and unrecorded char
 finds a problem, whose payments do not all settle, or whose buyers got a 500 (or an error answer without
 the JSON envelope) fails the run (exit 1).
 
-    .venv/bin/python -m drills.run                    # all eight, about 10 minutes
+    .venv/bin/python -m drills.run                    # all nine, about 13 minutes
     .venv/bin/python -m drills.run --only relayer api --seed 7
     .venv/bin/python -m drills.run --write            # ... and update docs/drills.md's results
 """
@@ -33,6 +33,7 @@ DOC = ROOT / "docs" / "drills.md"
 HEADING = "## Results"
 DRAIN_SECONDS = 240.0  # after the last fault: the reconciler re-sends a stale settlement after 30-45 s
 READS_LOST = 0.1  # rpcloss: of the single reads' answers (sends and batches: 30-50 %)
+BLOCK_SECONDS = 2  # watcher: the chains mine a block this often
 
 
 @dataclass
@@ -162,6 +163,75 @@ def inflight_drill(stack: Stack, rng: random.Random) -> Outcome:
             stack.bring_up("relayer")
         stack.restart("api")
     return Outcome(payments, f"{waves} x SIGKILL with transactions in flight (chains not mining)", in_flight)
+
+
+def _blocks_every(stack: Stack, seconds: int) -> None:
+    """Every chain mines a block every `seconds`, whatever waits in its pool (`_mining(stack, True)` ends it)."""
+    from devnet.anvil import rpc
+
+    for network in stack.networks:
+        rpc(stack.anvil_url[network], "evm_setIntervalMining", [seconds])
+
+
+def watcher_drill(stack: Stack, rng: random.Random) -> Outcome:
+    """The relayer killed between a block and its commit (2 s blocks), four times, with settlements mined unrecorded.
+    4 waves of 9 settlements, several per block: the relayer crashes right after its block watcher handed a block's
+    receipts to two or more settlement threads (PAYINTENT_FAULT=after-watch-block), or is SIGKILLed 0-0.4 s after
+    a block holding two or more."""
+    from relayer.faults import WATCH_POINT
+
+    waves, per_wave = 4, 9
+    payments = make_payments(stack, "watcher", waves * per_wave, rng)
+    deadline = time.monotonic() + waves * 40 + DRAIN_SECONDS
+    caught: dict[str, list[int]] = {"crash": [], "sigkill": []}  # per kill: settlements mined and not recorded
+    missed = in_flight = 0
+    stack.restart("api", workers=per_wave + 1)  # each /pay holds a worker until its block comes (as in `inflight`)
+    try:
+        _blocks_every(stack, BLOCK_SECONDS)
+        stack.restart("relayer", fault=WATCH_POINT)
+        for wave in range(waves):
+            group = payments[wave * per_wave : (wave + 1) * per_wave]
+            crash = wave % 2 == 0
+            crashes, heads = stack.crashes[WATCH_POINT], stack.heads()
+            start_buyers(stack, group, deadline, rng)
+            until = time.monotonic() + 30
+            if crash:  # the supervisor starts it again, without the fault
+                while stack.crashes[WATCH_POINT] == crashes and time.monotonic() < until:
+                    time.sleep(0.02)
+                if stack.crashes[WATCH_POINT] == crashes:  # no round woke two settlements at once
+                    missed += 1
+                    stack.restart("relayer")
+                    continue
+            else:
+                while not stack.block_with(2, heads) and time.monotonic() < until:
+                    time.sleep(0.05)
+                time.sleep(rng.uniform(0.0, 0.4))  # the watcher reads a head within a quarter block time
+                stack.take_down("relayer")  # SIGKILL
+            in_flight += _in_flight(group)
+            unrecorded = stack.mined_unrecorded([p.intent_id for p in group if p.intent_id])
+            caught["crash" if crash else "sigkill"].append(unrecorded)
+            if not crash:  # started again; armed with the crash point for the next wave
+                stack.bring_up("relayer", fault=WATCH_POINT if wave + 1 < waves else None)
+        wait_all(payments, deadline)
+    finally:
+        _mining(stack, True)
+        if "relayer" in stack.held_down:
+            stack.bring_up("relayer")
+        elif stack.relayer_fault:
+            stack.restart("relayer")
+        stack.restart("api")
+    problems = [] if sum(caught["crash"]) else ["no crash at after-watch-block left a mined settlement unrecorded"]
+
+    def kills(counts: list[int]) -> str:
+        return ", ".join(map(str, counts)) or "-"
+
+    faults = (
+        f"{BLOCK_SECONDS} s blocks; {len(caught['crash'])} x crash {WATCH_POINT}"
+        + (f" ({missed} wave(s) never reached it)" if missed else "")
+        + f", {len(caught['sigkill'])} x SIGKILL 0-0.4 s after a block of 2+; mined and unrecorded at each kill: "
+        f"{kills(caught['crash'])} / {kills(caught['sigkill'])}"
+    )
+    return Outcome(payments, faults, in_flight, problems)
 
 
 def api_drill(stack: Stack, rng: random.Random) -> Outcome:
@@ -324,6 +394,7 @@ def _replay_failed(stack: Stack) -> Counter[str]:
 DRILLS: dict[str, Drill] = {
     "relayer": relayer_drill,
     "inflight": inflight_drill,
+    "watcher": watcher_drill,
     "api": api_drill,
     "redis": redis_drill,
     "postgres": postgres_drill,

@@ -228,10 +228,10 @@ class Stack:
             self.held_down.add(name)
             self.kill(name)
 
-    def bring_up(self, name: str) -> None:
+    def bring_up(self, name: str, **start: Any) -> None:
         with self.lock:
             self.held_down.discard(name)
-            getattr(self, f"start_{name}")()
+            getattr(self, f"start_{name}")(**start)
 
     def restart(self, name: str, down_seconds: float = 0.0, **start: Any) -> None:
         """Kill a supervised service and start it again (the supervisor sees no death)."""
@@ -327,3 +327,41 @@ class Stack:
     def authorization_used(self, network: str, payer: str, nonce: str) -> bool:
         data = "0x" + AUTHORIZATION_STATE + payer[2:].lower().rjust(64, "0") + nonce.removeprefix("0x").rjust(64, "0")
         return self._call(network, data) != 0
+
+    def mined_unrecorded(self, intent_ids: list[str]) -> int:
+        """Open settlements of these intents whose transaction is mined and succeeded on chain: what a relayer that
+        dies now leaves for the reconciler to record (the window between a block and its commit)."""
+        import sqlalchemy as sa
+
+        from devnet.anvil import rpc
+
+        engine = sa.create_engine(self.database_url, poolclass=sa.pool.NullPool)
+        query = sa.text(
+            "SELECT network, tx_hash FROM settlements WHERE intent_id IN :ids AND status IN ('pending', 'submitted') "
+            "AND tx_hash IS NOT NULL"
+        ).bindparams(sa.bindparam("ids", expanding=True))
+        try:
+            with engine.connect() as conn:
+                rows = conn.execute(query, {"ids": intent_ids}).all() if intent_ids else []
+        finally:
+            engine.dispose()
+        receipts = (rpc(self.anvil_url[network], "eth_getTransactionReceipt", [tx], 10) for network, tx in rows)
+        return sum(1 for receipt in receipts if receipt and int(receipt["status"], 16) == 1)
+
+    def heads(self) -> dict[str, int]:
+        from devnet.anvil import rpc
+
+        return {network: int(rpc(self.anvil_url[network], "eth_blockNumber"), 16) for network in self.networks}
+
+    def block_with(self, count: int, after: dict[str, int]) -> bool:
+        """Whether a chain mined a block holding ``count`` or more transactions since the heads ``after`` (moved on
+        to the blocks read)."""
+        from devnet.anvil import rpc
+
+        for network, head in self.heads().items():
+            for number in range(after[network] + 1, head + 1):
+                block = rpc(self.anvil_url[network], "eth_getBlockByNumber", [hex(number), False])
+                after[network] = number
+                if len(block["transactions"]) >= count:
+                    return True
+        return False

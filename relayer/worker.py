@@ -17,10 +17,10 @@ from redis import Redis
 from backend import appstate
 from backend.logs import register_secret
 from backend.queueing import app_redis, relayer_queue, set_job_app, stop_requested, work
-from backend.rails.evm import accounts, identity
+from backend.rails.evm import accounts, identity, pipeline
 from backend.rails.registry import rail_for
 from backend.settlement import services as settlement_services
-from relayer import tasks
+from relayer import faults, tasks
 from relayer.keys import RelayKeyError, load_relay_keys
 from relayer.pool import SettlementPool, finish_in_flight
 
@@ -51,6 +51,7 @@ def run_relayer(app: Flask, connection: Redis, *, burst: bool = False, threads: 
         rail_for(network).check_relay_network(network)
         log.info("relayer: %s", loaded.summary(network_id))
     set_job_app(app)
+    pipeline.AFTER_WAKE = faults.after_watch_block  # a crash point (PAYINTENT_FAULT), tests and drills only
     networks = sorted(keys)
     if not networks:
         if burst:

@@ -39,6 +39,10 @@ MISSING_ENV = "EVM_WATCH_MISSING_AFTER"  # new heads without a receipt before a 
 FORGET_AFTER_SECONDS = 1800.0
 # The signed bytes of a forgotten transaction not seen mined are kept this long (``raw_of``: sent again as they are).
 KEEP_RAW_SECONDS = 86_400.0
+# Set by relayer.worker at start-up (None: nothing): called by a watcher thread right after a round woke settlement
+# threads with their receipts, with how many it woke, before they can have recorded anything (the relayer's crash
+# point ``after-watch-block``, relayer/faults.py: a process dying with mined settlements not yet recorded).
+AFTER_WAKE: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -207,27 +211,33 @@ class SharedWatcher:
         self._force = False  # read (a failed poll raised above: the next round reads again)
         if self.blocks.head != head_before:
             self._heads.append(time.monotonic())
+        woken: set[str] = set()  # transactions whose waiters this round woke with a receipt (Mined, then Final)
         for event in events:
             if isinstance(event, Mined | Final):
                 state = TxState.SUCCEEDED if event.succeeded else TxState.FAILED
                 # As ``watch.status_of(chain, receipt, None)``: final only where one confirmation is final (the
                 # job's ``wait_final`` and the chain's decision in relayer/tasks.py do the rest).
                 status = TxStatus(state, event.block_number, self.chain.network.confirmations <= 1, event.cost_wei)
-                self._settle(event.tx_hash, status)
+                if self._settle(event.tx_hash, status):
+                    woken.add(event.tx_hash)
             elif isinstance(event, Reorged):
                 self._settle(event.tx_hash, None)
             elif isinstance(event, Missing):
                 self._missing(event.tx_hash)
+        if woken and AFTER_WAKE is not None:
+            AFTER_WAKE(len(woken))
 
-    def _settle(self, key: str, status: TxStatus | None) -> None:
+    def _settle(self, key: str, status: TxStatus | None) -> bool:
+        """Hand ``status`` to the transaction's waiters; whether it woke one with a receipt."""
         with self._lock:
             expected = self._expected.get(key)
             if expected is None:
-                return
+                return False
             expected.status = status
             if status is not None:
                 expected.raw = None  # mined: never broadcast again
             expected.event.set()
+            return status is not None and expected.waiters > 0
 
     def _missing(self, key: str) -> None:
         """Broadcast the same signed transaction again if the node no longer holds it."""
