@@ -211,8 +211,9 @@ def _settle_retrying(settlement_id: str, redis: Redis, ours: Callable[[], bool])
             if not _transient(exc) or time.monotonic() + delay > give_up:
                 raise
             _end_transaction()
-            log.warning("settlement %s: %s (try %d); trying again in %.1f s", settlement_id, _briefly(exc), tries,
-                        delay)  # fmt: skip
+            # Loud once per settlement (a database outage meets every thread of every relayer), then quiet.
+            (log.warning if tries == 1 else log.debug)("settlement %s: %s (try %d); trying again in %.1f s",
+                                                       settlement_id, _briefly(exc), tries, delay)  # fmt: skip
             time.sleep(delay)
             if not ours():  # never settled again without the lock (it expired, or Redis cannot say)
                 raise
@@ -311,6 +312,9 @@ def _settle(settlement_id: str, redis: Redis) -> str:
             return exc.finished_result
         return exc.result
     crash_point("after-broadcast")
+    # The send's writes committed (its record before the broadcast); what it only read (Solana's payee ledger, when
+    # the same signature went again and nothing was recorded) ends here: no connection is held across the wait.
+    db.session.rollback()
     claim = dataclasses.replace(claim, tx_id=submission.tx_id, relay_address=submission.relay_address)
     landed = rail.wait_landed(network, claim, RECEIPT_TIMEOUT_SECONDS)
     crash_point("before-finish")

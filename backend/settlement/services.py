@@ -346,13 +346,20 @@ def mark_submitted(settlement_id: str, tx_hash: str, relay_address: str, *, rela
 
 def max_relay_nonce(network: str, relay_address: str) -> int | None:
     """The highest ``relay_nonce`` any settlement recorded for (network, relay account), whatever its status (None:
-    none): a relay account's nonce manager starts above it (backend/rails/evm/accounts.py)."""
-    found = db.session.execute(
-        select(func.max(Settlement.relay_nonce)).where(
-            Settlement.network == network, func.lower(Settlement.relay_address) == relay_address.lower()
-        )
-    ).scalar()
+    none): a relay account's nonce manager starts above it (backend/rails/evm/accounts.py).
+
+    On a connection of its own, returned at once: an account starts inside a settlement's send, whose chain calls
+    follow, and a read in the caller's session would hold its connection (in a transaction) across them."""
+    with db.engine.connect() as connection:
+        found = connection.execute(
+            _MAX_RELAY_NONCE, {"network": network, "relay_address": relay_address.lower()}
+        ).scalar()
     return None if found is None else int(found)
+
+
+_MAX_RELAY_NONCE = select(func.max(Settlement.relay_nonce)).where(
+    Settlement.network == bindparam("network"), func.lower(Settlement.relay_address) == bindparam("relay_address")
+)
 
 
 def complete_settlement(settlement_id: str, tx_hash: str) -> bool:

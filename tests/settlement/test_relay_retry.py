@@ -11,10 +11,13 @@ on passing trouble only (``relayer.tasks._transient``; its retry is tested in te
 from __future__ import annotations
 
 import inspect
+import logging
 import uuid
 
+import pytest
 from redis import Redis
 from rq import Queue
+from sqlalchemy.exc import OperationalError
 
 from backend import queueing
 from backend.queueing import relayer_queue
@@ -90,3 +93,29 @@ def test_a_settlement_thread_tries_again_passing_trouble_never_a_decision():
     ]
     assert all(_transient(exc) for exc in passing)
     assert not any(_transient(exc) for exc in decisions)
+
+
+def test_passing_trouble_is_tried_again_until_the_deadline_and_never_without_the_lock(monkeypatch, caplog):
+    """With the clock injected: tries back off up to SETTLE_RETRY_SECONDS, the warning is said once (a database
+    outage meets every thread), and a lock found lost after a backoff stops the tries at once."""
+    from relayer import tasks
+
+    now = [1000.0]
+    monkeypatch.setattr(tasks.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(tasks.time, "sleep", lambda seconds: now.__setitem__(0, now[0] + seconds))
+    tries: list[float] = []
+
+    def refused(settlement_id: str, redis: object) -> str:
+        tries.append(now[0])
+        raise OperationalError("SELECT 1", {}, Exception("FATAL: sorry, too many clients already"))
+
+    monkeypatch.setattr(tasks, "_settle", refused)
+    caplog.set_level(logging.DEBUG, logger=tasks.log.name)
+    with pytest.raises(OperationalError):
+        tasks._settle_retrying("stl_x", None, lambda: True)  # type: ignore[arg-type]
+    assert len(tries) > 5 and tries[-1] - tries[0] <= tasks.SETTLE_RETRY_SECONDS
+    assert [r.levelno for r in caplog.records if "trying again" in r.message].count(logging.WARNING) == 1
+    tries.clear()
+    with pytest.raises(OperationalError):
+        tasks._settle_retrying("stl_x", None, lambda: False)  # type: ignore[arg-type]
+    assert len(tries) == 1  # the lock is not ours any more: never settled again from here
