@@ -4,9 +4,11 @@ predecessor leased (backend/rails/evm/accounts.py) instead of waiting ``LEASE_SE
 An identity is a slot: one of the files ``relayer-<n>.lock`` of ``RELAYER_STATE_DIR``, held with an exclusive
 ``flock`` for the whole life of the process. The kernel frees the lock only when its holder is gone, however it went
 (SIGKILL, ``os._exit``, a crash): so a process that holds a slot knows every earlier holder of that slot is dead,
-and a dead process broadcasts nothing. The slot's name is a random string written in the file by its first holder;
-a lease value starts with it, and only a holder of the same slot takes over such a lease before it lapses. A file
-removed and made again (a /tmp cleaner, an operator) gets a new name, so it never matches a live holder's leases.
+and a dead process broadcasts nothing. The slot's name is a random string written in the file by its first holder,
+with where it was written (``_where``: this boot of this host, this very file); a lease value starts with it, and
+only a holder of the same slot takes over such a lease before it lapses. A file removed and made again (a /tmp
+cleaner, an operator), replaced by a rename, copied or restored elsewhere gets a new name, so it never matches a live
+holder's leases.
 The directory must be local to the host (flock on a network file system may be lost while its holder lives).
 """
 
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import secrets
+import socket
 import tempfile
 from pathlib import Path
 
@@ -54,11 +58,12 @@ def claim(directory: Path | None = None) -> str | None:
             os.close(fd)
             continue
         try:
-            name = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
-            if len(name) != 32 or any(c not in "0123456789abcdef" for c in name):
+            here = _where(fd)
+            name, _, written_where = os.pread(fd, 200, 0).decode("ascii", "replace").strip().partition(" ")
+            if len(name) != 32 or any(c not in "0123456789abcdef" for c in name) or written_where != here:
                 name = secrets.token_hex(16)
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, name.encode(), 0)
+                os.pwrite(fd, f"{name} {here}".encode(), 0)
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -73,3 +78,17 @@ def claim(directory: Path | None = None) -> str | None:
 
 
 _held: list[int] = []
+
+
+def _where(fd: int) -> str:
+    """Where this slot file is: this boot of this host (its kernel's boot id and its host name) and this very file
+    (device and inode). A name written elsewhere (the file copied, ``cp -a``, an image or a backup restored, a
+    cloned machine; or replaced by a rename, as ``sed -i`` does) is never taken for the one a live holder may be
+    using: the slot gets a new name."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = ""
+    stat = os.fstat(fd)
+    seen = f"{boot_id}|{socket.gethostname()}|{stat.st_dev}|{stat.st_ino}"
+    return hashlib.sha256(seen.encode()).hexdigest()[:32]
