@@ -115,8 +115,8 @@ def test_a_finish_refused_a_connection_is_tried_again_and_the_mined_payment_is_r
         role.refuse_connections()
         rpc(frozen, "evm_mine")
         deadline = time.monotonic() + 30
-        while "trying again" not in log.read_text():  # before the fix: "failed", and the settlement left open
-            assert time.monotonic() < deadline, f"the relayer never tried the finish again; its log: {log.read_text()}"
+        while "trying again" not in _text(log):  # before the fix: "failed", and the settlement left open
+            assert time.monotonic() < deadline, f"the relayer never tried the finish again; its log: {_text(log)}"
             time.sleep(0.2)
         assert iso.devnet.balance(NETWORK, iso.payout) == amount  # on chain ...
         assert settlement_of(intent["intent_id"]).status == "submitted"  # ... not recorded yet
@@ -130,7 +130,7 @@ def test_a_finish_refused_a_connection_is_tried_again_and_the_mined_payment_is_r
     assert iso.devnet.balance(NETWORK, buyer.address) == 0
     assert sum(relay_nonces(w3, iso.devnet).values()) - sent_before == 1  # one transaction
     assert len(iso.completed_events(intent["intent_id"])) == 1
-    text = log.read_text()
+    text = _text(log)
     assert "too many connections for role" in text  # what PostgreSQL said, in the retry's one-line warning
     assert "Traceback" not in text and f"{paid.settlement_id}: failed" not in text
 
@@ -201,3 +201,8 @@ def test_settlement_threads_waiting_on_the_chain_hold_no_connection_and_share_a_
     assert iso.devnet.balance(NETWORK, iso.payout) == amount * count  # each moved once
     assert all(iso.devnet.balance(NETWORK, buyer.address) == 0 for buyer in buyers)
     assert all(len(iso.completed_events(i["intent_id"])) == 1 for i in intents)
+
+
+def _text(log: Path) -> str:
+    """The relayer's log so far: none yet until it first writes (a loaded machine starts it slowly)."""
+    return log.read_text() if log.exists() else ""
