@@ -239,3 +239,94 @@ def test_fees_at_the_cap_are_not_bumped_further(
     thread.join(timeout=60)
     assert stuck.outcomes == ["confirmed"]
     _paid_once(stuck, intent_id, second, 0, 1_000_000)
+
+
+_TRANSFER_ABI = [{"type": "function", "name": "transfer", "stateMutability": "nonpayable",
+                  "inputs": [{"name": "to", "type": "address"}, {"name": "value", "type": "uint256"}],
+                  "outputs": [{"name": "", "type": "bool"}]}]  # fmt: skip
+
+
+def _move_tokens(stuck: Stuck, sender_account: LocalAccount, to: str, amount: int) -> None:
+    """An ERC-20 transfer by ``sender_account`` (mined by the caller: automine is off)."""
+    token = stuck.w3.eth.contract(address=stuck.iso.devnet.info["networks"][NETWORK]["usdc_address"],
+                                  abi=_TRANSFER_ABI)  # fmt: skip
+    tx = token.functions.transfer(to, amount).build_transaction({
+        "from": sender_account.address, "nonce": stuck.w3.eth.get_transaction_count(sender_account.address, "pending"),
+        "gas": 100_000, "maxFeePerGas": 10**10, "maxPriorityFeePerGas": 1,
+    })  # fmt: skip
+    stuck.w3.eth.send_raw_transaction(sender_account.sign_transaction(tx).raw_transaction)
+
+
+def _relay_spends(stuck: Stuck) -> list[tuple[str, int]]:
+    from backend.relaybudget.models import RelaySpend
+
+    with stuck.iso.app.app_context():
+        try:
+            return [(s.reference.lower(), int(s.amount_atomic)) for s in db.session.query(RelaySpend).all()]
+        finally:
+            db.session.remove()
+
+
+def test_the_replaced_transaction_mined_and_reverted_is_the_one_the_row_names(stuck: Stuck) -> None:
+    """The row names the replacement; the replaced one is mined and reverts (the payer's tokens moved away): the row
+    is re-pointed at the mined one before the revert is decided (its finality wait reads the row's hash), and its
+    gas is charged once, for it."""
+    buyer = stuck.iso.devnet.buyer(2)
+    intent_id, settlement_id = stuck.open_settlement(2)
+    stuck.rpc("evm_setAutomine", False)
+    thread = stuck.settle_in_thread(settlement_id)
+    until(lambda: stuck.records)
+    first, _, nonce = stuck.records[0]
+    old = stuck.pending(first)
+    until(lambda: pipeline._watchers[NETWORK].raw_of(first) is not None)
+    old_raw = pipeline._watchers[NETWORK].raw_of(first)
+    assert old_raw is not None
+    stuck.mine_high_until(old["maxFeePerGas"] * 3 // 2, lambda: len(stuck.records) > 1)
+    second = stuck.records[1][0]
+    stuck.pending(second)
+    assert stuck.iso.settlement(intent_id).tx_hash == second
+    stuck.rpc("anvil_dropTransaction", second)
+    stuck.mine(1)
+    sink: LocalAccount = Account.create()
+    stuck.rpc("anvil_setBalance", sink.address, hex(10**18))
+    stuck.rpc("anvil_setBalance", buyer.address, hex(10**18))
+    held = stuck.iso.devnet.balance(NETWORK, buyer.address)
+    _move_tokens(stuck, buyer, sink.address, held)  # the authorization can only revert now
+    stuck.mine(1)
+    stuck.w3.eth.send_raw_transaction(old_raw)
+    stuck.mine(1)
+    assert stuck.w3.eth.get_transaction_receipt(first)["status"] == 0
+    thread.join(timeout=60)
+    try:
+        assert stuck.outcomes == ["reverted"]
+        row = stuck.iso.settlement(intent_id)
+        assert (row.status, row.tx_hash.lower(), row.relay_nonce) == ("failed", first.lower(), nonce)
+        assert [ref for ref, _ in _relay_spends(stuck)] == [first.lower()]  # charged once, for the mined one
+        assert stuck.iso.devnet.balance(NETWORK, stuck.iso.payout) == 0
+    finally:
+        _move_tokens(stuck, sink, buyer.address, held)
+        stuck.mine(1)
+
+
+def test_the_replaced_transaction_mined_is_charged_once_and_named(stuck: Stuck) -> None:
+    """As the test above it, but the replaced one succeeds: the row, the event and the relay spend name it."""
+    intent_id, settlement_id = stuck.open_settlement(1)
+    stuck.rpc("evm_setAutomine", False)
+    thread = stuck.settle_in_thread(settlement_id)
+    until(lambda: stuck.records)
+    first = stuck.records[0][0]
+    old = stuck.pending(first)
+    until(lambda: pipeline._watchers[NETWORK].raw_of(first) is not None)
+    old_raw = pipeline._watchers[NETWORK].raw_of(first)
+    assert old_raw is not None
+    stuck.mine_high_until(old["maxFeePerGas"] * 3 // 2, lambda: len(stuck.records) > 1)
+    second = stuck.records[1][0]
+    stuck.pending(second)
+    stuck.rpc("anvil_dropTransaction", second)
+    stuck.mine(1)
+    stuck.w3.eth.send_raw_transaction(old_raw)
+    stuck.mine(1)
+    thread.join(timeout=60)
+    assert stuck.outcomes == ["confirmed"]
+    _paid_once(stuck, intent_id, first, 0, 1_000_000)
+    assert [ref for ref, _ in _relay_spends(stuck)] == [first.lower()]
