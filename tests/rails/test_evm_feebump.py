@@ -330,3 +330,60 @@ def test_the_replaced_transaction_mined_is_charged_once_and_named(stuck: Stuck) 
     assert stuck.outcomes == ["confirmed"]
     _paid_once(stuck, intent_id, first, 0, 1_000_000)
     assert [ref for ref, _ in _relay_spends(stuck)] == [first.lower()]
+
+
+@pytest.mark.parametrize("node_lags", [False, True])
+def test_a_cancel_taking_the_nonce_ends_the_wait_and_the_retry_pays_once(
+    iso: Any, monkeypatch: pytest.MonkeyPatch, node_lags: bool
+) -> None:
+    """The repair step on (as in production): the node drops the stuck transaction (Anvil, base fee above its fee
+    cap) and the repair step fills its nonce with a cancel. The job stops bumping (at most one replacement
+    recorded, the row never left on a hash that was not broadcast), ends well before its receipt timeout, and the
+    settlement's retry (the reconciler's) sends it at a new nonce: paid once. ``node_lags``: the job's read of the
+    account's mined count misses the cancel (a node behind), so the replacement is recorded, refused "nonce too
+    low", and the row put back on the transaction really broadcast."""
+    monkeypatch.setattr(tasks, "RECEIPT_TIMEOUT_SECONDS", 60)
+    monkeypatch.setattr(accounts_module, "REPAIR_SECONDS", 0.5)
+    monkeypatch.setenv(sender.REPLACE_AFTER_ENV, "8")  # the cancel most likely first (either order is handled)
+    lag = {"on": node_lags}
+    real_consumed = sender._consumed
+    monkeypatch.setattr(sender, "_consumed", lambda *a: False if lag["on"] else real_consumed(*a))
+    _reset()
+    stuck = Stuck(iso, monkeypatch)
+    try:
+        intent_id, settlement_id = stuck.open_settlement(0)
+        payout_before = stuck.iso.devnet.balance(NETWORK, stuck.iso.payout)
+        stuck.rpc("evm_setAutomine", False)
+        started = time.monotonic()
+        thread = stuck.settle_in_thread(settlement_id)
+        until(lambda: stuck.records)
+        first, _, nonce = stuck.records[0]
+        high = stuck.pending(first)["maxFeePerGas"] * 3 // 2
+        for _ in range(160):  # up to ~40 s of blocks above its fee cap, until the job ends
+            if not thread.is_alive():
+                break
+            stuck.mine(high)
+            time.sleep(0.25)
+        thread.join(timeout=5)
+        assert not thread.is_alive() and time.monotonic() - started < 40  # not waited out to the 60 s timeout
+        assert stuck.w3.eth.get_transaction_count(stuck.relay.address, "latest") > nonce
+        assert len({tx for tx, _, _ in stuck.records}) <= 2  # at most one replacement recorded
+        if stuck.outcomes != ["confirmed"]:  # the cancel won (the likely case)
+            assert stuck.outcomes == ["waiting-for-receipt"]
+            row = stuck.iso.settlement(intent_id)
+            assert row.status == "submitted" and row.relay_nonce == nonce
+            broadcast = {tx.lower() for tx, _, _ in stuck.records[:1]} | {
+                tx.lower() for tx, _, _ in stuck.records[1:] if _known(stuck.w3, tx)}  # fmt: skip
+            assert row.tx_hash.lower() in broadcast
+            if node_lags:  # the replacement recorded, refused, the row put back on the first: nothing more
+                assert [tx for tx, _, _ in stuck.records] == [first, stuck.records[1][0], first]
+            lag["on"] = False
+            stuck.rpc("evm_setAutomine", True)
+            stuck.settle_in_thread(settlement_id).join(timeout=60)  # the reconciler's retry
+            assert stuck.outcomes[-1] == "confirmed"
+            assert stuck.records[-1][2] is not None and stuck.records[-1][2] > nonce  # a new nonce
+        row = stuck.iso.settlement(intent_id)
+        _paid_once(stuck, intent_id, row.tx_hash, payout_before, 1_000_000)
+    finally:
+        stuck.rpc("evm_setAutomine", True)
+        _reset()
