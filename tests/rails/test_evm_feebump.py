@@ -387,3 +387,53 @@ def test_a_cancel_taking_the_nonce_ends_the_wait_and_the_retry_pays_once(
     finally:
         stuck.rpc("evm_setAutomine", True)
         _reset()
+
+
+def test_bad_fee_bump_settings_fall_back_loudly_and_the_cap_is_integer(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from fractions import Fraction
+
+    for bad in ("abc", "0", "-2", "1.5"):
+        monkeypatch.setenv(sender.REPLACE_AFTER_ENV, bad)
+        assert sender.replace_after() == sender.DEFAULT_REPLACE_AFTER
+    monkeypatch.setenv(sender.REPLACE_AFTER_ENV, "5")
+    assert sender.replace_after() == 5
+    for bad in ("inf", "nan", "0", "-1", "1", "x", "1e9"):
+        monkeypatch.setenv(sender.MAX_FEE_MULTIPLE_ENV, bad)
+        with caplog.at_level(logging.ERROR, logger=sender.__name__):
+            assert sender.max_fee_multiple() == sender.DEFAULT_MAX_FEE_MULTIPLE
+        assert sender.MAX_FEE_MULTIPLE_ENV in caplog.text
+    monkeypatch.setenv(sender.MAX_FEE_MULTIPLE_ENV, "2.5")
+    multiple = sender.max_fee_multiple()
+    assert multiple == Fraction(5, 2)
+    first = 2**60 + 1  # exact past a float's 53 bits
+    assert first * multiple.numerator // multiple.denominator == (5 * first) // 2
+
+
+def test_no_replacement_past_the_authorizations_valid_before(
+    stuck: Stuck, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once the chain's time passes validBefore the transfer can only revert: it is not replaced (no second record,
+    however far the fees rise), the job waits its timeout as for any transaction it does not replace."""
+    monkeypatch.setattr(tasks, "RECEIPT_TIMEOUT_SECONDS", 10)
+    chain_now = int(stuck.w3.eth.get_block("latest")["timestamp"])
+    intent = create_intent(stuck.iso.client, stuck.iso.shop, 1)
+    payload = sign_authorization(stuck.iso.devnet.buyer(1).key, requirement(intent, NETWORK), now=chain_now,
+                                 valid_for=45)  # fmt: skip
+    assert pay(stuck.iso.client, stuck.iso.shop, intent, NETWORK, payload).status_code == 504
+    settlement_id = stuck.iso.settlement(intent["intent_id"]).id
+    stuck.rpc("evm_setAutomine", False)
+    with caplog.at_level(logging.WARNING, logger=sender.__name__):
+        thread = stuck.settle_in_thread(settlement_id)
+        until(lambda: stuck.records)
+        first = stuck.records[0][0]
+        high = stuck.pending(first)["maxFeePerGas"] * 3 // 2
+        stuck.rpc("evm_setNextBlockTimestamp", hex(int(payload["validBefore"]) + 1))
+        stuck.mine_high_until(high, lambda: "validBefore" in caplog.text)
+        for _ in range(2 * sender.DEFAULT_REPLACE_AFTER):  # more heads above its fee cap: still no replacement
+            stuck.mine(high)
+            time.sleep(0.25)
+        thread.join(timeout=30)
+    assert [tx for tx, _, _ in stuck.records] == [first]
+    assert stuck.outcomes == ["waiting-for-receipt"]
