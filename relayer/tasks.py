@@ -320,9 +320,23 @@ def _settle(settlement_id: str, redis: Redis) -> str:
     crash_point("before-finish")
     if landed is None:
         return "waiting-for-receipt"  # the reconciler finishes it
-    if landed.tx_id is not None:  # a replacement at its nonce landed, or the one it replaced: finished with that one
-        claim = dataclasses.replace(claim, tx_id=landed.tx_id)
-    return _finish(rail, network, _read_settlement(settlement_id) or settlement, claim, landed)
+    claim = dataclasses.replace(claim, tx_id=landed.tx_id or claim.tx_id)
+    return _finish(rail, network, _on_landed(settlement_id, claim.tx_id) or settlement, claim, landed)
+
+
+def _on_landed(settlement_id: str, tx_id: str | None) -> st.Settlement | None:
+    """The settlement row, naming the transaction that landed. A replacement at the row's nonce (EVM fee bump)
+    re-points the row at each new hash, so the one mined may be an earlier one: the row is re-pointed at it (same
+    relay account and nonce: migration 0012's index holds one open row per nonce, this one) before ``_finish``,
+    ``_reverted`` (the revert's finality wait reads the row's hash) and the reconciler read it. Read as
+    ``_read_settlement`` reads (detached, no transaction held across the waits that follow)."""
+    row = _read_settlement(settlement_id)
+    if row is None or not tx_id or row.tx_hash is None or row.tx_hash.lower() == tx_id.lower():
+        return row
+    if row.relay_address is None or row.relay_nonce is None:
+        return row  # not a nonce-replaced transaction (only EVM replaces, and it records the nonce)
+    services.mark_submitted(settlement_id, tx_id, row.relay_address, relay_nonce=row.relay_nonce)
+    return _read_settlement(settlement_id) or row
 
 
 def _may_land_unwatched(rail: Rail, claim: Claim) -> bool:

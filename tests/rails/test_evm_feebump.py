@@ -239,3 +239,201 @@ def test_fees_at_the_cap_are_not_bumped_further(
     thread.join(timeout=60)
     assert stuck.outcomes == ["confirmed"]
     _paid_once(stuck, intent_id, second, 0, 1_000_000)
+
+
+_TRANSFER_ABI = [{"type": "function", "name": "transfer", "stateMutability": "nonpayable",
+                  "inputs": [{"name": "to", "type": "address"}, {"name": "value", "type": "uint256"}],
+                  "outputs": [{"name": "", "type": "bool"}]}]  # fmt: skip
+
+
+def _move_tokens(stuck: Stuck, sender_account: LocalAccount, to: str, amount: int) -> None:
+    """An ERC-20 transfer by ``sender_account`` (mined by the caller: automine is off)."""
+    token = stuck.w3.eth.contract(address=stuck.iso.devnet.info["networks"][NETWORK]["usdc_address"],
+                                  abi=_TRANSFER_ABI)  # fmt: skip
+    tx = token.functions.transfer(to, amount).build_transaction({
+        "from": sender_account.address, "nonce": stuck.w3.eth.get_transaction_count(sender_account.address, "pending"),
+        "gas": 100_000, "maxFeePerGas": 10**10, "maxPriorityFeePerGas": 1,
+    })  # fmt: skip
+    stuck.w3.eth.send_raw_transaction(sender_account.sign_transaction(tx).raw_transaction)
+
+
+def _relay_spends(stuck: Stuck) -> list[tuple[str, int]]:
+    from backend.relaybudget.models import RelaySpend
+
+    with stuck.iso.app.app_context():
+        try:
+            return [(s.reference.lower(), int(s.amount_atomic)) for s in db.session.query(RelaySpend).all()]
+        finally:
+            db.session.remove()
+
+
+def test_the_replaced_transaction_mined_and_reverted_is_the_one_the_row_names(stuck: Stuck) -> None:
+    """The row names the replacement; the replaced one is mined and reverts (the payer's tokens moved away): the row
+    is re-pointed at the mined one before the revert is decided (its finality wait reads the row's hash), and its
+    gas is charged once, for it."""
+    buyer = stuck.iso.devnet.buyer(2)
+    intent_id, settlement_id = stuck.open_settlement(2)
+    stuck.rpc("evm_setAutomine", False)
+    thread = stuck.settle_in_thread(settlement_id)
+    until(lambda: stuck.records)
+    first, _, nonce = stuck.records[0]
+    old = stuck.pending(first)
+    until(lambda: pipeline._watchers[NETWORK].raw_of(first) is not None)
+    old_raw = pipeline._watchers[NETWORK].raw_of(first)
+    assert old_raw is not None
+    stuck.mine_high_until(old["maxFeePerGas"] * 3 // 2, lambda: len(stuck.records) > 1)
+    second = stuck.records[1][0]
+    stuck.pending(second)
+    assert stuck.iso.settlement(intent_id).tx_hash == second
+    stuck.rpc("anvil_dropTransaction", second)
+    stuck.mine(1)
+    sink: LocalAccount = Account.create()
+    stuck.rpc("anvil_setBalance", sink.address, hex(10**18))
+    stuck.rpc("anvil_setBalance", buyer.address, hex(10**18))
+    held = stuck.iso.devnet.balance(NETWORK, buyer.address)
+    _move_tokens(stuck, buyer, sink.address, held)  # the authorization can only revert now
+    stuck.mine(1)
+    stuck.w3.eth.send_raw_transaction(old_raw)
+    stuck.mine(1)
+    assert stuck.w3.eth.get_transaction_receipt(first)["status"] == 0
+    thread.join(timeout=60)
+    try:
+        assert stuck.outcomes == ["reverted"]
+        row = stuck.iso.settlement(intent_id)
+        assert (row.status, row.tx_hash.lower(), row.relay_nonce) == ("failed", first.lower(), nonce)
+        assert [ref for ref, _ in _relay_spends(stuck)] == [first.lower()]  # charged once, for the mined one
+        assert stuck.iso.devnet.balance(NETWORK, stuck.iso.payout) == 0
+    finally:
+        _move_tokens(stuck, sink, buyer.address, held)
+        stuck.mine(1)
+
+
+def test_the_replaced_transaction_mined_is_charged_once_and_named(stuck: Stuck) -> None:
+    """As the test above it, but the replaced one succeeds: the row, the event and the relay spend name it."""
+    intent_id, settlement_id = stuck.open_settlement(1)
+    stuck.rpc("evm_setAutomine", False)
+    thread = stuck.settle_in_thread(settlement_id)
+    until(lambda: stuck.records)
+    first = stuck.records[0][0]
+    old = stuck.pending(first)
+    until(lambda: pipeline._watchers[NETWORK].raw_of(first) is not None)
+    old_raw = pipeline._watchers[NETWORK].raw_of(first)
+    assert old_raw is not None
+    stuck.mine_high_until(old["maxFeePerGas"] * 3 // 2, lambda: len(stuck.records) > 1)
+    second = stuck.records[1][0]
+    stuck.pending(second)
+    stuck.rpc("anvil_dropTransaction", second)
+    stuck.mine(1)
+    stuck.w3.eth.send_raw_transaction(old_raw)
+    stuck.mine(1)
+    thread.join(timeout=60)
+    assert stuck.outcomes == ["confirmed"]
+    _paid_once(stuck, intent_id, first, 0, 1_000_000)
+    assert [ref for ref, _ in _relay_spends(stuck)] == [first.lower()]
+
+
+@pytest.mark.parametrize("node_lags", [False, True])
+def test_a_cancel_taking_the_nonce_ends_the_wait_and_the_retry_pays_once(
+    iso: Any, monkeypatch: pytest.MonkeyPatch, node_lags: bool
+) -> None:
+    """The repair step on (as in production): the node drops the stuck transaction (Anvil, base fee above its fee
+    cap) and the repair step fills its nonce with a cancel. The job stops bumping (at most one replacement
+    recorded, the row never left on a hash that was not broadcast), ends well before its receipt timeout, and the
+    settlement's retry (the reconciler's) sends it at a new nonce: paid once. ``node_lags``: the job's read of the
+    account's mined count misses the cancel (a node behind), so the replacement is recorded, refused "nonce too
+    low", and the row put back on the transaction really broadcast."""
+    monkeypatch.setattr(tasks, "RECEIPT_TIMEOUT_SECONDS", 60)
+    monkeypatch.setattr(accounts_module, "REPAIR_SECONDS", 0.5)
+    monkeypatch.setenv(sender.REPLACE_AFTER_ENV, "8")  # the cancel most likely first (either order is handled)
+    lag = {"on": node_lags}
+    real_consumed = sender._consumed
+    monkeypatch.setattr(sender, "_consumed", lambda *a: False if lag["on"] else real_consumed(*a))
+    _reset()
+    stuck = Stuck(iso, monkeypatch)
+    try:
+        intent_id, settlement_id = stuck.open_settlement(0)
+        payout_before = stuck.iso.devnet.balance(NETWORK, stuck.iso.payout)
+        stuck.rpc("evm_setAutomine", False)
+        started = time.monotonic()
+        thread = stuck.settle_in_thread(settlement_id)
+        until(lambda: stuck.records)
+        first, _, nonce = stuck.records[0]
+        high = stuck.pending(first)["maxFeePerGas"] * 3 // 2
+        for _ in range(160):  # up to ~40 s of blocks above its fee cap, until the job ends
+            if not thread.is_alive():
+                break
+            stuck.mine(high)
+            time.sleep(0.25)
+        thread.join(timeout=5)
+        assert not thread.is_alive() and time.monotonic() - started < 40  # not waited out to the 60 s timeout
+        assert stuck.w3.eth.get_transaction_count(stuck.relay.address, "latest") > nonce
+        assert len({tx for tx, _, _ in stuck.records}) <= 2  # at most one replacement recorded
+        if stuck.outcomes != ["confirmed"]:  # the cancel won (the likely case)
+            assert stuck.outcomes == ["waiting-for-receipt"]
+            row = stuck.iso.settlement(intent_id)
+            assert row.status == "submitted" and row.relay_nonce == nonce
+            broadcast = {tx.lower() for tx, _, _ in stuck.records[:1]} | {
+                tx.lower() for tx, _, _ in stuck.records[1:] if _known(stuck.w3, tx)}  # fmt: skip
+            assert row.tx_hash.lower() in broadcast
+            if node_lags:  # the replacement recorded, refused, the row put back on the first: nothing more
+                assert [tx for tx, _, _ in stuck.records] == [first, stuck.records[1][0], first]
+            lag["on"] = False
+            stuck.rpc("evm_setAutomine", True)
+            stuck.settle_in_thread(settlement_id).join(timeout=60)  # the reconciler's retry
+            assert stuck.outcomes[-1] == "confirmed"
+            assert stuck.records[-1][2] is not None and stuck.records[-1][2] > nonce  # a new nonce
+        row = stuck.iso.settlement(intent_id)
+        _paid_once(stuck, intent_id, row.tx_hash, payout_before, 1_000_000)
+    finally:
+        stuck.rpc("evm_setAutomine", True)
+        _reset()
+
+
+def test_bad_fee_bump_settings_fall_back_loudly_and_the_cap_is_integer(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from fractions import Fraction
+
+    for bad in ("abc", "0", "-2", "1.5"):
+        monkeypatch.setenv(sender.REPLACE_AFTER_ENV, bad)
+        assert sender.replace_after() == sender.DEFAULT_REPLACE_AFTER
+    monkeypatch.setenv(sender.REPLACE_AFTER_ENV, "5")
+    assert sender.replace_after() == 5
+    for bad in ("inf", "nan", "0", "-1", "1", "x", "1e9"):
+        monkeypatch.setenv(sender.MAX_FEE_MULTIPLE_ENV, bad)
+        with caplog.at_level(logging.ERROR, logger=sender.__name__):
+            assert sender.max_fee_multiple() == sender.DEFAULT_MAX_FEE_MULTIPLE
+        assert sender.MAX_FEE_MULTIPLE_ENV in caplog.text
+    monkeypatch.setenv(sender.MAX_FEE_MULTIPLE_ENV, "2.5")
+    multiple = sender.max_fee_multiple()
+    assert multiple == Fraction(5, 2)
+    first = 2**60 + 1  # exact past a float's 53 bits
+    assert first * multiple.numerator // multiple.denominator == (5 * first) // 2
+
+
+def test_no_replacement_past_the_authorizations_valid_before(
+    stuck: Stuck, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once the chain's time passes validBefore the transfer can only revert: it is not replaced (no second record,
+    however far the fees rise), the job waits its timeout as for any transaction it does not replace."""
+    monkeypatch.setattr(tasks, "RECEIPT_TIMEOUT_SECONDS", 10)
+    chain_now = int(stuck.w3.eth.get_block("latest")["timestamp"])
+    intent = create_intent(stuck.iso.client, stuck.iso.shop, 1)
+    payload = sign_authorization(stuck.iso.devnet.buyer(1).key, requirement(intent, NETWORK), now=chain_now,
+                                 valid_for=45)  # fmt: skip
+    assert pay(stuck.iso.client, stuck.iso.shop, intent, NETWORK, payload).status_code == 504
+    settlement_id = stuck.iso.settlement(intent["intent_id"]).id
+    stuck.rpc("evm_setAutomine", False)
+    with caplog.at_level(logging.WARNING, logger=sender.__name__):
+        thread = stuck.settle_in_thread(settlement_id)
+        until(lambda: stuck.records)
+        first = stuck.records[0][0]
+        high = stuck.pending(first)["maxFeePerGas"] * 3 // 2
+        stuck.rpc("evm_setNextBlockTimestamp", hex(int(payload["validBefore"]) + 1))
+        stuck.mine_high_until(high, lambda: "validBefore" in caplog.text)
+        for _ in range(2 * sender.DEFAULT_REPLACE_AFTER):  # more heads above its fee cap: still no replacement
+            stuck.mine(high)
+            time.sleep(0.25)
+        thread.join(timeout=30)
+    assert [tx for tx, _, _ in stuck.records] == [first]
+    assert stuck.outcomes == ["waiting-for-receipt"]

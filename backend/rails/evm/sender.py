@@ -19,6 +19,8 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from typing import Any
 
 from eth_account.signers.local import LocalAccount
@@ -79,7 +81,10 @@ DEFAULT_REPLACE_AFTER = 3
 # No replacement's maxFeePerGas goes above this many times the settlement's first transaction's: a fee spike cannot
 # drain the relay account; at the cap the transaction is left as it is, loudly.
 MAX_FEE_MULTIPLE_ENV = "EVM_REPLACE_MAX_FEE_MULTIPLE"
-DEFAULT_MAX_FEE_MULTIPLE = 4.0
+DEFAULT_MAX_FEE_MULTIPLE = Fraction(4)
+# Heads a job still waits, once its nonce is consumed, for the watcher to report which of its transactions was mined;
+# none was: another transaction took the nonce (the repair step's cancel), the settlement is left to the retry.
+CONSUMED_GRACE_HEADS = 2
 
 
 class PayerHasCode(Exception):
@@ -407,6 +412,8 @@ class _Sent:
     record: BeforeBroadcast  # the submit's ``before_broadcast`` (``mark_submitted``), in the job's thread
     at: float = dataclasses.field(default_factory=time.monotonic)
     capped: bool = False  # said loudly once: at the cap, not bumped further
+    stopped: bool = False  # not bumped again by this job (the node refused one, the authorization expired, ...)
+    consumed: bool = False  # the nonce is mined (ours, or another transaction: the repair step's cancel)
 
 
 _sent: dict[str, _Sent] = {}
@@ -422,9 +429,32 @@ def _remember(tx_hash: str, sent: _Sent) -> None:
         _sent[tx_hash.lower()] = sent
 
 
-def _env_number(name: str, default: float) -> float:
-    text = os.environ.get(name, "").strip()
-    return float(text) if text else default
+def replace_after() -> int:
+    """``EVM_REPLACE_AFTER`` (an integer >= 1); a bad value is said loudly and the default used: it is read after
+    the broadcast, where raising would leave the job erring with its transaction in flight."""
+    text = os.environ.get(REPLACE_AFTER_ENV, "").strip()
+    if not text:
+        return DEFAULT_REPLACE_AFTER
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    log.error("%s=%r is not an integer >= 1: %d used", REPLACE_AFTER_ENV, text, DEFAULT_REPLACE_AFTER)
+    return DEFAULT_REPLACE_AFTER
+
+
+def max_fee_multiple() -> Fraction:
+    """``EVM_REPLACE_MAX_FEE_MULTIPLE`` as an exact fraction (a finite decimal > 1; never a float in the fee math);
+    a bad value is said loudly and the default used (read after the broadcast: never raises)."""
+    text = os.environ.get(MAX_FEE_MULTIPLE_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_FEE_MULTIPLE
+    try:
+        number = Decimal(text)
+    except InvalidOperation:
+        number = Decimal(0)
+    if not number.is_finite() or number <= 1 or number > 1000:
+        log.error("%s=%r is not a number in (1, 1000]: %s used", MAX_FEE_MULTIPLE_ENV, text, DEFAULT_MAX_FEE_MULTIPLE)
+        return DEFAULT_MAX_FEE_MULTIPLE
+    return Fraction(number)
 
 
 def wait_landed(chain: EvmChain, claim: Claim, timeout: float) -> TxStatus | None:
@@ -440,10 +470,14 @@ def wait_landed(chain: EvmChain, claim: Claim, timeout: float) -> TxStatus | Non
         sent = _sent.pop(claim.tx_id.lower(), None)
     if sent is None:  # not sent by this job (a retry): waited for as it is
         return watcher.wait(claim.tx_id, timeout)
-    replace_after = max(1, int(_env_number(REPLACE_AFTER_ENV, DEFAULT_REPLACE_AFTER)))
+    every = replace_after()
+    multiple = max_fee_multiple()
+    cap = sent.first_fee_cap * multiple.numerator // multiple.denominator  # integers only (floor)
+    valid_before = claim.terms.valid_before if isinstance(claim.terms, EvmTerms) else None
     hashes = [claim.tx_id]
     deadline = time.monotonic() + timeout
     since: int | None = None  # the head from which new heads are counted (the first seen, then each look)
+    consumed_at: int | None = None  # the head at which the nonce was seen consumed
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -458,32 +492,55 @@ def wait_landed(chain: EvmChain, claim: Claim, timeout: float) -> TxStatus | Non
         head = watcher.blocks.head
         if head is None:
             continue
+        if consumed_at is not None:
+            if head - consumed_at < CONSUMED_GRACE_HEADS:
+                continue
+            # None of ours mined at the consumed nonce: another transaction took it (the repair step's cancel). Not
+            # waited out to the timeout: the retry (reconciler) sends the settlement again at a new nonce.
+            log.warning("relay nonce %d of %s: taken by a transaction other than %s; the settlement is left to its "
+                        "retry", sent.nonce, sent.owned.account.address, hashes)  # fmt: skip
+            for other in hashes:
+                watcher.forget(other)  # never broadcast again: their nonce is taken
+            return None
         if since is None or head < since:
             since = head
-        if head - since < replace_after:
+        if head - since < every:
             continue
         since = head
         try:
-            replacement = _bump(chain, sent, hashes[-1])
+            replacement = _bump(chain, sent, hashes[-1], cap, valid_before)
         except Exception as exc:  # an RPC hiccup: the transaction in flight stands; looked at again later
             log.warning("relay nonce %d of %s: no replacement now (%s)", sent.nonce, sent.owned.account.address,
                         type(exc).__name__)  # fmt: skip
             continue
-        if replacement is not None:
+        if sent.consumed:
+            consumed_at = head
+        elif replacement is not None:
             hashes.append(replacement)
 
 
-def _bump(chain: EvmChain, sent: _Sent, current_hash: str) -> str | None:
+def _bump(chain: EvmChain, sent: _Sent, current_hash: str, cap: int, valid_before: int | None) -> str | None:
     """Replace ``current_hash`` (unmined) at its nonce if its fees are below the chain's now: the new hash recorded
     (``sent.record``), handed to the watcher, then broadcast while the lease is surely ours. None when it is left
     as it is (its fees still suffice, at the cap, the lease not surely ours, the node refused the replacement);
-    the transaction in flight stands in every case (nothing here fills or cancels the nonce)."""
+    the transaction in flight stands in every case (nothing here fills or cancels the nonce). Never once the nonce
+    is consumed (``sent.consumed``: the wait then ends), nor after a refusal or past the authorization's
+    validBefore (``sent.stopped``: the replacement could only revert)."""
     account, manager = sent.owned.account, sent.owned.manager
+    if _consumed(chain, account.address, sent.nonce):
+        sent.consumed = True  # mined: ours (the watcher tells which) or another (the repair step's cancel)
+        return None
+    if sent.stopped:
+        return None
+    if valid_before is not None and chain.block_timestamp("latest") >= valid_before:
+        sent.stopped = True
+        log.warning("relay nonce %d of %s: %s is past its authorization's validBefore: not replaced (it can only "
+                    "revert now)", sent.nonce, account.address, current_hash)  # fmt: skip
+        return None
     current = fees(chain)
     old_cap, old_tip = int(sent.fees["maxFeePerGas"]), int(sent.fees["maxPriorityFeePerGas"])
     if old_cap >= int(current["maxFeePerGas"]) and old_tip >= int(current["maxPriorityFeePerGas"]):
         return None  # priced as the chain asks: it waits its turn
-    cap = int(sent.first_fee_cap * _env_number(MAX_FEE_MULTIPLE_ENV, DEFAULT_MAX_FEE_MULTIPLE))
     new_fees = replacement_fees(sent.fees, current, cap)
     if new_fees is None:
         if not sent.capped:
@@ -498,21 +555,30 @@ def _bump(chain: EvmChain, sent: _Sent, current_hash: str) -> str | None:
     tx_hash = "0x" + bytes(signed.hash).hex()
     # Recorded before the broadcast (a crash after it leaves the row naming a transaction that may be mined). A
     # failure here leaves the row naming either hash; both are at the recorded nonce, and the settlement is finished
-    # by the authorization's use on chain (``settle_from_chain``), whichever executed it.
+    # by the authorization's use on chain (``settle_from_chain``), whichever executed it. Record first, then put
+    # back on a sure refusal (below) is the simplest order that is right on a crash at any point: recording after
+    # the broadcast would leave a crash window where the row does not name a transaction that may be mined.
     sent.record(tx_hash, account.address, sent.nonce)
     raw = bytes(signed.raw_transaction)
     watcher = shared_watcher(chain)
     watcher.expect(tx_hash, raw, sent.owned.valid)
     try:
         broadcast(chain, sent.owned, raw)
-    except LeaseLost:
+    except LeaseLost:  # raised before sending: the replacement went nowhere
         watcher.forget(tx_hash)
+        sent.record(current_hash, account.address, sent.nonce)  # the row back on the one in flight
         log.warning("relay nonce %d of %s: the lease is not surely ours, %s not replaced", sent.nonce,
                     account.address, current_hash)  # fmt: skip
         return None
     except Exception as exc:
         if "already known" not in str(exc).lower() and node_answered(exc):
-            watcher.forget(tx_hash)  # not taken ("nonce too low": one of ours there was mined, the wait tells which)
+            # Not taken, and in no pool (the node answered): the row back on the last hash really broadcast, and no
+            # further bump by this job ("nonce too low": the nonce is mined, by ours or a cancel: the wait ends;
+            # "insufficient funds", underpriced against our own cancel: retrying each round would not help).
+            watcher.forget(tx_hash)
+            sent.record(current_hash, account.address, sent.nonce)
+            sent.stopped = True
+            sent.consumed = "nonce too low" in str(exc).lower()
             log.warning("relay nonce %d of %s: the node did not take the replacement of %s: %s", sent.nonce,
                         account.address, current_hash, exc)  # fmt: skip
             return None
