@@ -70,7 +70,7 @@ from backend.rails.evm.relay import (
 )
 from backend.rails.evm.rpcbatch import call_many, quantity
 from backend.rails.evm.terms import EvmTerms
-from backend.rails.evm.watch import rpc_counter
+from backend.rails.evm.watch import receipt_of, rpc_counter, status_of
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,8 @@ DEFAULT_MAX_FEE_MULTIPLE = Fraction(4)
 # Heads a job still waits, once its nonce is consumed, for the watcher to report which of its transactions was mined;
 # none was: another transaction took the nonce (the repair step's cancel), the settlement is left to the retry.
 CONSUMED_GRACE_HEADS = 2
+# A node's answers to a replacement that no retry by this job can change (anything else: tried again later).
+SURE_REFUSALS = ("nonce too low", "insufficient funds", "underpriced", "replacement transaction")
 
 
 class PayerHasCode(Exception):
@@ -495,6 +497,19 @@ def wait_landed(chain: EvmChain, claim: Claim, timeout: float) -> TxStatus | Non
         if consumed_at is not None:
             if head - consumed_at < CONSUMED_GRACE_HEADS:
                 continue
+            # The watcher's receipts may lag (a load balancer, rate limits): ours are asked for directly first.
+            try:
+                found = _mined_among(chain, hashes)
+            except Exception as exc:  # cannot tell now: looked at again next round
+                log.warning("relay nonce %d of %s: receipts not read (%s)", sent.nonce, sent.owned.account.address,
+                            type(exc).__name__)  # fmt: skip
+                continue
+            if found is not None:
+                mined, status = found
+                for other in hashes:
+                    if other.lower() != mined:
+                        watcher.forget(other)
+                return dataclasses.replace(status, tx_id=mined if mined != claim.tx_id.lower() else None)
             # None of ours mined at the consumed nonce: another transaction took it (the repair step's cancel). Not
             # waited out to the timeout: the retry (reconciler) sends the settlement again at a new nonce.
             log.warning("relay nonce %d of %s: taken by a transaction other than %s; the settlement is left to its "
@@ -517,6 +532,19 @@ def wait_landed(chain: EvmChain, claim: Claim, timeout: float) -> TxStatus | Non
             consumed_at = head
         elif replacement is not None:
             hashes.append(replacement)
+
+
+def _mined_among(chain: EvmChain, hashes: list[str]) -> tuple[str, TxStatus] | None:
+    """The one of ``hashes`` (one nonce's transactions) with a receipt, read from the node now, and its status."""
+    head = chain.block_number() if chain.network.confirmations > 1 else None
+    answers = call_many(chain.w3, [("eth_getTransactionReceipt", [h]) for h in hashes], rpc_counter(chain))
+    for tx_hash, answer in zip(hashes, answers, strict=True):
+        if not answer.ok:
+            raise ValueError(answer.error)
+        receipt = receipt_of(answer.result)
+        if receipt is not None:
+            return tx_hash.lower(), status_of(chain, receipt, head)
+    return None
 
 
 def _bump(chain: EvmChain, sent: _Sent, current_hash: str, cap: int, valid_before: int | None) -> str | None:
@@ -566,19 +594,23 @@ def _bump(chain: EvmChain, sent: _Sent, current_hash: str, cap: int, valid_befor
         broadcast(chain, sent.owned, raw)
     except LeaseLost:  # raised before sending: the replacement went nowhere
         watcher.forget(tx_hash)
+        sent.stopped = True  # before the put-back: a failing write must not start the bump again each round
         sent.record(current_hash, account.address, sent.nonce)  # the row back on the one in flight
         log.warning("relay nonce %d of %s: the lease is not surely ours, %s not replaced", sent.nonce,
                     account.address, current_hash)  # fmt: skip
         return None
     except Exception as exc:
-        if "already known" not in str(exc).lower() and node_answered(exc):
-            # Not taken, and in no pool (the node answered): the row back on the last hash really broadcast, and no
-            # further bump by this job ("nonce too low": the nonce is mined, by ours or a cancel: the wait ends;
-            # "insufficient funds", underpriced against our own cancel: retrying each round would not help).
+        message = str(exc).lower()
+        if "already known" not in message and node_answered(exc):
+            # Not taken, and in no pool (the node answered): the row back on the last hash broadcast. A sure refusal
+            # ends this job's bumps ("nonce too low": the nonce is mined, by ours or a cancel: the wait ends;
+            # "insufficient funds", underpriced against our own cancel: retrying each round would not help); any
+            # other answer (a rate limit, a full pool) is tried again at the next look. The flags are set before
+            # the put-back: a failing write must not start the bump again each round.
             watcher.forget(tx_hash)
+            sent.stopped = any(refusal in message for refusal in SURE_REFUSALS)
+            sent.consumed = "nonce too low" in message
             sent.record(current_hash, account.address, sent.nonce)
-            sent.stopped = True
-            sent.consumed = "nonce too low" in str(exc).lower()
             log.warning("relay nonce %d of %s: the node did not take the replacement of %s: %s", sent.nonce,
                         account.address, current_hash, exc)  # fmt: skip
             return None
