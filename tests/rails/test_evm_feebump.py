@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from eth_account import Account
@@ -30,6 +30,16 @@ from tests.settlement.test_pay import create_intent, pay, requirement
 from tests.settlement.test_recovery import NETWORK, iso
 
 __all__ = ["iso"]
+
+
+class Replaced(NamedTuple):
+    intent_id: str
+    settlement_id: str
+    thread: threading.Thread
+    first: str
+    second: str
+    old_raw: bytes
+    nonce: int
 
 
 class Stuck:
@@ -92,6 +102,27 @@ class Stuck:
             self.mine(high)
             time.sleep(0.25)
         raise AssertionError("timed out")
+
+    def replaced_then_dropped(self, buyer: int) -> Replaced:
+        """A settlement whose first transaction was replaced (the base fee held above its cap) and whose replacement
+        was then dropped by the node, the first's signed bytes kept: the caller decides what gets mined."""
+        intent_id, settlement_id = self.open_settlement(buyer)
+        self.rpc("evm_setAutomine", False)
+        thread = self.settle_in_thread(settlement_id)
+        until(lambda: self.records)
+        first, _, nonce = self.records[0]
+        assert nonce is not None
+        old = self.pending(first)
+        until(lambda: pipeline._watchers[NETWORK].raw_of(first) is not None)
+        old_raw = pipeline._watchers[NETWORK].raw_of(first)
+        assert old_raw is not None
+        self.mine_high_until(old["maxFeePerGas"] * 3 // 2, lambda: len(self.records) > 1)
+        second = self.records[1][0]
+        self.pending(second)
+        assert self.iso.settlement(intent_id).tx_hash == second
+        self.rpc("anvil_dropTransaction", second)
+        self.mine(1)  # the fees fall (a node refuses a fee cap below the base fee)
+        return Replaced(intent_id, settlement_id, thread, first, second, old_raw, nonce)
 
     def pending(self, tx_hash: str) -> dict[str, Any]:
         until(lambda: _known(self.w3, tx_hash))
@@ -182,22 +213,7 @@ def test_a_stuck_transaction_is_replaced_with_higher_fees_and_the_account_goes_o
 
 
 def test_the_replaced_transaction_mined_after_all_still_pays_the_settlement_once(stuck: Stuck) -> None:
-    intent_id, settlement_id = stuck.open_settlement(2)
-    stuck.rpc("evm_setAutomine", False)
-    thread = stuck.settle_in_thread(settlement_id)
-    until(lambda: stuck.records)
-    first, _, nonce = stuck.records[0]
-    old = stuck.pending(first)
-    until(lambda: pipeline._watchers[NETWORK].raw_of(first) is not None)
-    old_raw = pipeline._watchers[NETWORK].raw_of(first)
-    assert old_raw is not None
-    stuck.mine_high_until(old["maxFeePerGas"] * 3 // 2, lambda: len(stuck.records) > 1)
-    second = stuck.records[1][0]
-    stuck.pending(second)
-    assert stuck.iso.settlement(intent_id).tx_hash == second
-    # Another pool kept the first: the replacement is lost, the first is mined.
-    stuck.rpc("anvil_dropTransaction", second)
-    stuck.mine(1)  # the fees fall (a node refuses a fee cap below the base fee)
+    intent_id, _, thread, first, _, old_raw, nonce = stuck.replaced_then_dropped(2)
     stuck.w3.eth.send_raw_transaction(old_raw)
     stuck.mine(1)
     assert stuck.w3.eth.get_transaction_receipt(first)["status"] == 1
@@ -272,21 +288,7 @@ def test_the_replaced_transaction_mined_and_reverted_is_the_one_the_row_names(st
     is re-pointed at the mined one before the revert is decided (its finality wait reads the row's hash), and its
     gas is charged once, for it."""
     buyer = stuck.iso.devnet.buyer(2)
-    intent_id, settlement_id = stuck.open_settlement(2)
-    stuck.rpc("evm_setAutomine", False)
-    thread = stuck.settle_in_thread(settlement_id)
-    until(lambda: stuck.records)
-    first, _, nonce = stuck.records[0]
-    old = stuck.pending(first)
-    until(lambda: pipeline._watchers[NETWORK].raw_of(first) is not None)
-    old_raw = pipeline._watchers[NETWORK].raw_of(first)
-    assert old_raw is not None
-    stuck.mine_high_until(old["maxFeePerGas"] * 3 // 2, lambda: len(stuck.records) > 1)
-    second = stuck.records[1][0]
-    stuck.pending(second)
-    assert stuck.iso.settlement(intent_id).tx_hash == second
-    stuck.rpc("anvil_dropTransaction", second)
-    stuck.mine(1)
+    intent_id, _, thread, first, _, old_raw, nonce = stuck.replaced_then_dropped(2)
     sink: LocalAccount = Account.create()
     stuck.rpc("anvil_setBalance", sink.address, hex(10**18))
     stuck.rpc("anvil_setBalance", buyer.address, hex(10**18))
@@ -310,20 +312,7 @@ def test_the_replaced_transaction_mined_and_reverted_is_the_one_the_row_names(st
 
 def test_the_replaced_transaction_mined_is_charged_once_and_named(stuck: Stuck) -> None:
     """As the test above it, but the replaced one succeeds: the row, the event and the relay spend name it."""
-    intent_id, settlement_id = stuck.open_settlement(1)
-    stuck.rpc("evm_setAutomine", False)
-    thread = stuck.settle_in_thread(settlement_id)
-    until(lambda: stuck.records)
-    first = stuck.records[0][0]
-    old = stuck.pending(first)
-    until(lambda: pipeline._watchers[NETWORK].raw_of(first) is not None)
-    old_raw = pipeline._watchers[NETWORK].raw_of(first)
-    assert old_raw is not None
-    stuck.mine_high_until(old["maxFeePerGas"] * 3 // 2, lambda: len(stuck.records) > 1)
-    second = stuck.records[1][0]
-    stuck.pending(second)
-    stuck.rpc("anvil_dropTransaction", second)
-    stuck.mine(1)
+    intent_id, _, thread, first, _, old_raw, _ = stuck.replaced_then_dropped(1)
     stuck.w3.eth.send_raw_transaction(old_raw)
     stuck.mine(1)
     thread.join(timeout=60)
