@@ -90,20 +90,21 @@ def role(iso: Isolated) -> Iterator[Role]:
         admin.dispose()
 
 
-def _relayer(iso: Isolated, role: Role, **env: str) -> Any:
-    return start_relayer(role.url, iso.redis_url, iso.devnet.info["chains_file"], RELAYER_QUEUE=iso.queue, **env)
+def _relayer(iso: Isolated, role: Role, log_file: Path | None = None, **env: str) -> Any:
+    return start_relayer(
+        role.url, iso.redis_url, iso.devnet.info["chains_file"], log_file=log_file, RELAYER_QUEUE=iso.queue, **env
+    )
 
 
 def test_a_finish_refused_a_connection_is_tried_again_and_the_mined_payment_is_recorded_once(
-    iso: Isolated, role: Role, freeze: Callable[[], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    iso: Isolated, role: Role, freeze: Callable[[], str], tmp_path: Path
 ) -> None:
     amount = 3_000_000
     w3, token = _token(iso.devnet, NETWORK)
     buyer = funded_buyer(w3, token, iso.devnet, amount)
     intent = create_intent(iso.client, iso.shop, amount / 1_000_000)
     log = tmp_path / "relayer.log"
-    monkeypatch.setenv("PAYINTENT_TEST_RELAYER_LOG", str(log))
-    relayer = _relayer(iso, role)
+    relayer = _relayer(iso, role, log_file=log)  # its own file (the shared test log gets a per-worker suffix)
     try:
         frozen = freeze()
         sent_before = sum(relay_nonces(w3, iso.devnet).values())
