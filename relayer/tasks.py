@@ -290,7 +290,8 @@ def _settle(settlement_id: str, redis: Redis) -> str:
         # height, what the relay signs and the payee account on Solana), then the send; ``_submitted`` records
         # the transaction before it is broadcast.
         submission = rail.submit(network, claim, keys, redis, LEDGER,
-                                 lambda tx, address, nonce: _submitted(settlement_id, tx, address, nonce))  # fmt: skip
+                                 lambda tx, address, nonce, *, put_back=False: _submitted(
+                                     settlement_id, tx, address, nonce, put_back=put_back))  # fmt: skip
     except CannotSucceed as exc:
         # Final, not retried: the chain still decides first (someone may have executed it), in _reverted.
         return _reverted(rail, network, _read_settlement(settlement_id) or settlement, exc.reason, exc.code)
@@ -347,7 +348,12 @@ def _may_land_unwatched(rail: Rail, claim: Claim) -> bool:
     return claim.tx_id is not None and not rail.released_may_execute()
 
 
-def _submitted(settlement_id: str, tx_id: str, relay_address: str, relay_nonce: int | None) -> None:
+def _submitted(
+    settlement_id: str, tx_id: str, relay_address: str, relay_nonce: int | None, *, put_back: bool = False
+) -> None:
+    if put_back:  # the fee bump's put-back: only while the row is still on this (relay account, nonce)
+        services.mark_submitted(settlement_id, tx_id, relay_address, relay_nonce=relay_nonce, same_nonce=True)
+        return
     services.mark_submitted(settlement_id, tx_id, relay_address, relay_nonce=relay_nonce)
     crash_point("after-mark-submitted")
 

@@ -153,9 +153,11 @@ class Submission:
 class BeforeBroadcast(Protocol):
     """Called by ``Rail.submit`` with a transaction's id, sender and nonce (EVM: the nonce it was signed with;
     None on rails without account nonces, Solana) before it is broadcast (``mark_submitted``): only for an id not
-    recorded yet (``Claim.tx_id``)."""
+    recorded yet (``Claim.tx_id``). ``put_back``: the EVM fee bump putting the row back on the transaction in
+    flight after its replacement went nowhere; written only while the row is still on that (relay account, nonce)
+    (after a lock loss another attempt may have recorded a transaction at another nonce: never overwritten)."""
 
-    def __call__(self, tx_id: str, relay_address: str, relay_nonce: int | None) -> None: ...
+    def __call__(self, tx_id: str, relay_address: str, relay_nonce: int | None, *, put_back: bool = False) -> None: ...
 
 
 class RelayNonceTaken(Exception):

@@ -321,15 +321,21 @@ def oldest_open_at() -> datetime | None:
     return db.session.scalar(select(func.min(Settlement.created_at)).where(Settlement.status.in_(st.OPEN)))
 
 
-def mark_submitted(settlement_id: str, tx_hash: str, relay_address: str, *, relay_nonce: int | None) -> None:
+def mark_submitted(
+    settlement_id: str, tx_hash: str, relay_address: str, *, relay_nonce: int | None, same_nonce: bool = False
+) -> None:
     """Record the transaction hash (and its sender and, on EVM, its nonce) before it is broadcast, so a crash after
     sending is recoverable. ``relay_nonce`` is always given (None on Solana): an EVM caller that forgot it would
-    blank the recorded nonce."""
+    blank the recorded nonce. ``same_nonce``: only if the row is still on (``relay_address``, ``relay_nonce``)
+    (the fee bump's put-back: after a lock loss another attempt may have moved it to another nonce)."""
     now = clock.now()
+    where = [Settlement.id == settlement_id, Settlement.status.in_(st.OPEN)]
+    if same_nonce:
+        where += [func.lower(Settlement.relay_address) == relay_address.lower(), Settlement.relay_nonce == relay_nonce]
     try:
         db.session.execute(
             update(Settlement)
-            .where(Settlement.id == settlement_id, Settlement.status.in_(st.OPEN))
+            .where(*where)
             .values(status=st.SUBMITTED, tx_hash=tx_hash, relay_address=relay_address, relay_nonce=relay_nonce,
                     submitted_at=now, updated_at=now)
         )  # fmt: skip

@@ -20,7 +20,7 @@ from redis import Redis
 
 from backend.extensions import db
 from backend.rails.evm import accounts as accounts_module
-from backend.rails.evm import pipeline, relay, sender
+from backend.rails.evm import feebump, pipeline, relay
 from backend.settlement import services
 from payintent.eip3009 import sign_authorization
 from relayer import tasks
@@ -58,9 +58,13 @@ class Stuck:
         self.records: list[tuple[str, str, int | None]] = []
         real = services.mark_submitted
 
-        def recording(settlement_id: str, tx_hash: str, address: str, *, relay_nonce: int | None) -> None:
+        def recording(
+            settlement_id: str, tx_hash: str, address: str, *, relay_nonce: int | None, same_nonce: bool = False
+        ) -> None:
             self.records.append((tx_hash, address, relay_nonce))
-            real(settlement_id, tx_hash, address, relay_nonce=relay_nonce)
+            real(settlement_id, tx_hash, address, relay_nonce=relay_nonce, same_nonce=same_nonce)
+
+        self.real_mark_submitted = real
 
         monkeypatch.setattr(services, "mark_submitted", recording)
         self.outcomes: list[str] = []
@@ -228,7 +232,7 @@ def test_fees_at_the_cap_are_not_bumped_further(
 ) -> None:
     """With the cap at 2 x the first fee cap, the replacement is signed at the cap; when the fees rise past it too,
     it is left as it is, loudly, however many heads go by (no third transaction); it is mined once they fall."""
-    monkeypatch.setenv(sender.MAX_FEE_MULTIPLE_ENV, "2")
+    monkeypatch.setenv(feebump.MAX_FEE_MULTIPLE_ENV, "2")
     intent_id, settlement_id = stuck.open_settlement(0)
     stuck.rpc("evm_setAutomine", False)
     thread = stuck.settle_in_thread(settlement_id)
@@ -241,10 +245,10 @@ def test_fees_at_the_cap_are_not_bumped_further(
     watcher = pipeline._watchers[NETWORK]
     raw = watcher.raw_of(second)
     assert raw is not None
-    with caplog.at_level(logging.ERROR, logger=sender.__name__):
+    with caplog.at_level(logging.ERROR, logger=feebump.__name__):
         above_the_cap = 3 * old["maxFeePerGas"]
         stuck.mine_high_until(above_the_cap, lambda: "fee cap" in caplog.text)
-        for _ in range(4 * sender.DEFAULT_REPLACE_AFTER):  # many more heads at fees above the cap: no third
+        for _ in range(4 * feebump.DEFAULT_REPLACE_AFTER):  # many more heads at fees above the cap: no third
             stuck.mine(above_the_cap)
             time.sleep(0.25)
     assert [tx for tx, _, _ in stuck.records] == [first, second]
@@ -333,10 +337,10 @@ def test_a_cancel_taking_the_nonce_ends_the_wait_and_the_retry_pays_once(
     low", and the row put back on the transaction really broadcast."""
     monkeypatch.setattr(tasks, "RECEIPT_TIMEOUT_SECONDS", 60)
     monkeypatch.setattr(accounts_module, "REPAIR_SECONDS", 0.5)
-    monkeypatch.setenv(sender.REPLACE_AFTER_ENV, "8")  # the cancel most likely first (either order is handled)
+    monkeypatch.setenv(feebump.REPLACE_AFTER_ENV, "8")  # the cancel most likely first (either order is handled)
     lag = {"on": node_lags}
-    real_consumed = sender._consumed
-    monkeypatch.setattr(sender, "_consumed", lambda *a: False if lag["on"] else real_consumed(*a))
+    real_look = feebump._look
+    monkeypatch.setattr(feebump, "_look", lambda *a: (False, real_look(*a)[1]) if lag["on"] else real_look(*a))
     _reset()
     stuck = Stuck(iso, monkeypatch)
     try:
@@ -384,17 +388,17 @@ def test_bad_fee_bump_settings_fall_back_loudly_and_the_cap_is_integer(
     from fractions import Fraction
 
     for bad in ("abc", "0", "-2", "1.5"):
-        monkeypatch.setenv(sender.REPLACE_AFTER_ENV, bad)
-        assert sender.replace_after() == sender.DEFAULT_REPLACE_AFTER
-    monkeypatch.setenv(sender.REPLACE_AFTER_ENV, "5")
-    assert sender.replace_after() == 5
+        monkeypatch.setenv(feebump.REPLACE_AFTER_ENV, bad)
+        assert feebump.replace_after() == feebump.DEFAULT_REPLACE_AFTER
+    monkeypatch.setenv(feebump.REPLACE_AFTER_ENV, "5")
+    assert feebump.replace_after() == 5
     for bad in ("inf", "nan", "0", "-1", "1", "x", "1e9"):
-        monkeypatch.setenv(sender.MAX_FEE_MULTIPLE_ENV, bad)
-        with caplog.at_level(logging.ERROR, logger=sender.__name__):
-            assert sender.max_fee_multiple() == sender.DEFAULT_MAX_FEE_MULTIPLE
-        assert sender.MAX_FEE_MULTIPLE_ENV in caplog.text
-    monkeypatch.setenv(sender.MAX_FEE_MULTIPLE_ENV, "2.5")
-    multiple = sender.max_fee_multiple()
+        monkeypatch.setenv(feebump.MAX_FEE_MULTIPLE_ENV, bad)
+        with caplog.at_level(logging.ERROR, logger=feebump.__name__):
+            assert feebump.max_fee_multiple() == feebump.DEFAULT_MAX_FEE_MULTIPLE
+        assert feebump.MAX_FEE_MULTIPLE_ENV in caplog.text
+    monkeypatch.setenv(feebump.MAX_FEE_MULTIPLE_ENV, "2.5")
+    multiple = feebump.max_fee_multiple()
     assert multiple == Fraction(5, 2)
     first = 2**60 + 1  # exact past a float's 53 bits
     assert first * multiple.numerator // multiple.denominator == (5 * first) // 2
@@ -413,14 +417,14 @@ def test_no_replacement_past_the_authorizations_valid_before(
     assert pay(stuck.iso.client, stuck.iso.shop, intent, NETWORK, payload).status_code == 504
     settlement_id = stuck.iso.settlement(intent["intent_id"]).id
     stuck.rpc("evm_setAutomine", False)
-    with caplog.at_level(logging.WARNING, logger=sender.__name__):
+    with caplog.at_level(logging.WARNING, logger=feebump.__name__):
         thread = stuck.settle_in_thread(settlement_id)
         until(lambda: stuck.records)
         first = stuck.records[0][0]
         high = stuck.pending(first)["maxFeePerGas"] * 3 // 2
         stuck.rpc("evm_setNextBlockTimestamp", hex(int(payload["validBefore"]) + 1))
         stuck.mine_high_until(high, lambda: "validBefore" in caplog.text)
-        for _ in range(2 * sender.DEFAULT_REPLACE_AFTER):  # more heads above its fee cap: still no replacement
+        for _ in range(2 * feebump.DEFAULT_REPLACE_AFTER):  # more heads above its fee cap: still no replacement
             stuck.mine(high)
             time.sleep(0.25)
         thread.join(timeout=30)

@@ -1,6 +1,7 @@
 """The fee bump against an RPC that lags or refuses for a while (second review, F1 and F2): a job whose watcher's
 receipts lag behind the chain still finds its own mined transaction (never "taken by another", which left the gas
-uncharged and the payment to the reconciler), and one rate-limit answer to a replacement does not end the bumps."""
+uncharged and the payment to the reconciler), and one rate-limit answer to a replacement does not end the bumps;
+the put-back of the row after a refused replacement never moves a row another attempt recorded elsewhere."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from typing import Any
 
 import pytest
 import requests
+from eth_account import Account
+from web3.exceptions import Web3RPCError
 
-from backend.rails.evm import blocks, pipeline, sender
+from backend.rails.evm import blocks, feebump, pipeline
 from backend.rails.evm.rpcbatch import Answer
+from backend.rails.evm.watch import rpc_counter
 from tests.rails.test_evm_feebump import NETWORK, Stuck, _relay_spends, iso, stuck, until  # noqa: F401
 from tests.settlement.conftest import devnet  # noqa: F401  (the session's devnet)
 
@@ -49,7 +53,7 @@ def test_receipts_lagging_behind_the_chain_do_not_make_our_mined_transaction_loo
     stuck.w3.eth.send_raw_transaction(old_raw)
     stuck.mine(1)
     assert stuck.w3.eth.get_transaction_receipt(first)["status"] == 1
-    with caplog.at_level(logging.WARNING, logger=sender.__name__):
+    with caplog.at_level(logging.WARNING, logger=feebump.__name__):
         for _ in range(40):
             if not thread.is_alive():
                 break
@@ -68,7 +72,7 @@ def test_a_rate_limit_answer_to_a_replacement_does_not_end_the_bumps(
     stuck: Stuck,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real_broadcast = sender.broadcast
+    real_broadcast = feebump.broadcast
     refused: list[bytes] = []
 
     def once_429(chain: Any, owned: Any, raw: bytes) -> None:
@@ -79,7 +83,7 @@ def test_a_rate_limit_answer_to_a_replacement_does_not_end_the_bumps(
             raise requests.HTTPError("429 Too Many Requests", response=response)
         real_broadcast(chain, owned, raw)
 
-    monkeypatch.setattr(sender, "broadcast", once_429)
+    monkeypatch.setattr(feebump, "broadcast", once_429)
     intent_id, settlement_id = stuck.open_settlement(0)
     stuck.rpc("evm_setAutomine", False)
     thread = stuck.settle_in_thread(settlement_id)
@@ -99,3 +103,71 @@ def test_a_rate_limit_answer_to_a_replacement_does_not_end_the_bumps(
     row = stuck.iso.settlement(intent_id)
     assert row.tx_hash.lower() not in (first.lower(),) and row.tx_hash.lower() in recorded
     assert stuck.w3.eth.get_transaction_receipt(row.tx_hash)["status"] == 1
+
+
+def test_the_put_back_never_moves_a_row_another_attempt_recorded_at_another_nonce(
+    stuck: Stuck,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review (issue 16): after a lock loss another attempt may record the settlement at another (relay account,
+    nonce) while this job still bumps. The bump's put-back (its replacement refused) writes only while the row is on
+    the job's own (account, nonce): the other attempt's record stands. Each bump round's look is one round trip.
+    The first transaction is then mined: paid once, on chain."""
+    real_broadcast = feebump.broadcast
+    other_address, other_nonce, other_hash = Account.create().address, 5, "0x" + "ab" * 32
+    refused: list[bytes] = []
+    settlement: list[str] = []
+
+    def moved_then_refused(chain: Any, owned: Any, raw: bytes) -> None:
+        if len(stuck.records) >= 2 and not refused:
+            refused.append(raw)  # the replacement, recorded; meanwhile another attempt records its own transaction
+            stuck.real_mark_submitted(settlement[0], other_hash, other_address, relay_nonce=other_nonce)
+            raise Web3RPCError("insufficient funds for gas * price + value")  # a sure refusal: no more bumps
+        real_broadcast(chain, owned, raw)
+
+    looks: list[tuple[int, int]] = []
+    real_look = feebump._look
+
+    def counted_look(chain: Any, *args: Any) -> Any:
+        before = rpc_counter(chain).snapshot()
+        try:
+            return real_look(chain, *args)
+        finally:
+            after = rpc_counter(chain).snapshot()
+            looks.append((after[0] - before[0], after[1] - before[1]))
+
+    monkeypatch.setattr(feebump, "broadcast", moved_then_refused)
+    monkeypatch.setattr(feebump, "_look", counted_look)
+    payout_before = stuck.iso.devnet.balance(NETWORK, stuck.iso.payout)
+    intent_id, settlement_id = stuck.open_settlement(1)
+    settlement.append(settlement_id)
+    stuck.rpc("evm_setAutomine", False)
+    thread = stuck.settle_in_thread(settlement_id)
+    until(lambda: stuck.records)
+    first, address, nonce = stuck.records[0]
+    until(lambda: pipeline._watchers[NETWORK].raw_of(first) is not None)
+    old_raw = pipeline._watchers[NETWORK].raw_of(first)
+    assert old_raw is not None
+    stuck.mine_high_until(stuck.pending(first)["maxFeePerGas"] * 3 // 2, lambda: len(stuck.records) >= 3)
+    assert refused and stuck.records[2] == (first, address, nonce)  # the put-back was asked for...
+    row = stuck.iso.settlement(intent_id)
+    assert (row.tx_hash, row.relay_address, row.relay_nonce) == (other_hash, other_address, other_nonce)  # ...moot
+    assert looks and all(trips == 1 for _, trips in looks) and (2, 1) in looks  # the count and the block: one trip
+    stuck.mine(1)  # the fees fall; the first is mined (sent again if the node dropped it under the high base fee)
+    try:
+        stuck.w3.eth.send_raw_transaction(old_raw)
+    except Exception as exc:
+        assert "already" in str(exc).lower() or "known" in str(exc).lower(), exc
+    for _ in range(40):
+        if not thread.is_alive():
+            break
+        stuck.mine(1)
+        time.sleep(0.3)
+    thread.join(timeout=30)
+    assert stuck.outcomes == ["confirmed"]
+    assert stuck.w3.eth.get_transaction_receipt(first)["status"] == 1
+    row = stuck.iso.settlement(intent_id)
+    assert (row.status, row.tx_hash.lower()) == ("confirmed", first.lower())
+    assert stuck.iso.intent_row(intent_id).status == "paid" and len(stuck.iso.completed_events(intent_id)) == 1
+    assert stuck.iso.devnet.balance(NETWORK, stuck.iso.payout) - payout_before == 1_000_000  # moved once
+    assert [reference for reference, _ in _relay_spends(stuck)] == [first.lower()]  # its gas charged, once

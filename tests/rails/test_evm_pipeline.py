@@ -545,8 +545,8 @@ def test_the_start_never_cancels_a_transaction_the_node_holds_queued_behind_a_ga
     buyer = node.buyer(1_000)
     payee = Account.create().address
     claim = node.claim(buyer, payee, 1_000, "queued")
-    signed = sender._sign(node.chain, relay.transfer_call(node.chain, claim.terms), account, start + 1,
-                          relay.fees(node.chain))  # fmt: skip
+    signed = relay.sign_transfer(node.chain, relay.transfer_call(node.chain, claim.terms), account, start + 1,
+                                 relay.fees(node.chain))  # fmt: skip
     queued = "0x" + bytes(signed.hash).hex()
     node.w3.eth.send_raw_transaction(signed.raw_transaction)
     assert node.w3.eth.get_transaction_count(account.address, "pending") == start  # queued behind the gap

@@ -22,7 +22,7 @@ from backend.chains.registry import Network
 from backend.rails.base import Claim, TxState, TxStatus
 from backend.rails.evm import watch as watch_module
 from backend.rails.evm.blocks import BlockWatcher, Final, Mined, Missing
-from backend.rails.evm.rpcbatch import BATCH_RETRY_SECONDS, RpcCounter, call_many
+from backend.rails.evm.rpcbatch import BATCH_RETRY_SECONDS, RpcCounter, call_many, quantity, strict_quantity
 from harness.proxy import DropConnection, Reply, RpcServer
 
 A, B = "0x" + "aa" * 32, "0x" + "bb" * 32
@@ -354,3 +354,13 @@ def test_track_and_untrack_from_other_threads_while_a_poll_reads(fake: FakeNode)
         for thread in threads:
             thread.join()
     assert errors == [] and watcher.tracked() == {}
+
+
+@pytest.mark.parametrize("value", [None, 16, "16", "0x", "0X10", "0x-1", "0x 1", "0x1_0", " 0x10", "0x10\n", "0xg"])
+def test_a_strict_quantity_is_0x_and_hex_digits_only(value: Any) -> None:
+    """The pre-claim reads' and the fee bump's parse: anything but ``0x`` and hex digits is the node's trouble (an
+    error), where the lenient ``quantity`` (the watch's) reads None as 0 and a decimal text as decimal."""
+    with pytest.raises(ValueError):
+        strict_quantity(value)
+    assert strict_quantity("0x10") == strict_quantity("0x0010") == 16 and strict_quantity("0xAb") == 171
+    assert quantity(None) == 0 and quantity("16") == 16 and quantity("0x10") == 16

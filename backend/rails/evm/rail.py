@@ -34,9 +34,9 @@ from backend.rails.base import (
     TxStatus,
     common_columns,
 )
-from backend.rails.evm import outcome, relay, sender, watch
+from backend.rails.evm import feebump, outcome, relay, sender, watch
 from backend.rails.evm.relay import EVM_SETTLEMENT_GAS
-from backend.rails.evm.rpcbatch import RpcCounter, call_many
+from backend.rails.evm.rpcbatch import RpcCounter, call_many, strict_quantity
 from backend.rails.evm.terms import PAYLOAD_FIELDS, EvmTerms, parse_evm_payload, verify_evm_authorization
 from backend.timing import step
 
@@ -103,8 +103,8 @@ def read_pre_claim_state(network: Network, terms: EvmTerms) -> PreClaimState:
             nonce_used=_bool(used),
             payer_has_code=len(_hex_bytes(code)) > 0,
             balance=_uint(balance),
-            latest_block=_quantity(block.get("number")),
-            latest_time=_quantity(block.get("timestamp")),
+            latest_block=strict_quantity(block.get("number")),
+            latest_time=strict_quantity(block.get("timestamp")),
         )
     except Exception as exc:  # RPC down, timeouts, malformed answers (the text may hold the RPC URL)
         log.warning("chain %s unreachable during /pay (%s)", network.network, type(exc).__name__)
@@ -128,13 +128,6 @@ def _uint(value: Any) -> int:
     if len(data) != 32:
         raise ValueError(f"a {len(data)}-byte answer where one word was due")
     return int.from_bytes(data, "big")
-
-
-def _quantity(value: Any) -> int:
-    """A JSON-RPC quantity, strictly: ``0x`` and hex digits (not None, not a decimal text)."""
-    if not isinstance(value, str) or not value.startswith("0x") or len(value) < 3:
-        raise ValueError("not a hex quantity")
-    return int(value[2:], 16)
 
 
 def _bool(value: Any) -> bool:
@@ -341,8 +334,8 @@ class EvmRail:
 
     def wait_landed(self, network: Network, claim: Claim, timeout: float) -> TxStatus | None:
         # The process's watcher of the network: one batch per new head for every job waiting (rails/evm/pipeline.py);
-        # a stuck transaction of this job's submit is replaced with higher fees meanwhile (sender.wait_landed).
-        return sender.wait_landed(evm_chain(network), claim, timeout)
+        # a stuck transaction of this job's submit is replaced with higher fees meanwhile (feebump.wait_landed).
+        return feebump.wait_landed(evm_chain(network), claim, timeout)
 
     def wait_final(self, network: Network, status: TxStatus, timeout: float) -> bool:
         return status.block is not None and watch.wait_confirmations(evm_chain(network), status.block, timeout)

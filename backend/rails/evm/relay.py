@@ -201,6 +201,15 @@ def transfer_call(chain: EvmChain, terms: Terms) -> Any:
     )
 
 
+def sign_transfer(chain: EvmChain, call: Any, account: LocalAccount, nonce: int, fee_fields: dict[str, int]) -> Any:
+    """``call`` (``transfer_call``) signed by ``account`` at ``nonce`` with ``GAS_LIMIT`` gas and ``fee_fields``:
+    the pipelined submit's transaction and the fee bump's replacement of it."""
+    tx = call.build_transaction(
+        {"from": account.address, "nonce": nonce, "gas": GAS_LIMIT, "chainId": chain.network.chain_id, **fee_fields}
+    )
+    return account.sign_transaction(tx)
+
+
 def estimate(chain: EvmChain, call: Any, sender: str, fee_fields: dict[str, int]) -> int:
     """The gas the transfer needs, estimated as it will be sent: from the account that sends it, with the same
     fee fields (a payer's code may read the gas price: at 0, what ``eth_estimateGas`` uses without them, it

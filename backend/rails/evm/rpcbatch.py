@@ -63,6 +63,7 @@ REFUSAL_STATUSES = frozenset({400, 405, 413, 415})
 RATE_LIMIT_CODES = frozenset({-32005, -32007, 429})
 RATE_LIMIT_MESSAGE = re.compile(r"rate[\s_-]*limit|too many requests", re.IGNORECASE)
 
+_HEX_QUANTITY = re.compile(r"0x[0-9a-fA-F]+")
 _ids = itertools.count(1)  # this module's JSON-RPC ids (next() on a count is atomic in CPython)
 
 
@@ -106,6 +107,15 @@ def quantity(value: Any) -> int:
     if isinstance(value, str):
         return int(value, 16) if value.startswith("0x") else int(value)
     return int(value or 0)
+
+
+def strict_quantity(value: Any) -> int:
+    """A JSON-RPC quantity, strictly: ``0x`` and hex digits; anything else (None, a decimal text, an int, a sign,
+    spaces) raises ``ValueError``: where a malformed answer is the node's trouble, never a number (``quantity`` is
+    lenient)."""
+    if not isinstance(value, str) or _HEX_QUANTITY.fullmatch(value) is None:
+        raise ValueError("not a hex quantity")
+    return int(value[2:], 16)
 
 
 def call_one(w3: Web3, method: str, params: Sequence[Any], counter: RpcCounter) -> Answer:

@@ -72,19 +72,10 @@ def watch(chain: EvmChain, claims: Sequence[Claim]) -> dict[str, TxStatus]:
     (``rpcbatch.call_many``: one call each where the node refuses batches). An element the batch answered with an
     error is asked again alone, through web3, and that call's error raises as before: an RPC error is never "not
     mined" or "unknown" (UNKNOWN lets the caller release the claim)."""
-    head = chain.block_number() if chain.network.confirmations > 1 else None
-    counter = rpc_counter(chain)
     hashes = list(dict.fromkeys(claim.tx_id.lower() for claim in claims if claim.tx_id))  # each once, any case
-    answers = call_many(chain.w3, [("eth_getTransactionReceipt", [tx_hash]) for tx_hash in hashes], counter)
-    statuses: dict[str, TxStatus] = {}
-    unmined: list[str] = []
-    for tx_hash, answer in zip(hashes, answers, strict=True):
-        receipt = receipt_of(answer.result if answer.ok else chain.receipt(tx_hash))
-        if receipt is not None:
-            statuses[tx_hash] = status_of(chain, receipt, head)
-        else:
-            unmined.append(tx_hash)
-    answers = call_many(chain.w3, [("eth_getTransactionByHash", [tx_hash]) for tx_hash in unmined], counter)
+    statuses = mined_receipts(chain, hashes)
+    unmined = [tx_hash for tx_hash in hashes if tx_hash not in statuses]
+    answers = call_many(chain.w3, [("eth_getTransactionByHash", [tx_hash]) for tx_hash in unmined], rpc_counter(chain))
     for tx_hash, answer in zip(unmined, answers, strict=True):
         # Known to the node, in its pool or already in a block whose receipt it has not given (a lagging node, or
         # mined between the two reads): PENDING, never UNKNOWN (which lets the caller release the claim).
@@ -107,6 +98,21 @@ def watch(chain: EvmChain, claims: Sequence[Claim]) -> dict[str, TxStatus]:
         if mined <= claim.relay_nonce:
             statuses[claim.tx_id.lower()] = TxStatus(TxState.PENDING, held=False)
     return {claim.tx_id: statuses[claim.tx_id.lower()] for claim in claims if claim.tx_id}
+
+
+def mined_receipts(chain: EvmChain, hashes: Sequence[str]) -> dict[str, TxStatus]:
+    """The mined ones of ``hashes`` and their status (``status_of``), by lowercase hash: their receipts read in one
+    JSON-RPC batch (``rpcbatch.call_many``), the height first (once) when the network needs more than one
+    confirmation. An element the batch answered with an error is asked again alone, through web3, and that call's
+    error raises: an RPC error is never "not mined". Used by ``watch`` and the fee bump's own look at its hashes."""
+    head = chain.block_number() if chain.network.confirmations > 1 else None
+    answers = call_many(chain.w3, [("eth_getTransactionReceipt", [tx_hash]) for tx_hash in hashes], rpc_counter(chain))
+    statuses: dict[str, TxStatus] = {}
+    for tx_hash, answer in zip(hashes, answers, strict=True):
+        receipt = receipt_of(answer.result if answer.ok else chain.receipt(tx_hash))
+        if receipt is not None:
+            statuses[tx_hash.lower()] = status_of(chain, receipt, head)
+    return statuses
 
 
 def receipt_of(raw: Any) -> dict[str, Any] | None:
