@@ -48,6 +48,7 @@ from backend.rails.base import (
     Rail,
     RelayKeys,
     RelayRefuses,
+    Submission,
     TxState,
     TxStatus,
 )
@@ -290,8 +291,7 @@ def _settle(settlement_id: str, redis: Redis) -> str:
         # height, what the relay signs and the payee account on Solana), then the send; ``_submitted`` records
         # the transaction before it is broadcast.
         submission = rail.submit(network, claim, keys, redis, LEDGER,
-                                 lambda tx, address, nonce, *, put_back=False: _submitted(
-                                     settlement_id, tx, address, nonce, put_back=put_back))  # fmt: skip
+                                 lambda tx, address, nonce: _submitted(settlement_id, tx, address, nonce))  # fmt: skip
     except CannotSucceed as exc:
         # Final, not retried: the chain still decides first (someone may have executed it), in _reverted.
         return _reverted(rail, network, _read_settlement(settlement_id) or settlement, exc.reason, exc.code)
@@ -317,26 +317,32 @@ def _settle(settlement_id: str, redis: Redis) -> str:
     # the same signature went again and nothing was recorded) ends here: no connection is held across the wait.
     db.session.rollback()
     claim = dataclasses.replace(claim, tx_id=submission.tx_id, relay_address=submission.relay_address)
-    landed = rail.wait_landed(network, claim, RECEIPT_TIMEOUT_SECONDS)
+    # The fee bump records each replacement (and puts the row back) only while the row names what it replaces.
+    landed = rail.wait_landed(network, claim, RECEIPT_TIMEOUT_SECONDS,
+                              lambda old, tx, address, nonce: _rerecorded(settlement_id, old, tx, address,
+                                                                          nonce))  # fmt: skip
     crash_point("before-finish")
     if landed is None:
         return "waiting-for-receipt"  # the reconciler finishes it
     claim = dataclasses.replace(claim, tx_id=landed.tx_id or claim.tx_id)
-    return _finish(rail, network, _on_landed(settlement_id, claim.tx_id) or settlement, claim, landed)
+    return _finish(rail, network, _on_landed(settlement_id, claim.tx_id, submission) or settlement, claim, landed)
 
 
-def _on_landed(settlement_id: str, tx_id: str | None) -> st.Settlement | None:
-    """The settlement row, naming the transaction that landed. A replacement at the row's nonce (EVM fee bump)
-    re-points the row at each new hash, so the one mined may be an earlier one: the row is re-pointed at it (same
-    relay account and nonce: migration 0012's index holds one open row per nonce, this one) before ``_finish``,
-    ``_reverted`` (the revert's finality wait reads the row's hash) and the reconciler read it. Read as
-    ``_read_settlement`` reads (detached, no transaction held across the waits that follow)."""
+def _on_landed(settlement_id: str, tx_id: str | None, sent: Submission) -> st.Settlement | None:
+    """The settlement row, naming the transaction that landed with its own relay account and nonce (``sent``'s: a
+    replacement at the nonce shares them). A replacement (EVM fee bump) re-points the row at each new hash, so the
+    one mined may be an earlier one; after a lock loss another attempt may have recorded its own transaction
+    elsewhere (it can only revert now: the authorization is used). The row is re-pointed at the mined one (at its
+    own nonce: the row held it, or held it until the other record, so migration 0012's index holds no other open
+    row there) before ``_finish``, ``_reverted`` (the revert's finality wait reads the row's hash) and the
+    reconciler read it. Read as ``_read_settlement`` reads (detached, no transaction held across the waits)."""
     row = _read_settlement(settlement_id)
-    if row is None or not tx_id or row.tx_hash is None or row.tx_hash.lower() == tx_id.lower():
-        return row
-    if row.relay_address is None or row.relay_nonce is None:
+    if row is None or not tx_id or sent.relay_nonce is None:
         return row  # not a nonce-replaced transaction (only EVM replaces, and it records the nonce)
-    services.mark_submitted(settlement_id, tx_id, row.relay_address, relay_nonce=row.relay_nonce)
+    mined = (tx_id.lower(), sent.relay_address.lower(), sent.relay_nonce)
+    if (str(row.tx_hash).lower(), str(row.relay_address).lower(), row.relay_nonce) == mined:
+        return row
+    services.mark_submitted(settlement_id, tx_id, sent.relay_address, relay_nonce=sent.relay_nonce)
     return _read_settlement(settlement_id) or row
 
 
@@ -348,14 +354,17 @@ def _may_land_unwatched(rail: Rail, claim: Claim) -> bool:
     return claim.tx_id is not None and not rail.released_may_execute()
 
 
-def _submitted(
-    settlement_id: str, tx_id: str, relay_address: str, relay_nonce: int | None, *, put_back: bool = False
-) -> None:
-    if put_back:  # the fee bump's put-back: only while the row is still on this (relay account, nonce)
-        services.mark_submitted(settlement_id, tx_id, relay_address, relay_nonce=relay_nonce, same_nonce=True)
-        return
+def _submitted(settlement_id: str, tx_id: str, relay_address: str, relay_nonce: int | None) -> None:
     services.mark_submitted(settlement_id, tx_id, relay_address, relay_nonce=relay_nonce)
     crash_point("after-mark-submitted")
+
+
+def _rerecorded(settlement_id: str, expect_tx: str, tx_id: str, relay_address: str, relay_nonce: int) -> bool:
+    """The EVM fee bump's record at its nonce (``Rerecord``): only while the row still names ``expect_tx`` there."""
+    written = services.mark_submitted(settlement_id, tx_id, relay_address, relay_nonce=relay_nonce,
+                                      expect_tx=expect_tx)  # fmt: skip
+    crash_point("after-mark-submitted")
+    return written
 
 
 def _finish(rail: Rail, network: Network, settlement: st.Settlement, claim: Claim, status: TxStatus) -> str:

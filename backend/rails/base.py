@@ -148,16 +148,24 @@ class TxStatus:
 class Submission:
     tx_id: str
     relay_address: str
+    relay_nonce: int | None = None  # EVM: the nonce it was signed with (a fee bump's replacements share it)
 
 
 class BeforeBroadcast(Protocol):
     """Called by ``Rail.submit`` with a transaction's id, sender and nonce (EVM: the nonce it was signed with;
     None on rails without account nonces, Solana) before it is broadcast (``mark_submitted``): only for an id not
-    recorded yet (``Claim.tx_id``). ``put_back``: the EVM fee bump putting the row back on the transaction in
-    flight after its replacement went nowhere; written only while the row is still on that (relay account, nonce)
-    (after a lock loss another attempt may have recorded a transaction at another nonce: never overwritten)."""
+    recorded yet (``Claim.tx_id``)."""
 
-    def __call__(self, tx_id: str, relay_address: str, relay_nonce: int | None, *, put_back: bool = False) -> None: ...
+    def __call__(self, tx_id: str, relay_address: str, relay_nonce: int | None) -> None: ...
+
+
+class Rerecord(Protocol):
+    """The EVM fee bump's record at the nonce it waits on (``mark_submitted(expect_tx=...)``), of a replacement before
+    it is broadcast and of the put-back after it went nowhere: ``tx_id`` written over ``expect_tx`` only while the
+    open row still names ``expect_tx`` at (``relay_address``, ``relay_nonce``). Returns whether it was written
+    (False: another attempt recorded the settlement since, after this job's lock was lost: its record stands)."""
+
+    def __call__(self, expect_tx: str, tx_id: str, relay_address: str, relay_nonce: int) -> bool: ...
 
 
 class RelayNonceTaken(Exception):
@@ -368,11 +376,13 @@ class Rail(Protocol):
     def watch(self, network: Network, claims: Sequence[Claim]) -> dict[str, TxStatus]:
         """The status of each claim's own transaction (``Claim.tx_id``), by id; one look, many per call."""
 
-    def wait_landed(self, network: Network, claim: Claim, timeout: float) -> TxStatus | None:
+    def wait_landed(
+        self, network: Network, claim: Claim, timeout: float, rerecord: Rerecord | None = None
+    ) -> TxStatus | None:
         """Wait up to ``timeout`` for the claim's transaction to land (mined / confirmed); None if it did not. EVM:
         a transaction this process sent in the same job that stays unmined under fees the chain has outgrown is
-        replaced at its nonce with higher fees while it waits (recorded first with the submit's
-        ``before_broadcast``); the status's ``tx_id`` names the one that landed when it is not ``claim.tx_id``."""
+        replaced at its nonce with higher fees while it waits (recorded first with ``rerecord``; none without it);
+        the status's ``tx_id`` names the one that landed when it is not ``claim.tx_id``."""
 
     def wait_final(self, network: Network, status: TxStatus, timeout: float) -> bool:
         """Wait up to ``timeout`` until a landed transaction's block is final (the network's confirmations)."""

@@ -322,18 +322,21 @@ def oldest_open_at() -> datetime | None:
 
 
 def mark_submitted(
-    settlement_id: str, tx_hash: str, relay_address: str, *, relay_nonce: int | None, same_nonce: bool = False
-) -> None:
+    settlement_id: str, tx_hash: str, relay_address: str, *, relay_nonce: int | None, expect_tx: str | None = None
+) -> bool:
     """Record the transaction hash (and its sender and, on EVM, its nonce) before it is broadcast, so a crash after
     sending is recoverable. ``relay_nonce`` is always given (None on Solana): an EVM caller that forgot it would
-    blank the recorded nonce. ``same_nonce``: only if the row is still on (``relay_address``, ``relay_nonce``)
-    (the fee bump's put-back: after a lock loss another attempt may have moved it to another nonce)."""
+    blank the recorded nonce. ``expect_tx`` (the EVM fee bump's record of a replacement and its put-back): only if
+    the row still names ``expect_tx`` at (``relay_address``, ``relay_nonce``): after a lock loss another attempt may
+    have recorded its own transaction since, and that record stands. Returns whether the row was written."""
     now = clock.now()
     where = [Settlement.id == settlement_id, Settlement.status.in_(st.OPEN)]
-    if same_nonce:
-        where += [func.lower(Settlement.relay_address) == relay_address.lower(), Settlement.relay_nonce == relay_nonce]
+    if expect_tx is not None:
+        where += [func.lower(Settlement.tx_hash) == expect_tx.lower(),
+                  func.lower(Settlement.relay_address) == relay_address.lower(),
+                  Settlement.relay_nonce == relay_nonce]  # fmt: skip
     try:
-        db.session.execute(
+        written = db.session.execute(
             update(Settlement)
             .where(*where)
             .values(status=st.SUBMITTED, tx_hash=tx_hash, relay_address=relay_address, relay_nonce=relay_nonce,
@@ -348,6 +351,7 @@ def mark_submitted(
                 f"nonce {relay_nonce} of {relay_address} is recorded by another open settlement"
             ) from None
         raise
+    return rowcount(written) == 1
 
 
 def max_relay_nonce(network: str, relay_address: str) -> int | None:

@@ -59,10 +59,10 @@ class Stuck:
         real = services.mark_submitted
 
         def recording(
-            settlement_id: str, tx_hash: str, address: str, *, relay_nonce: int | None, same_nonce: bool = False
-        ) -> None:
+            settlement_id: str, tx_hash: str, address: str, *, relay_nonce: int | None, expect_tx: str | None = None
+        ) -> bool:
             self.records.append((tx_hash, address, relay_nonce))
-            real(settlement_id, tx_hash, address, relay_nonce=relay_nonce, same_nonce=same_nonce)
+            return real(settlement_id, tx_hash, address, relay_nonce=relay_nonce, expect_tx=expect_tx)
 
         self.real_mark_submitted = real
 

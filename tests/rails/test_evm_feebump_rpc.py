@@ -1,7 +1,8 @@
 """The fee bump against an RPC that lags or refuses for a while (second review, F1 and F2): a job whose watcher's
 receipts lag behind the chain still finds its own mined transaction (never "taken by another", which left the gas
 uncharged and the payment to the reconciler), and one rate-limit answer to a replacement does not end the bumps;
-the put-back of the row after a refused replacement never moves a row another attempt recorded elsewhere."""
+neither the bump's record of a replacement nor its put-back after a refusal moves a row another attempt recorded
+since (each writes only while the row names what it replaces)."""
 
 from __future__ import annotations
 
@@ -110,9 +111,10 @@ def test_the_put_back_never_moves_a_row_another_attempt_recorded_at_another_nonc
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Review (issue 16): after a lock loss another attempt may record the settlement at another (relay account,
-    nonce) while this job still bumps. The bump's put-back (its replacement refused) writes only while the row is on
-    the job's own (account, nonce): the other attempt's record stands. Each bump round's look is one round trip.
-    The first transaction is then mined: paid once, on chain."""
+    nonce) while this job broadcasts a replacement. The bump's put-back (its replacement refused) writes only while
+    the row still names that replacement: the other attempt's record stands (the record made before the bump's own:
+    the test below). Each bump round's look is one round trip. The first transaction is then mined: the row names
+    it with its own (account, nonce), paid once, on chain."""
     real_broadcast = feebump.broadcast
     other_address, other_nonce, other_hash = Account.create().address, 5, "0x" + "ab" * 32
     refused: list[bytes] = []
@@ -167,7 +169,79 @@ def test_the_put_back_never_moves_a_row_another_attempt_recorded_at_another_nonc
     assert stuck.outcomes == ["confirmed"]
     assert stuck.w3.eth.get_transaction_receipt(first)["status"] == 1
     row = stuck.iso.settlement(intent_id)
-    assert (row.status, row.tx_hash.lower()) == ("confirmed", first.lower())
+    assert (row.status, row.tx_hash.lower(), row.relay_address.lower(), row.relay_nonce) == (
+        "confirmed", first.lower(), address.lower(), nonce)  # fmt: skip
+    assert stuck.iso.intent_row(intent_id).status == "paid" and len(stuck.iso.completed_events(intent_id)) == 1
+    assert stuck.iso.devnet.balance(NETWORK, stuck.iso.payout) - payout_before == 1_000_000  # moved once
+    assert [reference for reference, _ in _relay_spends(stuck)] == [first.lower()]  # its gas charged, once
+
+
+def test_a_record_another_attempt_made_before_the_bump_recorded_stands_and_nothing_is_broadcast(
+    stuck: Stuck,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Second review of issue 16 (F1): after this job's look and before its record of the replacement, another
+    attempt (this job's lock lost) records the settlement at another (relay account, nonce). The bump's record is
+    conditional on the row still naming the transaction in flight at the job's (account, nonce): it writes nothing,
+    the replacement is never broadcast, and the job bumps no more. The first is then mined: the row names it with its
+    own (account, nonce) (F2), paid once, on chain."""
+    other_address, other_nonce, other_hash = Account.create().address, 5, "0x" + "cd" * 32
+    settlement: list[str] = []
+    moved: list[bool] = []
+    broadcast_raws: list[bytes] = []
+    real_sign, real_broadcast = feebump.sign_transfer, feebump.broadcast
+
+    def sign_after_the_move(*args: Any) -> Any:
+        if not moved:  # the bump's signing: after its look, before its record
+            moved.append(True)
+            stuck.real_mark_submitted(settlement[0], other_hash, other_address, relay_nonce=other_nonce)
+        return real_sign(*args)
+
+    def counted_broadcast(chain: Any, owned: Any, raw: bytes) -> None:
+        broadcast_raws.append(raw)
+        real_broadcast(chain, owned, raw)
+
+    monkeypatch.setattr(feebump, "sign_transfer", sign_after_the_move)
+    monkeypatch.setattr(feebump, "broadcast", counted_broadcast)
+    payout_before = stuck.iso.devnet.balance(NETWORK, stuck.iso.payout)
+    intent_id, settlement_id = stuck.open_settlement(1)
+    settlement.append(settlement_id)
+    stuck.rpc("evm_setAutomine", False)
+    thread = stuck.settle_in_thread(settlement_id)
+    until(lambda: stuck.records)
+    first, address, nonce = stuck.records[0]
+    until(lambda: pipeline._watchers[NETWORK].raw_of(first) is not None)
+    old_raw = pipeline._watchers[NETWORK].raw_of(first)
+    assert old_raw is not None
+    high = stuck.pending(first)["maxFeePerGas"] * 3 // 2
+    stuck.mine_high_until(high, lambda: len(stuck.records) >= 2)
+    for _ in range(3 * feebump.DEFAULT_REPLACE_AFTER + 2):  # more rounds: never bumped again
+        stuck.mine(high)
+        time.sleep(0.25)
+    second = stuck.records[1][0]
+    assert len(stuck.records) == 2 and stuck.records[1][1:] == (address, nonce)  # asked for, once
+    row = stuck.iso.settlement(intent_id)
+    assert (row.tx_hash, row.relay_address, row.relay_nonce) == (other_hash, other_address, other_nonce)
+    assert pipeline._watchers[NETWORK].raw_of(second) is None  # never handed to the watcher...
+    with pytest.raises(Exception, match="not found"):
+        stuck.w3.eth.get_transaction(second)  # ...nor sent
+    assert not broadcast_raws  # the bump broadcast nothing
+    stuck.mine(1)  # the fees fall; the first is mined (sent again if the node dropped it under the high base fee)
+    try:
+        stuck.w3.eth.send_raw_transaction(old_raw)
+    except Exception as exc:
+        assert "already" in str(exc).lower() or "known" in str(exc).lower(), exc
+    for _ in range(40):
+        if not thread.is_alive():
+            break
+        stuck.mine(1)
+        time.sleep(0.3)
+    thread.join(timeout=30)
+    assert stuck.outcomes == ["confirmed"]
+    assert stuck.w3.eth.get_transaction_receipt(first)["status"] == 1
+    row = stuck.iso.settlement(intent_id)
+    assert (row.status, row.tx_hash.lower(), row.relay_address.lower(), row.relay_nonce) == (
+        "confirmed", first.lower(), address.lower(), nonce)  # fmt: skip
     assert stuck.iso.intent_row(intent_id).status == "paid" and len(stuck.iso.completed_events(intent_id)) == 1
     assert stuck.iso.devnet.balance(NETWORK, stuck.iso.payout) - payout_before == 1_000_000  # moved once
     assert [reference for reference, _ in _relay_spends(stuck)] == [first.lower()]  # its gas charged, once

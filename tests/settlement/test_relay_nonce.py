@@ -198,6 +198,13 @@ def test_two_open_settlements_never_record_the_same_relay_account_and_nonce(iso:
     first, second = rows
     services.mark_submitted(first, "0x" + "01" * 32, account, relay_nonce=7)
     services.mark_submitted(first, "0x" + "02" * 32, account, relay_nonce=7)  # its own replacement: same nonce
+    # The fee bump's record and put-back (expect_tx): only while the row names that hash at that (account, nonce).
+    h = {n: "0x" + n * 32 for n in ("01", "02", "06")}
+    assert not services.mark_submitted(first, h["06"], account, relay_nonce=7, expect_tx=h["01"])  # same nonce, moved
+    assert not services.mark_submitted(first, h["06"], account, relay_nonce=6, expect_tx=h["02"])  # another nonce
+    assert not services.mark_submitted(first, h["06"], Account.create().address, relay_nonce=7, expect_tx=h["02"])
+    assert services.mark_submitted(first, h["06"], account.lower(), relay_nonce=7, expect_tx=h["02"].upper())
+    assert services.mark_submitted(first, h["02"], account, relay_nonce=7, expect_tx=h["06"])  # put back
     with pytest.raises(RelayNonceTaken):
         services.mark_submitted(second, "0x" + "03" * 32, account, relay_nonce=7)
     with pytest.raises(RelayNonceTaken):  # the same account written in lowercase hex: still the same account

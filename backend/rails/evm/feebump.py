@@ -22,7 +22,7 @@ from eth_utils import to_checksum_address
 from web3.exceptions import Web3RPCError
 
 from backend.chains.evm import EvmChain
-from backend.rails.base import BeforeBroadcast, Claim, TxStatus
+from backend.rails.base import Claim, Rerecord, TxStatus
 from backend.rails.evm.accounts import LeaseLost, Owned, broadcast, node_answered
 from backend.rails.evm.nonces import replacement_fees
 from backend.rails.evm.pipeline import shared_watcher
@@ -57,7 +57,6 @@ class Sent:
     nonce: int
     fees: dict[str, int]  # the newest transaction's
     first_fee_cap: int  # the settlement's first transaction's maxFeePerGas (the cap's base)
-    record: BeforeBroadcast  # the submit's ``before_broadcast`` (``mark_submitted``), in the job's thread
     at: float = dataclasses.field(default_factory=time.monotonic)
     capped: bool = False  # said loudly once: at the cap, not bumped further
     stopped: bool = False  # not bumped again by this job (the node refused one, the authorization expired, ...)
@@ -106,18 +105,18 @@ def max_fee_multiple() -> Fraction:
     return Fraction(number)
 
 
-def wait_landed(chain: EvmChain, claim: Claim, timeout: float) -> TxStatus | None:
+def wait_landed(chain: EvmChain, claim: Claim, timeout: float, rerecord: Rerecord | None = None) -> TxStatus | None:
     """Wait on the shared watcher for the claim's transaction to be mined. When this job sent it (``submit`` in
     this thread) and it stays unmined for ``EVM_REPLACE_AFTER`` new heads with fees below what the chain now asks,
-    it is replaced at its (account, nonce) with ``replacement_fees`` (recorded first, as every new hash), and every
-    transaction of the settlement at that nonce is waited for: the chain mines one of them. The status's ``tx_id``
-    names the one mined."""
+    it is replaced at its (account, nonce) with ``replacement_fees`` (recorded first with ``rerecord``, only while
+    the row still names the transaction it replaces there), and every transaction of the settlement at that nonce
+    is waited for: the chain mines one of them. The status's ``tx_id`` names the one mined."""
     if not claim.tx_id:
         return None
     watcher = shared_watcher(chain)
     with _sent_lock:
         sent = _sent.pop(claim.tx_id.lower(), None)
-    if sent is None:  # not sent by this job (a retry): waited for as it is
+    if sent is None or rerecord is None:  # not sent by this job (a retry), or nothing to record with: as it is
         return watcher.wait(claim.tx_id, timeout)
     every = replace_after()
     multiple = max_fee_multiple()
@@ -170,7 +169,7 @@ def wait_landed(chain: EvmChain, claim: Claim, timeout: float) -> TxStatus | Non
             continue
         since = head
         try:
-            replacement = _bump(chain, sent, hashes[-1], cap, valid_before)
+            replacement = _bump(chain, sent, rerecord, hashes[-1], cap, valid_before)
         except Exception as exc:  # an RPC hiccup: the transaction in flight stands; looked at again later
             log.warning("relay nonce %d of %s: no replacement now (%s)", sent.nonce, sent.owned.account.address,
                         type(exc).__name__)  # fmt: skip
@@ -211,13 +210,16 @@ def _look(chain: EvmChain, address: str, nonce: int, timed: bool) -> tuple[bool,
     return consumed, strict_quantity(block.get("timestamp"))
 
 
-def _bump(chain: EvmChain, sent: Sent, current_hash: str, cap: int, valid_before: int | None) -> str | None:
+def _bump(
+    chain: EvmChain, sent: Sent, rerecord: Rerecord, current_hash: str, cap: int, valid_before: int | None
+) -> str | None:
     """Replace ``current_hash`` (unmined) at its nonce if its fees are below the chain's now: the new hash recorded
-    (``sent.record``), handed to the watcher, then broadcast while the lease is surely ours. None when it is left
-    as it is (its fees still suffice, at the cap, the lease not surely ours, the node refused the replacement);
-    the transaction in flight stands in every case (nothing here fills or cancels the nonce). Never once the nonce
-    is consumed (``sent.consumed``: the wait then ends), nor after a refusal or past the authorization's
-    validBefore (``sent.stopped``: the replacement could only revert)."""
+    (``rerecord``: only while the row still names ``current_hash`` at the nonce), handed to the watcher, then
+    broadcast while the lease is surely ours. None when it is left as it is (its fees still suffice, at the cap,
+    the lease not surely ours, the row moved, the node refused the replacement); the transaction in flight stands
+    in every case (nothing here fills or cancels the nonce). Never once the nonce is consumed (``sent.consumed``:
+    the wait then ends), nor after a refusal, a moved row or past the authorization's validBefore
+    (``sent.stopped``: the replacement could only revert, or would overwrite another attempt's record)."""
     account, manager = sent.owned.account, sent.owned.manager
     consumed, latest_time = _look(chain, account.address, sent.nonce, not sent.stopped and valid_before is not None)
     if consumed:
@@ -251,7 +253,14 @@ def _bump(chain: EvmChain, sent: Sent, current_hash: str, cap: int, valid_before
     # by the authorization's use on chain (``settle_from_chain``), whichever executed it. Record first, then put
     # back on a sure refusal (below) is the simplest order that is right on a crash at any point: recording after
     # the broadcast would leave a crash window where the row does not name a transaction that may be mined.
-    sent.record(tx_hash, account.address, sent.nonce)
+    # Only while the row still names ``current_hash`` at this (account, nonce): after a lock loss another attempt may
+    # have recorded its own transaction since this round's look; its record stands and nothing is broadcast here.
+    if not rerecord(current_hash, tx_hash, account.address, sent.nonce):
+        sent.stopped = True
+        log.warning("relay nonce %d of %s: the settlement's row no longer names %s there (another attempt recorded "
+                    "it): %s never broadcast, no more replacements", sent.nonce, account.address, current_hash,
+                    tx_hash)  # fmt: skip
+        return None
     raw = bytes(signed.raw_transaction)
     watcher = shared_watcher(chain)
     watcher.expect(tx_hash, raw, sent.owned.valid)
@@ -260,7 +269,7 @@ def _bump(chain: EvmChain, sent: Sent, current_hash: str, cap: int, valid_before
     except LeaseLost:  # raised before sending: the replacement went nowhere
         watcher.forget(tx_hash)
         sent.stopped = True  # before the put-back: a failing write must not start the bump again each round
-        sent.record(current_hash, account.address, sent.nonce, put_back=True)  # back on the one in flight
+        _put_back(rerecord, sent, tx_hash, current_hash)  # back on the one in flight
         log.warning("relay nonce %d of %s: the lease is not surely ours, %s not replaced", sent.nonce,
                     account.address, current_hash)  # fmt: skip
         return None
@@ -275,7 +284,7 @@ def _bump(chain: EvmChain, sent: Sent, current_hash: str, cap: int, valid_before
             watcher.forget(tx_hash)
             sent.stopped = any(refusal in message for refusal in SURE_REFUSALS)
             sent.consumed = "nonce too low" in message
-            sent.record(current_hash, account.address, sent.nonce, put_back=True)
+            _put_back(rerecord, sent, tx_hash, current_hash)
             log.warning("relay nonce %d of %s: the node did not take the replacement of %s: %s", sent.nonce,
                         account.address, current_hash, exc)  # fmt: skip
             return None
@@ -286,3 +295,11 @@ def _bump(chain: EvmChain, sent: Sent, current_hash: str, cap: int, valid_before
                 account.address, current_hash, current, tx_hash, new_fees)  # fmt: skip
     sent.fees = new_fees
     return tx_hash
+
+
+def _put_back(rerecord: Rerecord, sent: Sent, never_sent: str, in_flight: str) -> None:
+    """The row back on ``in_flight`` after its replacement ``never_sent`` went nowhere: only while the row still
+    names ``never_sent`` (another attempt's record since, even at this nonce, stands), said when it does not."""
+    if not rerecord(never_sent, in_flight, sent.owned.account.address, sent.nonce):
+        log.warning("relay nonce %d of %s: the settlement's row no longer names %s: not put back on %s (another "
+                    "attempt recorded it)", sent.nonce, sent.owned.account.address, never_sent, in_flight)  # fmt: skip

@@ -29,6 +29,7 @@ from backend.rails.base import (
     PayeeLedger,
     ProbeError,
     RelayKeys,
+    Rerecord,
     Submission,
     Terms,
     TxStatus,
@@ -332,10 +333,12 @@ class EvmRail:
     def watch(self, network: Network, claims: Sequence[Claim]) -> dict[str, TxStatus]:
         return watch.watch(evm_chain(network), claims)
 
-    def wait_landed(self, network: Network, claim: Claim, timeout: float) -> TxStatus | None:
+    def wait_landed(
+        self, network: Network, claim: Claim, timeout: float, rerecord: Rerecord | None = None
+    ) -> TxStatus | None:
         # The process's watcher of the network: one batch per new head for every job waiting (rails/evm/pipeline.py);
         # a stuck transaction of this job's submit is replaced with higher fees meanwhile (feebump.wait_landed).
-        return feebump.wait_landed(evm_chain(network), claim, timeout)
+        return feebump.wait_landed(evm_chain(network), claim, timeout, rerecord)
 
     def wait_final(self, network: Network, status: TxStatus, timeout: float) -> bool:
         return status.block is not None and watch.wait_confirmations(evm_chain(network), status.block, timeout)

@@ -212,7 +212,7 @@ def _send_again(
                         claim.settlement_id, claim.tx_id, exc)  # fmt: skip
             return None
     log.warning("settlement %s: its transaction %s was sent again as it was", claim.settlement_id, claim.tx_id)
-    return Submission(claim.tx_id, address)
+    return Submission(claim.tx_id, address, claim.relay_nonce)
 
 
 def _consumed(chain: EvmChain, address: str, nonce: int) -> bool:
@@ -313,8 +313,8 @@ def _send(
                                    loud=True) from None  # fmt: skip
                 raise LeftOpen(f"the node did not take it: {exc}", "node-refused") from None
         manager.sent(nonce, tx_hash)
-        remember(tx_hash, Sent(owned, call, nonce, fee_fields, int(fee_fields["maxFeePerGas"]), before_broadcast))
-        return Submission(tx_hash, account.address)
+        remember(tx_hash, Sent(owned, call, nonce, fee_fields, int(fee_fields["maxFeePerGas"])))
+        return Submission(tx_hash, account.address, nonce)
     raise RelayUnavailable("could not send the transaction")
 
 
@@ -367,7 +367,7 @@ def _replace(
                 manager.unfilled(nonce)  # the repair step fills it
             raise LeftOpen(f"the node did not take it ({refusal or 'no bytes'}; then {exc})", "node-refused") from None
     manager.sent(nonce, tx_hash)
-    remember(tx_hash, Sent(owned, call, nonce, new_fees, int(old_fees["maxFeePerGas"]), before_broadcast))
+    remember(tx_hash, Sent(owned, call, nonce, new_fees, int(old_fees["maxFeePerGas"])))
     log.warning("relay nonce %d of %s: refused as underpriced, the transfer sent again there as %s", nonce,
                 account.address, tx_hash)  # fmt: skip
-    return Submission(tx_hash, account.address)
+    return Submission(tx_hash, account.address, nonce)

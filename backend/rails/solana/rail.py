@@ -32,6 +32,7 @@ from backend.rails.base import (
     PayeeLedger,
     ProbeError,
     RelayKeys,
+    Rerecord,
     Submission,
     Terms,
     TxStatus,
@@ -268,7 +269,9 @@ class SolanaRail:
     def watch(self, network: Network, claims: Sequence[Claim]) -> dict[str, TxStatus]:
         return relay_module.watch(solana_chain(network), claims)
 
-    def wait_landed(self, network: Network, claim: Claim, timeout: float) -> TxStatus | None:
+    def wait_landed(
+        self, network: Network, claim: Claim, timeout: float, rerecord: Rerecord | None = None
+    ) -> TxStatus | None:
         timeout = min(timeout, relay_module.CONFIRM_TIMEOUT_SECONDS)
         return relay_module.wait_landed(solana_chain(network), claim, timeout, self.may_still_execute)
 
