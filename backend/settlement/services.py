@@ -349,7 +349,7 @@ _OUTCOME = (
 )
 
 
-def settlement_outcome(settlement_id: str) -> Row[Any] | None:
+def settlement_outcome(settlement_id: str) -> Row[*tuple[Any, ...]] | None:
     """The settlement's status, tx_hash, amount_atomic, network, intent_id, payer and failure_reason, and its
     intent's paid_at; None if there is no such settlement."""
     return db.session.execute(_OUTCOME, {"settlement_id": settlement_id}).first()
