@@ -31,14 +31,14 @@ import math
 from datetime import datetime, timedelta
 from decimal import ROUND_FLOOR
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from backend import clock
 from backend.chains.registry import Network
 from backend.config import Settings
 from backend.errors import DomainError
-from backend.extensions import db, rowcount
+from backend.extensions import UTCDateTime, db, rowcount
 from backend.rails.evm.watch import gas_cost as evm_gas_cost  # noqa: F401  (tests and tools use the name)
 from backend.rails.registry import rail_for
 from backend.relaybudget.metrics import OPEN_SETTLEMENT_REFUSALS, RELAY_BUDGET_REFUSALS
@@ -69,13 +69,21 @@ def window(settings: Settings) -> timedelta:
     return timedelta(seconds=settings.relay_budget_window_seconds)
 
 
+# The merchant's spending on a network in the window: its sum (admit) and its largest charge (the EVM estimate).
+# Built once on the table (each /pay runs both, in and before its claim): no expression building per call.
+_SPENDING = RelaySpend.__table__
+_IN_WINDOW = (
+    _SPENDING.c.merchant_id == bindparam("merchant_id"),
+    _SPENDING.c.network == bindparam("network"),
+    _SPENDING.c.created_at > bindparam("since", type_=UTCDateTime()),
+)
+_SPENT = select(func.coalesce(func.sum(_SPENDING.c.amount_atomic), 0)).where(*_IN_WINDOW)
+_LARGEST_CHARGE = select(func.max(_SPENDING.c.amount_atomic)).where(*_IN_WINDOW)
+
+
 def spent(merchant_id: str, network_id: str, since: datetime) -> int:
     """What the relay spent for the merchant on the network since ``since`` (smallest native unit)."""
-    total = db.session.scalar(
-        select(func.coalesce(func.sum(RelaySpend.amount_atomic), 0)).where(
-            RelaySpend.merchant_id == merchant_id, RelaySpend.network == network_id, RelaySpend.created_at > since
-        )
-    )
+    total = db.session.scalar(_SPENT, {"merchant_id": merchant_id, "network": network_id, "since": since})
     return int(total or 0)
 
 
@@ -120,11 +128,8 @@ def max_settlement_cost(network: Network, settings: Settings, merchant_id: str) 
     if not rail.cost_learned_from_history():
         return floor
     recorded = db.session.scalar(
-        select(func.max(RelaySpend.amount_atomic)).where(
-            RelaySpend.merchant_id == merchant_id,
-            RelaySpend.network == network.network,
-            RelaySpend.created_at > clock.now() - window(settings),
-        )
+        _LARGEST_CHARGE,
+        {"merchant_id": merchant_id, "network": network.network, "since": clock.now() - window(settings)},
     )
     return max(floor, min(int(recorded or 0), EVM_HISTORY_CAP * floor))
 

@@ -117,7 +117,7 @@ def submit_payment(
             network = services.network_of(registry, submission.network)
         with step("check_pay_to_current"):
             # The payTo the buyer is asked to sign must still be the merchant's wallet (checked again in the claim).
-            services.check_pay_to_current(intent, network.network, requirement["payTo"])
+            services.check_pay_to_current(intent.merchant_id, network.network, requirement["payTo"])
         with step("check_asset_current"):
             if requirement["asset"].lower() != network.usdc_address.lower():
                 raise DomainError(
@@ -130,8 +130,9 @@ def submit_payment(
             terms = rail.parse_payment(network, requirement, submission.payload, intent.id, now)
         # The chain's checks wait on RPCs: no database connection is held across them (a gunicorn worker runs more
         # threads than its pool has connections). Rollback, not close: the intent stays in the session (expired,
-        # reloaded by the claim). Nothing is pending: everything so far only read.
-        merchant = intent.merchant_id
+        # read again only if a refusal needs it: the claim is given its id and merchant). Nothing is pending:
+        # everything so far only read.
+        claimed_id, merchant = intent.id, intent.merchant_id
         db.session.rollback()
         with step("check_on_chain"):
             checked = rail.check_on_chain(network, requirement, terms, _ReadThenRelease())
@@ -139,7 +140,8 @@ def submit_payment(
             admit = _budget(merchant, network, checked.terms, settings)
         with step("claim"):
             settlement_id = services.claim(
-                intent,
+                claimed_id,
+                merchant,
                 network,
                 checked.terms,
                 checked.start_block,
@@ -233,17 +235,15 @@ def _budget(merchant_id: str, network: Network, terms: Terms, settings: Settings
 
 def settlement_result(settlement_id: str) -> dict[str, Any]:
     """The /pay answer for a settlement: its success data, or the error it ended with."""
-    settlement = services.get_settlement(settlement_id)
+    settlement = services.settlement_outcome(settlement_id)  # one statement, its intent's paid_at with it
     assert settlement is not None
     if settlement.status == st.CONFIRMED:
-        intent = db.session.get(Intent, settlement.intent_id, populate_existing=True)
-        assert intent is not None
         return {
             "tx_hash": settlement.tx_hash,
-            "settled_at": clock.isoformat(intent.paid_at),
+            "settled_at": clock.isoformat(settlement.paid_at),
             "amount_usdc": from_atomic(settlement.amount_atomic),
             "network": settlement.network,
-            "intent_id": intent.id,
+            "intent_id": settlement.intent_id,
             "buyer_address": settlement.payer,
         }
     if settlement.status == st.FAILED:

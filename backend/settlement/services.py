@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, func, select, update
+from sqlalchemy import Row, bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from backend import clock
@@ -25,7 +25,7 @@ from backend.chains.registry import ChainRegistry, Network
 from backend.errors import DomainError, echo
 from backend.events.models import Event
 from backend.events.services import record_event
-from backend.extensions import db, rowcount
+from backend.extensions import UTCDateTime, db, rowcount
 from backend.ids import prefixed_id
 from backend.intents.models import PAID, PENDING, Intent
 from backend.intents.services import effective_status
@@ -83,19 +83,41 @@ def requirement_for(
     )
 
 
-# Built once (a /pay runs each of these once or twice): the merchant's wallet on a network, and open settlements.
-_CURRENT_WALLET = select(Wallet.address).where(
-    Wallet.merchant_id == bindparam("merchant_id"), Wallet.network == bindparam("network")
+# Built once, on the tables (Core: no ORM compile or result machinery per run; a /pay runs each once or twice): the
+# merchant's wallet on a network, open settlements, and the claim's own statements.
+_WALLETS, _SETTLEMENTS, _INTENTS = Wallet.__table__, Settlement.__table__, Intent.__table__
+_CURRENT_WALLET = select(_WALLETS.c.address).where(
+    _WALLETS.c.merchant_id == bindparam("merchant_id"), _WALLETS.c.network == bindparam("network")
 )
 _CURRENT_WALLET_LOCKED = _CURRENT_WALLET.with_for_update()
-_OPEN = select(func.count()).select_from(Settlement).where(Settlement.status.in_(st.OPEN))
-_OPEN_OF_PAYER = _OPEN.where(Settlement.payer == bindparam("payer"))
+_OPEN = select(func.count()).select_from(_SETTLEMENTS).where(_SETTLEMENTS.c.status.in_(st.OPEN))
+_OPEN_OF_PAYER = _OPEN.where(_SETTLEMENTS.c.payer == bindparam("payer"))
 _OPEN_OF_MERCHANT = _OPEN.where(
-    Settlement.merchant_id == bindparam("merchant_id"), Settlement.network == bindparam("network")
+    _SETTLEMENTS.c.merchant_id == bindparam("merchant_id"), _SETTLEMENTS.c.network == bindparam("network")
 )
+# The claim's counts, both in one statement when it needs both (read under both locks).
+_OPEN_OF_BOTH = select(_OPEN_OF_MERCHANT.scalar_subquery(), _OPEN_OF_PAYER.scalar_subquery())
+_INSERT_SETTLEMENT = _SETTLEMENTS.insert()
+_NOW = bindparam("now", type_=UTCDateTime())
+# The claim's conditional update: the one place an intent gets its settlement (exactly once, see the module).
+_CLAIM_INTENT = (
+    _INTENTS.update()
+    .where(
+        _INTENTS.c.id == bindparam("intent_id"),
+        _INTENTS.c.status == PENDING,
+        _INTENTS.c.settlement_id.is_(None),
+        _INTENTS.c.expires_at > _NOW,
+    )
+    .values(settlement_id=bindparam("settlement_id"), updated_at=_NOW)
+)
+# SQLite's claim lock: a write, which takes the database's write lock at once and holds it to the commit.
+_TOUCH_INTENT = (
+    _INTENTS.update().where(_INTENTS.c.id == bindparam("intent_id")).values(updated_at=_INTENTS.c.updated_at)
+)
+_ADVISORY_LOCK = select(func.pg_advisory_xact_lock(bindparam("lock_class"), func.hashtext(bindparam("key"))))
 
 
-def check_pay_to_current(intent: Intent, network_id: str, pay_to: str, *, lock: bool = False) -> None:
+def check_pay_to_current(merchant_id: str, network_id: str, pay_to: str, *, lock: bool = False) -> None:
     """Refuse a payment to a payTo that is no longer the merchant's wallet on the network (409
     REQUIREMENT_OUTDATED): the merchant changed or removed it after the intent was created.
 
@@ -105,7 +127,7 @@ def check_pay_to_current(intent: Intent, network_id: str, pay_to: str, *, lock: 
     change waits for a claim in progress, and a claim after the change sees the new wallet (PostgreSQL;
     SQLite serializes writers anyway).
     """
-    params = {"merchant_id": intent.merchant_id, "network": network_id}
+    params = {"merchant_id": merchant_id, "network": network_id}
     current = db.session.scalar(_CURRENT_WALLET_LOCKED if lock else _CURRENT_WALLET, params)
     if current is None or not rail_of_network_id(network_id).same_address(current, pay_to):
         raise DomainError(
@@ -176,18 +198,23 @@ def record_failed_attempt(intent: Intent, reason: str, code: str) -> bool:
 _CLAIM_LOCK_CLASS = 0x5354
 
 
-def _claim_lock(intent_id: str, lock_class: int, key: str) -> None:
-    """Until this transaction ends, no other claim holding (``lock_class``, ``key``) passes this point."""
+def _claim_locks(intent_id: str, locks: list[tuple[int, str]]) -> None:
+    """Until this transaction ends, no other claim holding any of ``locks`` ((lock class, key), taken in their
+    order) passes this point."""
+    if not locks:
+        return
     if db.engine.dialect.name == "postgresql":
-        db.session.execute(select(func.pg_advisory_xact_lock(lock_class, func.hashtext(key))))
+        for lock_class, key in locks:
+            db.session.execute(_ADVISORY_LOCK, {"lock_class": lock_class, "key": key})
     else:
-        # SQLite: a write takes the database's write lock at once and holds it to the commit (claims queue there).
-        db.session.execute(update(Intent).where(Intent.id == intent_id).values(updated_at=Intent.updated_at))
+        # SQLite: a write takes the database's write lock at once and holds it to the commit (claims queue there):
+        # one write holds every lock.
+        db.session.execute(_TOUCH_INTENT, {"intent_id": intent_id})
 
 
-def _lock_merchant_network(intent_id: str, merchant_id: str, network_id: str) -> None:
-    """Until this transaction ends, no other claim of the merchant on the network passes this point."""
-    _claim_lock(intent_id, _CLAIM_LOCK_CLASS, f"{merchant_id}|{network_id}")
+def _merchant_network_lock(merchant_id: str, network_id: str) -> tuple[int, str]:
+    """No other claim of the merchant on the network passes while this is held."""
+    return _CLAIM_LOCK_CLASS, f"{merchant_id}|{network_id}"
 
 
 # pg_advisory_xact_lock's first key for the cap per payer: one claim of a payer at a time (see ``claim``).
@@ -196,10 +223,10 @@ _PAYER_LOCK_CLASS = 0x5350
 PAYER_RETRY_SECONDS = 30
 
 
-def _lock_payer(intent_id: str, payer: str) -> None:
-    """Until this transaction ends, no other claim by the payer passes this point (taken after the
-    (merchant, network) lock, never before it: no two claims wait on each other in opposite order)."""
-    _claim_lock(intent_id, _PAYER_LOCK_CLASS, payer)
+def _payer_lock(payer: str) -> tuple[int, str]:
+    """No other claim by the payer passes while this is held (taken after the (merchant, network) lock, never
+    before it: no two claims wait on each other in opposite order)."""
+    return _PAYER_LOCK_CLASS, payer
 
 
 def count_open_of_payer(payer: str) -> int:
@@ -224,7 +251,8 @@ def count_open(merchant_id: str, network_id: str) -> int:
 
 
 def claim(
-    intent: Intent,
+    intent_id: str,
+    merchant_id: str,
     network: Network,
     terms: Terms,
     start_block: int | None,
@@ -232,7 +260,7 @@ def claim(
     *,
     max_open_per_payer: int = 0,
 ) -> str:
-    """Atomically make a new settlement the holder of the intent; returns its id.
+    """Atomically make a new settlement the holder of the intent ``intent_id`` (of ``merchant_id``); returns its id.
 
     Works the same on SQLite and PostgreSQL: the conditional UPDATE succeeds for one caller only.
     ``admit(open_settlements)``, if given, decides in the same transaction whether the merchant may commit the
@@ -242,54 +270,55 @@ def claim(
 
     ``max_open_per_payer`` (0: none): the payer may have at most that many settlements open at once, over
     every merchant and network (429 PAYER_TOO_MANY_OPEN_PAYMENTS), counted under a lock per payer.
+
+    Core statements built once, no ORM object: the intent is read again only when the conditional update fails
+    (to say why). On any refusal the transaction is rolled back: nothing is half-written.
     """
     now = clock.now()
     open_settlements = open_of_payer = 0
     try:
-        check_pay_to_current(intent, network.network, terms.pay_to, lock=True)
+        check_pay_to_current(merchant_id, network.network, terms.pay_to, lock=True)
     except DomainError:
         db.session.rollback()
         raise
-    if admit is not None:
-        _lock_merchant_network(intent.id, intent.merchant_id, network.network)
-        open_settlements = count_open(intent.merchant_id, network.network)
+    locks = [_merchant_network_lock(merchant_id, network.network)] if admit is not None else []
     if max_open_per_payer:
-        _lock_payer(intent.id, terms.payer)
+        locks.append(_payer_lock(terms.payer))
+    _claim_locks(intent_id, locks)
+    # Counted once every lock is held (one statement when both are wanted).
+    if admit is not None and max_open_per_payer:
+        counted = db.session.execute(
+            _OPEN_OF_BOTH, {"merchant_id": merchant_id, "network": network.network, "payer": terms.payer}
+        ).one()
+        open_settlements, open_of_payer = int(counted[0] or 0), int(counted[1] or 0)
+    elif admit is not None:
+        open_settlements = count_open(merchant_id, network.network)
+    elif max_open_per_payer:
         open_of_payer = count_open_of_payer(terms.payer)
     settlement_id = prefixed_id("stl")
-    db.session.add(
-        Settlement(
-            id=settlement_id,
-            intent_id=intent.id,
-            merchant_id=intent.merchant_id,
-            network=network.network,
-            asset=network.usdc_address,
-            **rail_for(network).columns_of(terms),  # payer, pay_to, amount_atomic, nonce and the rail's own
-            status=st.PENDING,
-            start_block=start_block,
-            created_at=now,
-            updated_at=now,
-        )
-    )
+    row = {
+        "id": settlement_id,
+        "intent_id": intent_id,
+        "merchant_id": merchant_id,
+        "network": network.network,
+        "asset": network.usdc_address,
+        **rail_for(network).columns_of(terms),  # payer, pay_to, amount_atomic, nonce and the rail's own
+        "status": st.PENDING,
+        "start_block": start_block,
+        "created_at": now,
+        "updated_at": now,
+    }
     try:
-        db.session.flush()
+        db.session.execute(_INSERT_SETTLEMENT, row)
     except IntegrityError:
         db.session.rollback()
         raise DomainError("NONCE_ALREADY_USED", "This authorization (payer and nonce) was already submitted") from None
-    claimed = db.session.execute(
-        update(Intent)
-        .where(
-            Intent.id == intent.id,
-            Intent.status == PENDING,
-            Intent.settlement_id.is_(None),
-            Intent.expires_at > now,
-        )
-        .values(settlement_id=settlement_id, updated_at=now)
-    )
+    claimed = db.session.execute(_CLAIM_INTENT, {"intent_id": intent_id, "now": now, "settlement_id": settlement_id})
     if rowcount(claimed) != 1:
         db.session.rollback()
-        db.session.refresh(intent)
-        check_payable(intent, now)
+        intent = db.session.get(Intent, intent_id, populate_existing=True)
+        if intent is not None:
+            check_payable(intent, now)
         raise DomainError("PAYMENT_IN_PROGRESS", "A payment for this intent is being settled; read the intent")
     if max_open_per_payer and open_of_payer >= max_open_per_payer:
         db.session.rollback()  # after the claim: a payment already in progress is told so first
@@ -306,6 +335,24 @@ def claim(
 
 def get_settlement(settlement_id: str) -> Settlement | None:
     return db.session.get(Settlement, settlement_id, populate_existing=True)
+
+
+# A settlement's outcome with its intent's paid_at (the /pay answer): one statement, read fresh (no ORM object).
+_OUTCOME = (
+    select(
+        *(_SETTLEMENTS.c[name] for name in ("status", "tx_hash", "amount_atomic", "network", "intent_id", "payer")),
+        _SETTLEMENTS.c.failure_reason,
+        _INTENTS.c.paid_at,
+    )
+    .join_from(_SETTLEMENTS, _INTENTS, _INTENTS.c.id == _SETTLEMENTS.c.intent_id)
+    .where(_SETTLEMENTS.c.id == bindparam("settlement_id"))
+)
+
+
+def settlement_outcome(settlement_id: str) -> Row[*tuple[Any, ...]] | None:
+    """The settlement's status, tx_hash, amount_atomic, network, intent_id, payer and failure_reason, and its
+    intent's paid_at; None if there is no such settlement."""
+    return db.session.execute(_OUTCOME, {"settlement_id": settlement_id}).first()
 
 
 def settlement_counts() -> dict[tuple[str, str], int]:

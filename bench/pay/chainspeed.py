@@ -198,6 +198,8 @@ def run_scenario(
         f"{reads}; problems: {len(outcome.problems)}",
         flush=True,
     )
+    groups = ", ".join(f"{k} {1000 * v / settled:.1f}" for k, v in sorted(used.items(), key=lambda kv: -kv[1]))
+    print(f"    CPU ms per settlement by process group: {groups}", flush=True)
     for problem in outcome.problems:
         print(f"    PROBLEM {problem}", flush=True)
     return outcome

@@ -144,7 +144,7 @@ def land_first_payment(app: Any, chain: FakeChain, shop: Any, owner: Keypair, mi
     auth = solana.SolanaAuthorization(payer=payment.payer, pay_to=requirement["payTo"], value=payment.amount_atomic,
                                       last_valid_block_height=10 + 300, nonce_hex="0x" + payment.message_hash,
                                       transaction=stx.encode(tx))  # fmt: skip
-    settlement_id = services.claim(row, app.extensions["payintent.chains"].get(NET), auth, None)
+    settlement_id = services.claim(row.id, row.merchant_id, app.extensions["payintent.chains"].get(NET), auth, None)
     signature = str(tx.signatures[0])
     services.mark_submitted(settlement_id, signature, str(RELAY.pubkey()), relay_nonce=None)
     chain.tokens[ata(owner, mint)] = 1_000_000  # the account is opened (the buyer's rent) and the payment lands

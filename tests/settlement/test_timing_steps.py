@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from sqlalchemy import event
 from sqlalchemy.orm.attributes import flag_modified
 
 from backend import timing
@@ -138,3 +139,61 @@ def test_the_chain_reads_before_the_claim_are_one_round_trip(pay_app, pay_client
     assert response.status_code == 200, response.get_json()
     (batch,) = recorder.reads
     assert [call["method"] for call in batch] == ["eth_call", "eth_getCode", "eth_call", "eth_getBlockByNumber"]
+
+
+def test_the_claim_and_the_answer_make_few_statements(pay_app, pay_client, shop, devnet):
+    """The claim reads no intent (the pre-claim rollback's expired one is not reloaded), counts both open caps in one
+    statement under both locks, inserts and makes its conditional update as plain statements and commits once; the
+    answer is one statement (the settlement with its intent's paid_at)."""
+    with pay_app.app_context():
+        engine = db.engine
+    statements: dict[str, list[str]] = {}
+    commits: dict[str, int] = {}
+
+    class Counting(Recorder):
+        current: list[str] = []
+
+        @contextlib.contextmanager
+        def __call__(self, name: str) -> Iterator[None]:
+            self.current.append(name)
+            try:
+                with super().__call__(name):
+                    yield
+            finally:
+                self.current.pop()
+
+    recorder = Counting()
+
+    def capture(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if recorder.current:
+            statements.setdefault(recorder.current[-1], []).append(" ".join(statement.split()))
+
+    def commit(conn: Any) -> None:
+        if recorder.current:
+            commits[recorder.current[-1]] = commits.get(recorder.current[-1], 0) + 1
+
+    intent = create_intent(pay_client, shop)
+    payload = sign_authorization(devnet.buyer(0).key, requirement(intent, NETWORK))
+    event.listen(engine, "before_cursor_execute", capture)
+    event.listen(engine, "commit", commit)
+    try:
+        with timing.recording(recorder):
+            response = pay(pay_client, shop, intent, NETWORK, payload)
+    finally:
+        event.remove(engine, "before_cursor_execute", capture)
+        event.remove(engine, "commit", commit)
+    assert response.status_code == 200, response.get_json()
+    claim = statements["claim"]
+    postgresql = engine.dialect.name == "postgresql"
+    expected = [
+        "SELECT wallets.address FROM wallets",  # locked (PostgreSQL: FOR UPDATE)
+        *(["SELECT pg_advisory_xact_lock"] * 2 if postgresql else ["UPDATE intents SET updated_at=intents.updated_at"]),
+        "SELECT (SELECT count(*)",  # the merchant's and the payer's open settlements
+        "INSERT INTO settlements",
+        "UPDATE intents SET updated_at=",  # the conditional update
+        "SELECT coalesce(sum(relay_spending.amount_atomic)",  # the relay budget's admit
+    ]
+    assert len(claim) == len(expected) and all(s.startswith(e) for s, e in zip(claim, expected, strict=True)), claim
+    assert commits == {"claim": 1}
+    (answer,) = statements["settlement_result"]
+    assert "JOIN intents" in answer
