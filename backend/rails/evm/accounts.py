@@ -9,7 +9,9 @@ processes each holds its share; when none is free it waits (``RelayUnavailable``
 found taken by another process, or gone, at renewal is given up at once (the account is no longer used here; leased
 again later, it starts afresh). A second thread repairs the owned accounts and adopts free ones a dead relayer left
 with an unmined nonce (``adopt``). Every broadcast from a leased account checks the lease right before it
-(``broadcast``).
+(``broadcast``), is never retried once the lease is not surely ours, and a release (``release``, at exit) waits for
+the broadcasts under way before freeing the lease. A key still holding this pool's own token (its renewals failed
+while Redis stalled, so the account was given up here) is taken again at once: nobody else held it meanwhile.
 
 On first use of an account its ``NonceManager`` starts after every nonce that may have been used (the chain's
 pending count, the Redis hint, and the highest ``relay_nonce`` a settlement recorded: ``recorded_nonce``, given by
@@ -29,14 +31,16 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import requests
 from eth_account.signers.local import LocalAccount
-from redis import Redis
+from redis import ConnectionPool, Redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from web3.exceptions import Web3RPCError
 
-from backend.chains.evm import EvmChain
+from backend.chains.evm import RPC_CONNECT_ATTEMPTS, RPC_CONNECT_TIMEOUT_SECONDS, EvmChain
 from backend.rails.evm.nonces import NonceManager
 from backend.rails.evm.pipeline import shared_watcher
 from backend.rails.evm.relay import LEASE_KEY, RelayUnavailable, fees
@@ -48,6 +52,15 @@ RENEW_SECONDS = 3.0  # how often the leases are renewed
 # A lease is used for a broadcast only until this long before it may lapse in Redis (measured from the start of the
 # renewal that set it, on the monotonic clock): room for a pause (GC, a stopped VM) between the check and the send.
 LEASE_MARGIN_SECONDS = 5.0
+# Each renewal's Redis call gives up after this long (no retry), so a stalled Redis or a connection that went dead
+# (a failover, a dropped route) never holds the renewer past the lease: the next round uses a new connection.
+RENEW_TIMEOUT_SECONDS = 1.0
+# A release (a clean stop) waits at most this long for the broadcasts under way from an account before deleting its
+# key; one still under way then keeps the key, which lapses by itself (``LEASE_SECONDS``). A new lease here of an
+# account given up (lapsed, lost) waits as long for its last lease's broadcasts, else is tried again later.
+RELEASE_WAIT_SECONDS = 3.0
+# A broadcast's connection is made within RPC_CONNECT_TIMEOUT_SECONDS, and sent at once: within the margin.
+assert RPC_CONNECT_TIMEOUT_SECONDS < LEASE_MARGIN_SECONDS
 REPAIR_SECONDS = 3.0  # how often the nonces the node lacks below an account's next nonce are filled
 ADOPT_SECONDS = 15.0  # how often free accounts are looked at for a dead relayer's unmined nonces (``adopt``)
 RecordedNonce = Callable[[str, str], "int | None"]  # (network, relay address) -> highest relay_nonce recorded
@@ -57,10 +70,13 @@ RecordedNonce = Callable[[str, str], "int | None"]  # (network, relay address) -
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) end return 0"
 _DELETE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 # A free key is set; one holding another process of this identity's value (``ARGV[2]``, never this process's own:
-# ``ARGV[3]``) is taken over: that process held this identity's slot, which this one holds now, so it is dead.
+# ``ARGV[3]``) is taken over: that process held this identity's slot, which this one holds now, so it is dead. One
+# still holding this pool's own token (``ARGV[1]``: given up here when its renewals failed, yet never lapsed, so no
+# other process held it since) is this pool's again, renewed.
 _ACQUIRE = """
 local held = redis.call('get', KEYS[1])
 if not held then redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[4]) return 1 end
+if held == ARGV[1] then redis.call('expire', KEYS[1], ARGV[4]) return 3 end
 if ARGV[2] ~= '' and string.sub(held, 1, #ARGV[2]) == ARGV[2] and string.sub(held, 1, #ARGV[3]) ~= ARGV[3] then
   redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[4]) return 2
 end
@@ -79,9 +95,20 @@ class Owned:
     valid_until: float = 0.0
     given_up: bool = False  # lost or released: never valid again, whatever a renewal in flight does
     adopted: bool = False  # leased to fill a dead relayer's gaps: no new sends; released once all is mined
+    # The broadcasts under way (``broadcast``: counted under ``sends`` with their lease check), waited for by a
+    # release (``close``), which gives the account up under the same lock: none starts after it.
+    sending: int = 0
+    sends: threading.Condition = field(default_factory=threading.Condition, repr=False, compare=False)
 
     def valid(self) -> bool:
         return not self.given_up and time.monotonic() < self.valid_until
+
+    def close(self, deadline: float) -> bool:
+        """Given up (no broadcast starts from it any more); True once none is under way, False if one still was at
+        ``deadline`` (monotonic): then its key must be left to lapse."""
+        with self.sends:
+            self.given_up = True
+            return self.sends.wait_for(lambda: self.sending == 0, timeout=max(0.0, deadline - time.monotonic()))
 
 
 class LeaseLost(Exception):
@@ -90,10 +117,28 @@ class LeaseLost(Exception):
 
 def broadcast(chain: EvmChain, owned: Owned, raw: bytes) -> None:
     """Check then broadcast: ``raw`` is sent only while this process surely holds ``owned``'s lease, checked right
-    before the send (``LeaseLost`` otherwise). Every broadcast from a leased account goes through here."""
-    if not owned.valid():
-        raise LeaseLost(owned.account.address)
-    chain.w3.eth.send_raw_transaction(raw)
+    before the send (``LeaseLost`` otherwise). Every broadcast from a leased account goes through here.
+
+    web3 never retries eth_sendRawTransaction (``backend.chains.evm``); a refused or reset connection is tried again
+    here, up to ``RPC_CONNECT_ATTEMPTS`` tries in all, each only after the lease is checked again: never once it is
+    not surely ours (the error is raised: the node may hold the first try). A release waits for the sends under way
+    (``Owned.close``)."""
+    for attempt in range(1, RPC_CONNECT_ATTEMPTS + 1):
+        with owned.sends:
+            if not owned.valid():
+                raise LeaseLost(owned.account.address)
+            owned.sending += 1
+        try:
+            chain.w3.eth.send_raw_transaction(raw)
+            return
+        except requests.ConnectionError:
+            if attempt == RPC_CONNECT_ATTEMPTS or not owned.valid():
+                raise
+        finally:
+            with owned.sends:
+                owned.sending -= 1
+                owned.sends.notify_all()
+        time.sleep(0.1 * attempt)
 
 
 class AccountPool:
@@ -124,6 +169,10 @@ class AccountPool:
         self._renewer: threading.Thread | None = None
         self._repairer: threading.Thread | None = None
         self._starting: set[str] = set()  # accounts whose start runs now (outside ``_lock``)
+        # The last ``Owned`` given up per account (lapsed or lost): a new lease here starts only once none of its
+        # broadcasts is under way (a new start reads the chain's count, which that broadcast may not be in yet).
+        self._retired: dict[str, Owned] = {}
+        self._renewer_redis = _with_timeout(redis, RENEW_TIMEOUT_SECONDS)  # the renewals' client (socket timeout)
 
     def owned(self) -> list[str]:
         with self._lock:
@@ -143,7 +192,8 @@ class AccountPool:
                     # Not renewed in time (a paused process, Redis away): another process may own it now.
                     log.error("relay account %s on %s: lease not renewed in time; no longer used by this process",
                               address, self.network)  # fmt: skip
-                    self._owned.pop(address).given_up = True  # a renewal in flight never makes it valid again
+                    retired = self._retired[address] = self._owned.pop(address)
+                    retired.given_up = True  # a renewal in flight never makes it valid again
                 usable = [o for address, o in self._owned.items() if address not in skip]
                 # An adopted account (filling a dead relayer's gaps) only when no other is usable: then it is ours.
                 usable = [o for o in usable if not o.adopted] or usable
@@ -194,6 +244,12 @@ class AccountPool:
         if not reserved and not self._reserve(address):
             return None
         try:
+            with self._lock:
+                retired = self._retired.pop(address, None)
+            if retired is not None and not retired.close(time.monotonic() + RELEASE_WAIT_SECONDS):
+                with self._lock:
+                    self._retired.setdefault(address, retired)
+                return None  # a broadcast from its last lease here still under way: not started again yet
             key = LEASE_KEY.format(self.network, address)
             began = time.monotonic()
             if not self._acquire(key):
@@ -295,6 +351,8 @@ class AccountPool:
         more (``valid`` is False from now on, checked right before each broadcast)."""
         with self._lock:
             owned = self._owned.pop(address, None)
+            if owned is not None:
+                self._retired[address] = owned
         if owned is not None:
             owned.given_up = True
             owned.valid_until = 0.0
@@ -304,8 +362,8 @@ class AccountPool:
         with self._lock:
             if self._owned.get(owned.account.address) is owned:
                 del self._owned[owned.account.address]
-        owned.given_up = True
-        self._delete_key(owned.key)
+        if owned.close(time.monotonic() + RELEASE_WAIT_SECONDS):
+            self._delete_key(owned.key)
         log.info("relay account %s on %s: adopted account released (all its nonces mined)", owned.account.address,
                  self.network)  # fmt: skip
 
@@ -316,13 +374,15 @@ class AccountPool:
         got = int(self.redis.eval(_ACQUIRE, 1, key, self.token, mine, this_process, self.lease_seconds))
         if got == 2:
             log.warning("relay account lease %s taken back from a dead relayer of this identity slot", key)
+        elif got == 3:
+            log.warning("relay account lease %s still held by this process (renewals failed): taken again", key)
         return got > 0
 
     def _valid_for(self) -> float:
         return self.lease_seconds - min(LEASE_MARGIN_SECONDS, self.lease_seconds / 2)
 
     def _renew_key(self, key: str) -> bool:
-        return bool(self.redis.eval(_RENEW, 1, key, self.token, self.lease_seconds))
+        return bool(self._renewer_redis.eval(_RENEW, 1, key, self.token, self.lease_seconds))
 
     def _renew(self, owned: Owned) -> bool:
         """``owned``'s lease renewed (compare-and-set): True and valid for longer, else False (never valid again)."""
@@ -410,14 +470,32 @@ class AccountPool:
         return adopted
 
     def release(self) -> None:
-        """Give up every account (a clean stop: another process may take them at once)."""
+        """Give up every account (a clean stop: another process may take them at once). No broadcast starts from
+        them any more; each key is deleted once the broadcasts under way from its account are done (waited for up
+        to ``RELEASE_WAIT_SECONDS`` in all), else left to lapse."""
         self._stop.set()
         with self._lock:
             owned, self._owned = self._owned, {}
         for entry in owned.values():
-            entry.given_up = True  # no thread of this process broadcasts from it any more
+            entry.given_up = True  # no broadcast from any of them starts from now on
+        deadline = time.monotonic() + RELEASE_WAIT_SECONDS
+        for entry in owned.values():
+            if not entry.close(deadline):
+                log.warning("relay account %s on %s: a broadcast still under way at the release; its lease is left "
+                            "to lapse", entry.account.address, self.network)  # fmt: skip
+                continue
             with contextlib.suppress(Exception):
                 self._delete_key(entry.key)
+
+
+def _with_timeout(redis: Redis, seconds: float) -> Redis:
+    """A client of ``redis``'s server whose calls fail after ``seconds`` (connecting, or waiting for an answer), and
+    are never retried."""
+    pool = redis.connection_pool
+    kwargs = {**pool.connection_kwargs, "socket_timeout": seconds, "socket_connect_timeout": seconds}
+    kwargs["retry"] = Retry(NoBackoff(), 0)
+    kwargs.pop("retry_on_timeout", None)
+    return Redis(connection_pool=ConnectionPool(connection_class=pool.connection_class, **kwargs))
 
 
 def node_answered(exc: BaseException) -> bool:
