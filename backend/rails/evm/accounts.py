@@ -123,17 +123,21 @@ def broadcast(chain: EvmChain, owned: Owned, raw: bytes) -> None:
     here, up to ``RPC_CONNECT_ATTEMPTS`` tries in all, each only after the lease is checked again: never once it is
     not surely ours (the error is raised: the node may hold the first try). A release waits for the sends under way
     (``Owned.close``)."""
+    failed: requests.ConnectionError | None = None
     for attempt in range(1, RPC_CONNECT_ATTEMPTS + 1):
         with owned.sends:
             if not owned.valid():
+                if failed is not None:
+                    raise failed  # not LeaseLost: the node may hold the try that failed
                 raise LeaseLost(owned.account.address)
             owned.sending += 1
         try:
             chain.w3.eth.send_raw_transaction(raw)
             return
-        except requests.ConnectionError:
-            if attempt == RPC_CONNECT_ATTEMPTS or not owned.valid():
+        except requests.ConnectionError as exc:
+            if attempt == RPC_CONNECT_ATTEMPTS:
                 raise
+            failed = exc
         finally:
             with owned.sends:
                 owned.sending -= 1
