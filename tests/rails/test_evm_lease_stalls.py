@@ -177,7 +177,10 @@ def test_a_release_leaves_the_key_to_lapse_when_a_broadcast_outlasts_its_wait(
     node.redis.delete(key)
 
 
-def test_a_lease_taken_again_here_waits_for_the_lapsed_ones_broadcast_under_way(node: Chain):  # noqa: F811
+def test_a_lease_taken_again_here_waits_for_the_lapsed_ones_broadcast_under_way(
+    node: Chain,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+):
     """Its own key taken again at once after a stall: the new start must not read the chain's count (and reuse a
     nonce) while a broadcast that passed the lapsed lease's check is still on its way to the node."""
     account = node.relay_account()
@@ -186,7 +189,7 @@ def test_a_lease_taken_again_here_waits_for_the_lapsed_ones_broadcast_under_way(
     with _SlowSends(node.network.rpc_url or "", delay=1.5) as proxy:
         try:
             first = pool.take(wait_seconds=1)
-            pool._stop.set()  # no renewal from now on (Redis stalled)
+            monkeypatch.setattr(pool, "renew", lambda: True)  # no renewal from now on (Redis stalled)
             sending = _broadcasting(_via(node, proxy.url), first, _cancel(node, first))
             assert proxy.arrived.wait(5)
             first.valid_until = 0.0  # its validity ran out meanwhile; the key is still this pool's

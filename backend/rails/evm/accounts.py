@@ -8,10 +8,11 @@ holds one account and leases another only when every one it holds is left aside 
 processes each holds its share; when none is free it waits (``RelayUnavailable`` after ``wait_seconds``). A lease
 found taken by another process, or gone, at renewal is given up at once (the account is no longer used here; leased
 again later, it starts afresh). A second thread repairs the owned accounts and adopts free ones a dead relayer left
-with an unmined nonce (``adopt``). Every broadcast from a leased account checks the lease right before it
-(``broadcast``), is never retried once the lease is not surely ours, and a release (``release``, at exit) waits for
-the broadcasts under way before freeing the lease. A key still holding this pool's own token (its renewals failed
-while Redis stalled, so the account was given up here) is taken again at once: nobody else held it meanwhile.
+with an unmined nonce (``adopt``). Every broadcast from a leased account (the watcher's rebroadcast too:
+``Owned.resend``) checks the lease right before it (``broadcast``), is never retried once the lease is not surely
+ours, and a release (``release``, at exit) waits for the broadcasts under way before freeing the lease. A key still
+holding this pool's own token (its renewals failed while Redis stalled, so the account was given up here) is taken
+again at once: nobody else held it meanwhile.
 
 On first use of an account its ``NonceManager`` starts after every nonce that may have been used (the chain's
 pending count, the Redis hint, and the highest ``relay_nonce`` a settlement recorded: ``recorded_nonce``, given by
@@ -37,6 +38,7 @@ import requests
 from eth_account.signers.local import LocalAccount
 from redis import ConnectionPool, Redis
 from redis.backoff import NoBackoff
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from web3.exceptions import Web3RPCError
 
@@ -55,6 +57,9 @@ LEASE_MARGIN_SECONDS = 5.0
 # Each renewal's Redis call gives up after this long (no retry), so a stalled Redis or a connection that went dead
 # (a failover, a dropped route) never holds the renewer past the lease: the next round uses a new connection.
 RENEW_TIMEOUT_SECONDS = 1.0
+# After a renewal that failed (a timeout, a reset) the next is tried this soon, not ``RENEW_SECONDS`` later: one
+# failed round must not use up the lease's validity (7 s: renewals start at 3 s, 4.5 s, 6 s after the last good one).
+RENEW_RETRY_SECONDS = 0.5
 # A release (a clean stop) waits at most this long for the broadcasts under way from an account before deleting its
 # key; one still under way then keeps the key, which lapses by itself (``LEASE_SECONDS``). A new lease here of an
 # account given up (lapsed, lost) waits as long for its last lease's broadcasts, else is tried again later.
@@ -109,6 +114,14 @@ class Owned:
         with self.sends:
             self.given_up = True
             return self.sends.wait_for(lambda: self.sending == 0, timeout=max(0.0, deadline - time.monotonic()))
+
+    def resend(self, chain: EvmChain, raw: bytes) -> bool:
+        """The watcher's rebroadcast (``pipeline.Resender``) through ``broadcast``; False: ``LeaseLost``, not sent."""
+        try:
+            broadcast(chain, self, raw)
+        except LeaseLost:
+            return False
+        return True
 
 
 class LeaseLost(Exception):
@@ -188,6 +201,8 @@ class AccountPool:
         candidates = [account for account in self.accounts if account.address not in skip]
         if not candidates:
             raise RelayUnavailable(f"no relay account of {self.network} to use")
+        if self._stop.is_set():
+            raise RelayUnavailable(f"the relay accounts of {self.network} were released (the relayer is stopping)")
         with self._lock:
             self._ensure_threads()  # started first, and again if one died
         while True:
@@ -248,6 +263,8 @@ class AccountPool:
         if not reserved and not self._reserve(address):
             return None
         try:
+            if self._stop.is_set():
+                return None  # released (a clean stop): a settlement thread outliving it leases nothing again
             with self._lock:
                 retired = self._retired.pop(address, None)
             if retired is not None and not retired.close(time.monotonic() + RELEASE_WAIT_SECONDS):
@@ -260,8 +277,14 @@ class AccountPool:
                 return None
             owned = Owned(account, NonceManager.for_chain(self.chain, address, self.redis), key, adopted=adopted)
             owned.valid_until = began + self._valid_for()
-            self._start(owned)
-            if not self._renew(owned):  # the start outlived the lease: not ours any more
+            try:
+                self._start(owned)
+                started = self._renew(owned)
+            except BaseException:
+                self._retire(owned)  # its fills (and their watcher entries) never sent from it again
+                raise
+            if not started:  # the start outlived the lease: not ours any more
+                self._retire(owned)
                 log.error("relay account %s on %s: lease lost during its start", address, self.network)
                 return None
             with self._lock:
@@ -270,6 +293,14 @@ class AccountPool:
         finally:
             with self._lock:
                 self._starting.discard(address)
+
+    def _retire(self, owned: Owned) -> None:
+        """``owned`` given up, and kept as its account's last lease here: a new lease of the account (which may take
+        its own key back at once: ``_ACQUIRE``) starts only once none of its broadcasts is under way."""
+        with owned.sends:
+            owned.given_up = True
+        with self._lock:
+            self._retired[owned.account.address] = owned
 
     def _start(self, owned: Owned) -> None:
         """Start the account's nonce manager after every nonce that may be used, and fill the gaps (cancels)."""
@@ -284,8 +315,8 @@ class AccountPool:
             # below it is filled, and is never replaced by a cancel (which, with fees risen, would evict it).
             self._fill_from_pending(owned, rounds=len(gaps) + 1, renewing=True)
         except BaseException:
-            owned.given_up = True
-            self._delete_key(owned.key)  # not started: not ours (the next job leases it again)
+            if owned.close(time.monotonic() + RELEASE_WAIT_SECONDS):  # a rebroadcast under way: the key lapses
+                self._delete_key(owned.key)  # not started: not ours (the next job leases it again)
             raise
         log.info("relay account %s on %s: owned by this process, next nonce %d", account.address, self.network,
                  manager.next_nonce)  # fmt: skip
@@ -368,6 +399,8 @@ class AccountPool:
                 del self._owned[owned.account.address]
         if owned.close(time.monotonic() + RELEASE_WAIT_SECONDS):
             self._delete_key(owned.key)
+        else:
+            self._retire(owned)  # its key (this pool's token) lapses; a new lease here waits for the broadcast
         log.info("relay account %s on %s: adopted account released (all its nonces mined)", owned.account.address,
                  self.network)  # fmt: skip
 
@@ -400,17 +433,27 @@ class AccountPool:
     def _delete_key(self, key: str) -> None:
         self.redis.eval(_DELETE, 1, key, self.token)
 
-    def renew(self) -> None:
+    def renew(self) -> bool:
         """Each owned account's lease renewed (compare-and-set on this process's token); one whose key holds
         another's token or is gone is given up. A gone key is never set again here: while it was gone another
         process may have leased the account, sent from it and died (recording nonces this process's manager never
         saw), so only a new lease (``take``/``lease``, whose start reads the chain and the records again) may use
-        the account again."""
+        the account again. Errors are caught per account; a timeout ends the round (each later call would wait as
+        long). False when one failed: the renewer tries again after ``RENEW_RETRY_SECONDS``."""
         with self._lock:
             held_here = [(address, owned) for address, owned in self._owned.items()]
+        renewed = True
         for address, owned in held_here:
-            if not self._renew(owned) and not owned.given_up:
-                self.lost(address)
+            try:
+                if not self._renew(owned) and not owned.given_up:
+                    self.lost(address)
+            except Exception as exc:  # Redis away, a reset: tried again soon (the lease lasts)
+                log.warning("relay account lease of %s on %s not renewed: %s", address, self.network,
+                            type(exc).__name__)  # fmt: skip
+                if isinstance(exc, RedisTimeoutError):
+                    return False
+                renewed = False
+        return renewed
 
     def _ensure_threads(self) -> None:
         """The renewer (renewals only: Redis round trips, never an RPC nor the database, so a slow node or a slow
@@ -418,11 +461,14 @@ class AccountPool:
         if self._renewer is None or not self._renewer.is_alive():
 
             def renewing() -> None:
-                while not self._stop.wait(min(RENEW_SECONDS, self.lease_seconds / 4)):
+                interval = min(RENEW_SECONDS, self.lease_seconds / 4)
+                wait = interval
+                while not self._stop.wait(wait):
                     try:
-                        self.renew()
-                    except Exception as exc:  # Redis away: tried again; the lease lasts lease_seconds
+                        wait = interval if self.renew() else min(RENEW_RETRY_SECONDS, interval)
+                    except Exception as exc:  # tried again soon; the lease lasts lease_seconds
                         log.warning("relay account leases of %s not renewed: %s", self.network, type(exc).__name__)
+                        wait = min(RENEW_RETRY_SECONDS, interval)
 
             self._renewer = threading.Thread(target=renewing, name=f"relay-leases-{self.network}", daemon=True)
             self._renewer.start()
@@ -485,11 +531,13 @@ class AccountPool:
         deadline = time.monotonic() + RELEASE_WAIT_SECONDS
         for entry in owned.values():
             if not entry.close(deadline):
+                self._retire(entry)
                 log.warning("relay account %s on %s: a broadcast still under way at the release; its lease is left "
                             "to lapse", entry.account.address, self.network)  # fmt: skip
                 continue
             with contextlib.suppress(Exception):
                 self._delete_key(entry.key)
+        self._renewer_redis.connection_pool.disconnect()
 
 
 def _with_timeout(redis: Redis, seconds: float) -> Redis:
@@ -523,7 +571,7 @@ def fill_nonce(chain: EvmChain, owned: Owned, nonce: int) -> str | None:
     try:
         signed = account.sign_transaction(manager.cancel_transaction(nonce, fees(chain)))
         tx_hash = "0x" + bytes(signed.hash).hex()
-        watcher.expect(tx_hash, bytes(signed.raw_transaction), owned.valid)
+        watcher.expect(tx_hash, bytes(signed.raw_transaction), owned)
         broadcast(chain, owned, bytes(signed.raw_transaction))
     except LeaseLost:
         log.warning("relay account %s on %s: nonce %d not filled (lease not surely ours)", account.address,

@@ -297,7 +297,7 @@ def _send(
             # the lease is renewed late after all (else the account's next owner does, at its start).
             manager.unfilled(nonce)
             raise LeftOpen(f"the lease of relay account {account.address} was not renewed in time", "lease-lost")
-        watcher.expect(tx_hash, raw, owned.valid)  # before the broadcast: no head can hold it unread
+        watcher.expect(tx_hash, raw, owned)  # before the broadcast: no head can hold it unread
         try:
             broadcast(chain, owned, raw)
         except LeaseLost:
@@ -374,7 +374,7 @@ def _replace(
         fill_nonce(chain, owned, nonce)
         raise
     raw = bytes(signed.raw_transaction)
-    watcher.expect(tx_hash, raw, owned.valid)
+    watcher.expect(tx_hash, raw, owned)
     try:
         broadcast(chain, owned, raw)
     except LeaseLost:
@@ -589,7 +589,7 @@ def _bump(chain: EvmChain, sent: _Sent, current_hash: str, cap: int, valid_befor
     sent.record(tx_hash, account.address, sent.nonce)
     raw = bytes(signed.raw_transaction)
     watcher = shared_watcher(chain)
-    watcher.expect(tx_hash, raw, sent.owned.valid)
+    watcher.expect(tx_hash, raw, sent.owned)
     try:
         broadcast(chain, sent.owned, raw)
     except LeaseLost:  # raised before sending: the replacement went nowhere
