@@ -12,7 +12,7 @@ from eth_typing import HexStr
 from eth_utils import keccak, to_checksum_address
 from web3 import Web3
 from web3.exceptions import Web3RPCError
-from web3.providers.rpc.utils import ExceptionRetryConfiguration
+from web3.providers.rpc.utils import REQUEST_RETRY_ALLOWLIST, ExceptionRetryConfiguration
 from web3.types import BlockIdentifier, RPCEndpoint
 
 from backend.chains.http import rpc_session
@@ -21,6 +21,9 @@ from backend.chains.registry import Network
 # One RPC call waits at most this long for an answer (read), and this long to connect. web3's own retry is
 # limited to one more try of a refused or reset connection: by default it retries timeouts five times (a
 # hung RPC then held each call a minute, and the reconcile pass with it). Callers retry at their level.
+# Never eth_sendRawTransaction (in web3's default list): a broadcast from a leased relay account is tried again only
+# while the lease is surely ours (``backend.rails.evm.accounts.broadcast``), never by web3 after its check.
+_RETRIED_METHODS = [method for method in REQUEST_RETRY_ALLOWLIST if method != "eth_sendRawTransaction"]
 RPC_TIMEOUT_SECONDS = 10.0
 RPC_CONNECT_TIMEOUT_SECONDS = 3.0
 RPC_CONNECT_ATTEMPTS = 2
@@ -162,7 +165,10 @@ class EvmChain:
             session=session,
             # Not timeouts (ConnectTimeout is a ConnectionError: at most RPC_CONNECT_ATTEMPTS x 3 s).
             exception_retry_configuration=ExceptionRetryConfiguration(
-                errors=(requests.ConnectionError,), retries=RPC_CONNECT_ATTEMPTS, backoff_factor=0.1
+                errors=(requests.ConnectionError,),
+                retries=RPC_CONNECT_ATTEMPTS,
+                backoff_factor=0.1,
+                method_allowlist=_RETRIED_METHODS,
             ),
             # web3 asks eth_chainId before every call; a chain id never changes, so ask once.
             cache_allowed_requests=True,

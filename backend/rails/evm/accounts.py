@@ -8,8 +8,11 @@ holds one account and leases another only when every one it holds is left aside 
 processes each holds its share; when none is free it waits (``RelayUnavailable`` after ``wait_seconds``). A lease
 found taken by another process, or gone, at renewal is given up at once (the account is no longer used here; leased
 again later, it starts afresh). A second thread repairs the owned accounts and adopts free ones a dead relayer left
-with an unmined nonce (``adopt``). Every broadcast from a leased account checks the lease right before it
-(``broadcast``).
+with an unmined nonce (``adopt``). Every broadcast from a leased account (the watcher's rebroadcast too:
+``Owned.resend``) checks the lease right before it (``broadcast``), is never retried once the lease is not surely
+ours, and a release (``release``, at exit) waits for the broadcasts under way before freeing the lease. A key still
+holding this pool's own token (its renewals failed while Redis stalled, so the account was given up here) is taken
+again at once: nobody else held it meanwhile.
 
 On first use of an account its ``NonceManager`` starts after every nonce that may have been used (the chain's
 pending count, the Redis hint, and the highest ``relay_nonce`` a settlement recorded: ``recorded_nonce``, given by
@@ -29,14 +32,17 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import requests
 from eth_account.signers.local import LocalAccount
-from redis import Redis
+from redis import ConnectionPool, Redis
+from redis.backoff import NoBackoff
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 from web3.exceptions import Web3RPCError
 
-from backend.chains.evm import EvmChain
+from backend.chains.evm import RPC_CONNECT_ATTEMPTS, RPC_CONNECT_TIMEOUT_SECONDS, EvmChain
 from backend.rails.evm.nonces import NonceManager
 from backend.rails.evm.pipeline import shared_watcher
 from backend.rails.evm.relay import LEASE_KEY, RelayUnavailable, fees
@@ -48,6 +54,18 @@ RENEW_SECONDS = 3.0  # how often the leases are renewed
 # A lease is used for a broadcast only until this long before it may lapse in Redis (measured from the start of the
 # renewal that set it, on the monotonic clock): room for a pause (GC, a stopped VM) between the check and the send.
 LEASE_MARGIN_SECONDS = 5.0
+# Each renewal's Redis call gives up after this long (no retry), so a stalled Redis or a connection that went dead
+# (a failover, a dropped route) never holds the renewer past the lease: the next round uses a new connection.
+RENEW_TIMEOUT_SECONDS = 1.0
+# After a renewal that failed (a timeout, a reset) the next is tried this soon, not ``RENEW_SECONDS`` later: one
+# failed round must not use up the lease's validity (7 s: renewals start at 3 s, 4.5 s, 6 s after the last good one).
+RENEW_RETRY_SECONDS = 0.5
+# A release (a clean stop) waits at most this long for the broadcasts under way from an account before deleting its
+# key; one still under way then keeps the key, which lapses by itself (``LEASE_SECONDS``). A new lease here of an
+# account given up (lapsed, lost) waits as long for its last lease's broadcasts, else is tried again later.
+RELEASE_WAIT_SECONDS = 3.0
+# A broadcast's connection is made within RPC_CONNECT_TIMEOUT_SECONDS, and sent at once: within the margin.
+assert RPC_CONNECT_TIMEOUT_SECONDS < LEASE_MARGIN_SECONDS
 REPAIR_SECONDS = 3.0  # how often the nonces the node lacks below an account's next nonce are filled
 ADOPT_SECONDS = 15.0  # how often free accounts are looked at for a dead relayer's unmined nonces (``adopt``)
 RecordedNonce = Callable[[str, str], "int | None"]  # (network, relay address) -> highest relay_nonce recorded
@@ -57,10 +75,13 @@ RecordedNonce = Callable[[str, str], "int | None"]  # (network, relay address) -
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) end return 0"
 _DELETE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 # A free key is set; one holding another process of this identity's value (``ARGV[2]``, never this process's own:
-# ``ARGV[3]``) is taken over: that process held this identity's slot, which this one holds now, so it is dead.
+# ``ARGV[3]``) is taken over: that process held this identity's slot, which this one holds now, so it is dead. One
+# still holding this pool's own token (``ARGV[1]``: given up here when its renewals failed, yet never lapsed, so no
+# other process held it since) is this pool's again, renewed.
 _ACQUIRE = """
 local held = redis.call('get', KEYS[1])
 if not held then redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[4]) return 1 end
+if held == ARGV[1] then redis.call('expire', KEYS[1], ARGV[4]) return 3 end
 if ARGV[2] ~= '' and string.sub(held, 1, #ARGV[2]) == ARGV[2] and string.sub(held, 1, #ARGV[3]) ~= ARGV[3] then
   redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[4]) return 2
 end
@@ -79,9 +100,28 @@ class Owned:
     valid_until: float = 0.0
     given_up: bool = False  # lost or released: never valid again, whatever a renewal in flight does
     adopted: bool = False  # leased to fill a dead relayer's gaps: no new sends; released once all is mined
+    # The broadcasts under way (``broadcast``: counted under ``sends`` with their lease check), waited for by a
+    # release (``close``), which gives the account up under the same lock: none starts after it.
+    sending: int = 0
+    sends: threading.Condition = field(default_factory=threading.Condition, repr=False, compare=False)
 
     def valid(self) -> bool:
         return not self.given_up and time.monotonic() < self.valid_until
+
+    def close(self, deadline: float) -> bool:
+        """Given up (no broadcast starts from it any more); True once none is under way, False if one still was at
+        ``deadline`` (monotonic): then its key must be left to lapse."""
+        with self.sends:
+            self.given_up = True
+            return self.sends.wait_for(lambda: self.sending == 0, timeout=max(0.0, deadline - time.monotonic()))
+
+    def resend(self, chain: EvmChain, raw: bytes) -> bool:
+        """The watcher's rebroadcast (``pipeline.Resender``) through ``broadcast``; False: ``LeaseLost``, not sent."""
+        try:
+            broadcast(chain, self, raw)
+        except LeaseLost:
+            return False
+        return True
 
 
 class LeaseLost(Exception):
@@ -90,10 +130,32 @@ class LeaseLost(Exception):
 
 def broadcast(chain: EvmChain, owned: Owned, raw: bytes) -> None:
     """Check then broadcast: ``raw`` is sent only while this process surely holds ``owned``'s lease, checked right
-    before the send (``LeaseLost`` otherwise). Every broadcast from a leased account goes through here."""
-    if not owned.valid():
-        raise LeaseLost(owned.account.address)
-    chain.w3.eth.send_raw_transaction(raw)
+    before the send (``LeaseLost`` otherwise). Every broadcast from a leased account goes through here.
+
+    web3 never retries eth_sendRawTransaction (``backend.chains.evm``); a refused or reset connection is tried again
+    here, up to ``RPC_CONNECT_ATTEMPTS`` tries in all, each only after the lease is checked again: never once it is
+    not surely ours (the error is raised: the node may hold the first try). A release waits for the sends under way
+    (``Owned.close``)."""
+    failed: requests.ConnectionError | None = None
+    for attempt in range(1, RPC_CONNECT_ATTEMPTS + 1):
+        with owned.sends:
+            if not owned.valid():
+                if failed is not None:
+                    raise failed  # not LeaseLost: the node may hold the try that failed
+                raise LeaseLost(owned.account.address)
+            owned.sending += 1
+        try:
+            chain.w3.eth.send_raw_transaction(raw)
+            return
+        except requests.ConnectionError as exc:
+            if attempt == RPC_CONNECT_ATTEMPTS:
+                raise
+            failed = exc
+        finally:
+            with owned.sends:
+                owned.sending -= 1
+                owned.sends.notify_all()
+        time.sleep(0.1 * attempt)
 
 
 class AccountPool:
@@ -124,6 +186,10 @@ class AccountPool:
         self._renewer: threading.Thread | None = None
         self._repairer: threading.Thread | None = None
         self._starting: set[str] = set()  # accounts whose start runs now (outside ``_lock``)
+        # The last ``Owned`` given up per account (lapsed or lost): a new lease here starts only once none of its
+        # broadcasts is under way (a new start reads the chain's count, which that broadcast may not be in yet).
+        self._retired: dict[str, Owned] = {}
+        self._renewer_redis = _with_timeout(redis, RENEW_TIMEOUT_SECONDS)  # the renewals' client (socket timeout)
 
     def owned(self) -> list[str]:
         with self._lock:
@@ -135,6 +201,8 @@ class AccountPool:
         candidates = [account for account in self.accounts if account.address not in skip]
         if not candidates:
             raise RelayUnavailable(f"no relay account of {self.network} to use")
+        if self._stop.is_set():
+            raise RelayUnavailable(f"the relay accounts of {self.network} were released (the relayer is stopping)")
         with self._lock:
             self._ensure_threads()  # started first, and again if one died
         while True:
@@ -143,7 +211,8 @@ class AccountPool:
                     # Not renewed in time (a paused process, Redis away): another process may own it now.
                     log.error("relay account %s on %s: lease not renewed in time; no longer used by this process",
                               address, self.network)  # fmt: skip
-                    self._owned.pop(address).given_up = True  # a renewal in flight never makes it valid again
+                    retired = self._retired[address] = self._owned.pop(address)
+                    retired.given_up = True  # a renewal in flight never makes it valid again
                 usable = [o for address, o in self._owned.items() if address not in skip]
                 # An adopted account (filling a dead relayer's gaps) only when no other is usable: then it is ours.
                 usable = [o for o in usable if not o.adopted] or usable
@@ -194,14 +263,28 @@ class AccountPool:
         if not reserved and not self._reserve(address):
             return None
         try:
+            if self._stop.is_set():
+                return None  # released (a clean stop): a settlement thread outliving it leases nothing again
+            with self._lock:
+                retired = self._retired.pop(address, None)
+            if retired is not None and not retired.close(time.monotonic() + RELEASE_WAIT_SECONDS):
+                with self._lock:
+                    self._retired.setdefault(address, retired)
+                return None  # a broadcast from its last lease here still under way: not started again yet
             key = LEASE_KEY.format(self.network, address)
             began = time.monotonic()
             if not self._acquire(key):
                 return None
             owned = Owned(account, NonceManager.for_chain(self.chain, address, self.redis), key, adopted=adopted)
             owned.valid_until = began + self._valid_for()
-            self._start(owned)
-            if not self._renew(owned):  # the start outlived the lease: not ours any more
+            try:
+                self._start(owned)
+                started = self._renew(owned)
+            except BaseException:
+                self._retire(owned)  # its fills (and their watcher entries) never sent from it again
+                raise
+            if not started:  # the start outlived the lease: not ours any more
+                self._retire(owned)
                 log.error("relay account %s on %s: lease lost during its start", address, self.network)
                 return None
             with self._lock:
@@ -210,6 +293,14 @@ class AccountPool:
         finally:
             with self._lock:
                 self._starting.discard(address)
+
+    def _retire(self, owned: Owned) -> None:
+        """``owned`` given up, and kept as its account's last lease here: a new lease of the account (which may take
+        its own key back at once: ``_ACQUIRE``) starts only once none of its broadcasts is under way."""
+        with owned.sends:
+            owned.given_up = True
+        with self._lock:
+            self._retired[owned.account.address] = owned
 
     def _start(self, owned: Owned) -> None:
         """Start the account's nonce manager after every nonce that may be used, and fill the gaps (cancels)."""
@@ -224,8 +315,8 @@ class AccountPool:
             # below it is filled, and is never replaced by a cancel (which, with fees risen, would evict it).
             self._fill_from_pending(owned, rounds=len(gaps) + 1, renewing=True)
         except BaseException:
-            owned.given_up = True
-            self._delete_key(owned.key)  # not started: not ours (the next job leases it again)
+            if owned.close(time.monotonic() + RELEASE_WAIT_SECONDS):  # a rebroadcast under way: the key lapses
+                self._delete_key(owned.key)  # not started: not ours (the next job leases it again)
             raise
         log.info("relay account %s on %s: owned by this process, next nonce %d", account.address, self.network,
                  manager.next_nonce)  # fmt: skip
@@ -295,6 +386,8 @@ class AccountPool:
         more (``valid`` is False from now on, checked right before each broadcast)."""
         with self._lock:
             owned = self._owned.pop(address, None)
+            if owned is not None:
+                self._retired[address] = owned
         if owned is not None:
             owned.given_up = True
             owned.valid_until = 0.0
@@ -304,8 +397,10 @@ class AccountPool:
         with self._lock:
             if self._owned.get(owned.account.address) is owned:
                 del self._owned[owned.account.address]
-        owned.given_up = True
-        self._delete_key(owned.key)
+        if owned.close(time.monotonic() + RELEASE_WAIT_SECONDS):
+            self._delete_key(owned.key)
+        else:
+            self._retire(owned)  # its key (this pool's token) lapses; a new lease here waits for the broadcast
         log.info("relay account %s on %s: adopted account released (all its nonces mined)", owned.account.address,
                  self.network)  # fmt: skip
 
@@ -316,13 +411,15 @@ class AccountPool:
         got = int(self.redis.eval(_ACQUIRE, 1, key, self.token, mine, this_process, self.lease_seconds))
         if got == 2:
             log.warning("relay account lease %s taken back from a dead relayer of this identity slot", key)
+        elif got == 3:
+            log.warning("relay account lease %s still held by this process (renewals failed): taken again", key)
         return got > 0
 
     def _valid_for(self) -> float:
         return self.lease_seconds - min(LEASE_MARGIN_SECONDS, self.lease_seconds / 2)
 
     def _renew_key(self, key: str) -> bool:
-        return bool(self.redis.eval(_RENEW, 1, key, self.token, self.lease_seconds))
+        return bool(self._renewer_redis.eval(_RENEW, 1, key, self.token, self.lease_seconds))
 
     def _renew(self, owned: Owned) -> bool:
         """``owned``'s lease renewed (compare-and-set): True and valid for longer, else False (never valid again)."""
@@ -336,17 +433,27 @@ class AccountPool:
     def _delete_key(self, key: str) -> None:
         self.redis.eval(_DELETE, 1, key, self.token)
 
-    def renew(self) -> None:
+    def renew(self) -> bool:
         """Each owned account's lease renewed (compare-and-set on this process's token); one whose key holds
         another's token or is gone is given up. A gone key is never set again here: while it was gone another
         process may have leased the account, sent from it and died (recording nonces this process's manager never
         saw), so only a new lease (``take``/``lease``, whose start reads the chain and the records again) may use
-        the account again."""
+        the account again. Errors are caught per account; a timeout ends the round (each later call would wait as
+        long). False when one failed: the renewer tries again after ``RENEW_RETRY_SECONDS``."""
         with self._lock:
             held_here = [(address, owned) for address, owned in self._owned.items()]
+        renewed = True
         for address, owned in held_here:
-            if not self._renew(owned) and not owned.given_up:
-                self.lost(address)
+            try:
+                if not self._renew(owned) and not owned.given_up:
+                    self.lost(address)
+            except Exception as exc:  # Redis away, a reset: tried again soon (the lease lasts)
+                log.warning("relay account lease of %s on %s not renewed: %s", address, self.network,
+                            type(exc).__name__)  # fmt: skip
+                if isinstance(exc, RedisTimeoutError):
+                    return False
+                renewed = False
+        return renewed
 
     def _ensure_threads(self) -> None:
         """The renewer (renewals only: Redis round trips, never an RPC nor the database, so a slow node or a slow
@@ -354,11 +461,14 @@ class AccountPool:
         if self._renewer is None or not self._renewer.is_alive():
 
             def renewing() -> None:
-                while not self._stop.wait(min(RENEW_SECONDS, self.lease_seconds / 4)):
+                interval = min(RENEW_SECONDS, self.lease_seconds / 4)
+                wait = interval
+                while not self._stop.wait(wait):
                     try:
-                        self.renew()
-                    except Exception as exc:  # Redis away: tried again; the lease lasts lease_seconds
+                        wait = interval if self.renew() else min(RENEW_RETRY_SECONDS, interval)
+                    except Exception as exc:  # tried again soon; the lease lasts lease_seconds
                         log.warning("relay account leases of %s not renewed: %s", self.network, type(exc).__name__)
+                        wait = min(RENEW_RETRY_SECONDS, interval)
 
             self._renewer = threading.Thread(target=renewing, name=f"relay-leases-{self.network}", daemon=True)
             self._renewer.start()
@@ -410,14 +520,34 @@ class AccountPool:
         return adopted
 
     def release(self) -> None:
-        """Give up every account (a clean stop: another process may take them at once)."""
+        """Give up every account (a clean stop: another process may take them at once). No broadcast starts from
+        them any more; each key is deleted once the broadcasts under way from its account are done (waited for up
+        to ``RELEASE_WAIT_SECONDS`` in all), else left to lapse."""
         self._stop.set()
         with self._lock:
             owned, self._owned = self._owned, {}
         for entry in owned.values():
-            entry.given_up = True  # no thread of this process broadcasts from it any more
+            entry.given_up = True  # no broadcast from any of them starts from now on
+        deadline = time.monotonic() + RELEASE_WAIT_SECONDS
+        for entry in owned.values():
+            if not entry.close(deadline):
+                self._retire(entry)
+                log.warning("relay account %s on %s: a broadcast still under way at the release; its lease is left "
+                            "to lapse", entry.account.address, self.network)  # fmt: skip
+                continue
             with contextlib.suppress(Exception):
                 self._delete_key(entry.key)
+        self._renewer_redis.connection_pool.disconnect()
+
+
+def _with_timeout(redis: Redis, seconds: float) -> Redis:
+    """A client of ``redis``'s server whose calls fail after ``seconds`` (connecting, or waiting for an answer), and
+    are never retried."""
+    pool = redis.connection_pool
+    kwargs = {**pool.connection_kwargs, "socket_timeout": seconds, "socket_connect_timeout": seconds}
+    kwargs["retry"] = Retry(NoBackoff(), 0)
+    kwargs.pop("retry_on_timeout", None)
+    return Redis(connection_pool=ConnectionPool(connection_class=pool.connection_class, **kwargs))
 
 
 def node_answered(exc: BaseException) -> bool:
@@ -441,7 +571,7 @@ def fill_nonce(chain: EvmChain, owned: Owned, nonce: int) -> str | None:
     try:
         signed = account.sign_transaction(manager.cancel_transaction(nonce, fees(chain)))
         tx_hash = "0x" + bytes(signed.hash).hex()
-        watcher.expect(tx_hash, bytes(signed.raw_transaction), owned.valid)
+        watcher.expect(tx_hash, bytes(signed.raw_transaction), owned)
         broadcast(chain, owned, bytes(signed.raw_transaction))
     except LeaseLost:
         log.warning("relay account %s on %s: nonce %d not filled (lease not surely ours)", account.address,

@@ -263,7 +263,7 @@ def _bump(
         return None
     raw = bytes(signed.raw_transaction)
     watcher = shared_watcher(chain)
-    watcher.expect(tx_hash, raw, sent.owned.valid)
+    watcher.expect(tx_hash, raw, sent.owned)
     try:
         broadcast(chain, sent.owned, raw)
     except LeaseLost:  # raised before sending: the replacement went nowhere

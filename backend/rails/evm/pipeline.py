@@ -8,9 +8,10 @@ waiter whose receipt the batch brought.
 
 A transaction the watcher reports ``Missing`` (no receipt for ``missing_after`` new heads) that the node does not
 hold any more (``eth_getTransactionByHash`` null) is broadcast again from its signed bytes (kept in memory per hash
-while tracked): the very same transaction, same hash and nonce, so nothing is recorded again. A watcher thread that
-died is started again by the next waiter; a waiter never waits past its timeout. A job that replaced its
-transaction at the same nonce waits on both (``wait_any``): the chain mines one of them.
+while tracked), through its account's lease fence (``Resender``): the very same transaction, same hash and nonce, so
+nothing is recorded again. A watcher thread that died is started again by the next waiter; a waiter never waits past
+its timeout. A job that replaced its transaction at the same nonce waits on both (``wait_any``): the chain mines one
+of them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from backend.chains.evm import EvmChain
 from backend.rails.base import TxState, TxStatus
@@ -45,12 +47,21 @@ KEEP_RAW_SECONDS = 86_400.0
 AFTER_WAKE: Callable[[int], None] | None = None
 
 
+class Resender(Protocol):
+    """The sending account's lease (``accounts.Owned``): ``valid`` is a cheap look before the node is asked;
+    ``resend`` broadcasts through the lease fence (checked and counted right before the write; False: not sent)."""
+
+    def valid(self) -> bool: ...
+
+    def resend(self, chain: EvmChain, raw: bytes) -> bool: ...
+
+
 @dataclass
 class _Expected:
     event: threading.Event = field(default_factory=threading.Event)
     status: TxStatus | None = None  # the receipt's status once mined (None: not mined, or reorged out)
     raw: bytes | None = None  # the signed transaction, to broadcast again if the node dropped it
-    may_send: Callable[[], bool] | None = None  # whether its account's lease is surely ours (checked before a send)
+    sender: Resender | None = None  # its account's lease: every broadcast again goes through it
     since: float = field(default_factory=time.monotonic)
     waiters: int = 0
 
@@ -75,18 +86,19 @@ class SharedWatcher:
         self._force = False  # hashes were handed to the BlockWatcher and not read yet (only the thread touches it)
 
     # Jobs
-    def expect(self, tx_hash: str, raw: bytes | None = None, may_send: Callable[[], bool] | None = None) -> None:
+    def expect(self, tx_hash: str, raw: bytes | None = None, sender: Resender | None = None) -> None:
         """Watch ``tx_hash`` from now on (call it before the broadcast, so no head can hold it unread); ``raw`` is
-        broadcast again if the node drops it, only while ``may_send()`` (the sending account's lease) holds."""
+        broadcast again if the node drops it, through ``sender`` (the sending account's lease: checked and counted
+        right before the send, so a release waits for it; never sent once the lease is not surely ours)."""
         key = _key(tx_hash)
         with self._lock:
             expected = self._expected.get(key)
             if expected is None:
-                self._expected[key] = _Expected(raw=raw, may_send=may_send)
+                self._expected[key] = _Expected(raw=raw, sender=sender)
                 self._new.append(key)
             elif raw is not None:
                 expected.raw = raw
-                expected.may_send = may_send
+                expected.sender = sender
         self.ensure_running()
 
     def wait(self, tx_hash: str, timeout: float) -> TxStatus | None:
@@ -244,14 +256,19 @@ class SharedWatcher:
         with self._lock:
             expected = self._expected.get(key)
             raw = expected.raw if expected is not None else None
-            may_send = expected.may_send if expected is not None else None
-        if raw is None or (may_send is not None and not may_send()):
-            return  # nothing to send, or not from an account that may be another process's now
+            sender = expected.sender if expected is not None else None
+        if raw is None or (sender is not None and not sender.valid()):
+            return  # nothing to send, or not from an account that may be another process's now (a cheap look)
         answer = call_one(self.chain.w3, "eth_getTransactionByHash", [key], self.blocks.counter)
         if not answer.ok or answer.result is not None:
             return  # the node holds it (or said nothing): it waits its turn
         try:
-            self.chain.w3.eth.send_raw_transaction(raw)
+            if sender is None:
+                self.chain.w3.eth.send_raw_transaction(raw)
+            elif not sender.resend(self.chain, raw):  # the lease checked again right before the send: lost
+                log.warning("EVM watcher of %s: %s was dropped by the node; not sent again (the lease of its "
+                            "account is not surely ours)", self.chain.network.network, key)  # fmt: skip
+                return
             self.rebroadcasts += 1
             log.warning("EVM watcher of %s: %s was dropped by the node; broadcast again", self.chain.network.network,
                         key)  # fmt: skip

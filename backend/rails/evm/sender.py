@@ -278,7 +278,7 @@ def _send(
             # the lease is renewed late after all (else the account's next owner does, at its start).
             manager.unfilled(nonce)
             raise LeftOpen(f"the lease of relay account {account.address} was not renewed in time", "lease-lost")
-        watcher.expect(tx_hash, raw, owned.valid)  # before the broadcast: no head can hold it unread
+        watcher.expect(tx_hash, raw, owned)  # before the broadcast: no head can hold it unread
         try:
             broadcast(chain, owned, raw)
         except LeaseLost:
@@ -348,7 +348,7 @@ def _replace(
         fill_nonce(chain, owned, nonce)
         raise
     raw = bytes(signed.raw_transaction)
-    watcher.expect(tx_hash, raw, owned.valid)
+    watcher.expect(tx_hash, raw, owned)
     try:
         broadcast(chain, owned, raw)
     except LeaseLost:
