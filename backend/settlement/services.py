@@ -104,6 +104,7 @@ _CLAIM_INTENT = (
     _INTENTS.update()
     .where(
         _INTENTS.c.id == bindparam("intent_id"),
+        _INTENTS.c.merchant_id == bindparam("merchant_id"),  # the pair the claim was given: never another's intent
         _INTENTS.c.status == PENDING,
         _INTENTS.c.settlement_id.is_(None),
         _INTENTS.c.expires_at > _NOW,
@@ -313,7 +314,9 @@ def claim(
     except IntegrityError:
         db.session.rollback()
         raise DomainError("NONCE_ALREADY_USED", "This authorization (payer and nonce) was already submitted") from None
-    claimed = db.session.execute(_CLAIM_INTENT, {"intent_id": intent_id, "now": now, "settlement_id": settlement_id})
+    claimed = db.session.execute(
+        _CLAIM_INTENT, {"intent_id": intent_id, "merchant_id": merchant_id, "now": now, "settlement_id": settlement_id}
+    )
     if rowcount(claimed) != 1:
         db.session.rollback()
         intent = db.session.get(Intent, intent_id, populate_existing=True)

@@ -170,9 +170,12 @@ def test_settlement_threads_waiting_on_the_chain_hold_no_connection_and_share_a_
     w3, token = _token(iso.devnet, NETWORK)
     buyers = [funded_buyer(w3, token, iso.devnet, amount) for _ in range(count)]
     intents = [create_intent(iso.client, iso.shop, amount / 1_000_000) for _ in buyers]
-    chain_clock(int(time.time()))
+    started = int(time.time())
+    chain_clock(started)
     for intent, buyer in zip(intents, buyers, strict=True):  # claimed, none sent: no relayer yet
-        payload = _sign(buyer, requirement(intent, NETWORK), int(time.time()) - 5)
+        # validAfter against the chain's clock as set (no block is mined here: a loaded machine's 12 /pays can
+        # take more than 5 s, and a validAfter from the wall clock then passes the chain's latest block).
+        payload = _sign(buyer, requirement(intent, NETWORK), started - 5)
         response = pay(iso.client, iso.shop, intent, NETWORK, payload)
         assert response.status_code == 504, response.get_json()
     frozen = freeze()
