@@ -104,7 +104,7 @@ _CLAIM_INTENT = (
     _INTENTS.update()
     .where(
         _INTENTS.c.id == bindparam("intent_id"),
-        _INTENTS.c.merchant_id == bindparam("merchant_id"),  # the pair the claim was given: never another's intent
+        _INTENTS.c.merchant_id == bindparam("of_merchant"),  # the pair the claim was given: never another's intent
         _INTENTS.c.status == PENDING,
         _INTENTS.c.settlement_id.is_(None),
         _INTENTS.c.expires_at > _NOW,
@@ -315,7 +315,7 @@ def claim(
         db.session.rollback()
         raise DomainError("NONCE_ALREADY_USED", "This authorization (payer and nonce) was already submitted") from None
     claimed = db.session.execute(
-        _CLAIM_INTENT, {"intent_id": intent_id, "merchant_id": merchant_id, "now": now, "settlement_id": settlement_id}
+        _CLAIM_INTENT, {"intent_id": intent_id, "of_merchant": merchant_id, "now": now, "settlement_id": settlement_id}
     )
     if rowcount(claimed) != 1:
         db.session.rollback()
