@@ -17,6 +17,12 @@ from harness.errors import HarnessError
 
 Check = Callable[[], None] | None
 
+# How long a process of ours that is still alive may take to answer: importing the app costs about 1.7 s of CPU per
+# process, and ``payintent dev`` starts five at once (gunicorn's two workers, the worker, the relayer); on a loaded
+# machine (a 2-core laptop building something, CI's four test workers) that took over 60 s. A process that exits
+# fails the wait at once, so the length only matters for a hang.
+START_TIMEOUT_SECONDS = 180.0
+
 
 def wait_until(
     what: str,
@@ -51,7 +57,7 @@ def http_ok(url: str, timeout: float = 1) -> bool:
         return False
 
 
-def wait_healthy(base_url: str, procs: Sequence[subprocess.Popen[Any]], timeout: float = 60, *,
+def wait_healthy(base_url: str, procs: Sequence[subprocess.Popen[Any]], timeout: float = START_TIMEOUT_SECONDS, *,
                  check: Check = None) -> None:  # fmt: skip
     """Until ``base_url``/healthz answers 200; RuntimeError when one of ``procs`` exits or after ``timeout``."""
     deadline = time.monotonic() + timeout
@@ -77,7 +83,9 @@ def redis_ping(url: str) -> bool:
         connection.close()
 
 
-def wait_registered(proc: subprocess.Popen[Any], redis_url: str, timeout: float = 60, *, check: Check = None) -> None:
+def wait_registered(
+    proc: subprocess.Popen[Any], redis_url: str, timeout: float = START_TIMEOUT_SECONDS, *, check: Check = None
+) -> None:
     """Until the RQ worker in ``proc`` (the relayer, a worker) has registered in Redis: it then takes jobs.
     A Redis that does not answer yet (starting, restarting) counts as "not registered yet". RuntimeError
     when ``proc`` exits first or after ``timeout`` s."""

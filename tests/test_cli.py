@@ -159,7 +159,7 @@ def test_serve_runs_the_api_under_gunicorn(fresh_db):
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90  # a loaded machine (4 xdist workers) starts gunicorn slowly
+        deadline = time.monotonic() + 180  # a loaded machine (4 xdist workers) starts gunicorn slowly
         while True:
             try:
                 if requests.get(f"{base}/healthz", timeout=1).status_code == 200:

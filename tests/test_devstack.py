@@ -36,7 +36,7 @@ def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
     )
     try:
         banner = ""
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 240  # the stack waits up to 180 s for its processes (harness/ready.py)
         while "Ctrl-C stops everything" not in banner:
             assert proc.poll() is None and time.monotonic() < deadline, banner
             banner += proc.stdout.readline()

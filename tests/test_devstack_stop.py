@@ -97,7 +97,7 @@ class DevRun:
                 continue
         return alive
 
-    def wait_until(self, condition: Callable[[], bool], timeout: float = 180) -> None:
+    def wait_until(self, condition: Callable[[], bool], timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
             assert self.proc.poll() is None, f"payintent dev exited early:\n{self.text()[-3000:]}"

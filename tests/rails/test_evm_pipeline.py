@@ -568,3 +568,53 @@ def test_the_start_never_cancels_a_transaction_the_node_holds_queued_behind_a_ga
     finally:
         node.rpc("evm_setAutomine", True)
         pool.release()
+
+
+def test_an_idle_watcher_thread_leaves_and_the_next_transaction_starts_it_again(
+    node: Chain, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(pipeline, "IDLE_EXIT_SECONDS", 0.3)
+    watcher = pipeline.shared_watcher(node.chain)
+    watcher.ensure_running()
+    first = watcher._thread
+    assert first is not None
+    _until(lambda: not first.is_alive(), timeout=10)  # nothing to watch: it left, and made no call after that
+    assert watcher._thread is None
+    calls = watcher.blocks.counter.calls
+    time.sleep(0.5)
+    assert watcher.blocks.counter.calls == calls
+    account = node.relay_account()
+    signed = account.sign_transaction({"to": account.address, "value": 0, "gas": 21_000, "gasPrice": 2 * 10**9,
+                                       "nonce": 0, "chainId": node.network.chain_id})  # fmt: skip
+    tx_hash = "0x" + bytes(node.w3.eth.send_raw_transaction(signed.raw_transaction)).hex()
+    status = EVM_RAIL.wait_landed(node.network, _claim_of(tx_hash), 30)  # started again by the waiter
+    assert status is not None and status.state is TxState.SUCCEEDED
+    assert watcher._thread is not None and watcher._thread is not first
+
+
+def test_a_watcher_whose_rpc_is_gone_warns_once_and_backs_off_until_someone_waits(
+    node: Chain, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    import logging
+
+    from harness.ports import free_port
+
+    gone = evm_chain(dataclasses.replace(node.network, rpc_url=f"http://127.0.0.1:{free_port()}"))  # nothing listens
+    watcher = pipeline.SharedWatcher(gone, poll_seconds=0.05)
+    try:
+        with caplog.at_level(logging.DEBUG, logger=pipeline.__name__):
+            watcher.expect("0x" + "cd" * 32)  # sent, nobody waits (a waiter that timed out)
+            time.sleep(2.0)
+            rounds = watcher.blocks.counter.calls
+            # Backing off: 0.1, 0.2, 0.4, 0.8 s... (about 40 rounds at the poll interval in 2 s).
+            assert 3 <= rounds <= 8, rounds
+            ours = [r for r in caplog.records if r.name == pipeline.__name__]
+            warnings = [r for r in ours if r.levelno >= logging.WARNING]
+            assert len(warnings) == 1 and "ConnectionError" in warnings[0].getMessage(), warnings
+            # A waiter ends the back-off (now at 5 s): the node is read at the poll interval again while it waits
+            # (a failed read takes about 0.15 s: the client tries a refused connection twice, 0.1 s apart).
+            assert watcher.wait("0x" + "ef" * 32, 1.0) is None
+            assert watcher.blocks.counter.calls - rounds >= 3
+        assert len([r for r in caplog.records if r.name == pipeline.__name__ and r.levelno >= logging.WARNING]) == 1
+    finally:
+        watcher.stop()

@@ -12,6 +12,11 @@ while tracked), through its account's lease fence (``Resender``): the very same 
 nothing is recorded again. A watcher thread that died is started again by the next waiter; a waiter never waits past
 its timeout. A job that replaced its transaction at the same nonce waits on both (``wait_any``): the chain mines one
 of them.
+
+With nothing to watch the thread leaves after ``IDLE_EXIT_SECONDS``; the next transaction starts it again. While the
+node cannot be read and nobody waits, it backs off, doubling its interval up to ``BACKOFF_MAX_SECONDS`` (a new
+transaction or waiter ends the back-off); the first failure of an outage is a warning, the others are debug lines,
+and the first read that succeeds again says how many failed.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ log = logging.getLogger(__name__)
 
 MIN_POLL_SECONDS = 0.2
 MAX_POLL_SECONDS = 1.0
+IDLE_EXIT_SECONDS = 30.0  # the thread leaves after this long with nothing to watch
+BACKOFF_MAX_SECONDS = 5.0  # the longest interval between failing reads while nobody waits
 POLL_ENV = "EVM_WATCH_POLL_SECONDS"  # a fixed poll interval (seconds), else derived from the block time seen
 MISSING_ENV = "EVM_WATCH_MISSING_AFTER"  # new heads without a receipt before a transaction counts as missing
 # A tracked transaction nobody waits for is forgotten this long after it was expected (the reconciler owns it then).
@@ -81,6 +88,8 @@ class SharedWatcher:
         self._new: list[str] = []  # expected since the last poll: handed to the BlockWatcher by the thread
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # ends the thread's pause: set by stop(), and by a new hash during an outage
+        self._failures = 0  # failed rounds in a row (only the thread writes it)
         self._heads: deque[float] = deque(maxlen=8)  # when new heads were seen (monotonic)
         self.rebroadcasts = 0
         self._force = False  # hashes were handed to the BlockWatcher and not read yet (only the thread touches it)
@@ -99,7 +108,7 @@ class SharedWatcher:
             elif raw is not None:
                 expected.raw = raw
                 expected.sender = sender
-        self.ensure_running()
+        self.ensure_running(wake=True)
 
     def wait(self, tx_hash: str, timeout: float) -> TxStatus | None:
         """The transaction's status once a new head shows its receipt (``watch.status_of`` with no head), or None
@@ -122,7 +131,7 @@ class SharedWatcher:
                 expected.waiters += 1
                 expected.since = time.monotonic()
                 waited.append((key, expected))
-        self.ensure_running()
+        self.ensure_running(wake=True)
         try:
             while True:
                 with self._lock:
@@ -169,8 +178,12 @@ class SharedWatcher:
         # the BlockWatcher is only touched by the thread: it drops untracked hashes on its next round
 
     # The thread
-    def ensure_running(self) -> None:
+    def ensure_running(self, wake: bool = False) -> None:
+        """Start the thread unless it runs (it sets ``_thread`` to None under the lock as it leaves, so a hash
+        expected after that starts another); ``wake``: a new hash or waiter, which ends an outage's back-off."""
         with self._lock:
+            if wake and self._failures:
+                self._wake.set()
             if self._thread is not None and self._thread.is_alive():
                 return
             self._thread = threading.Thread(
@@ -180,6 +193,7 @@ class SharedWatcher:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
 
     def poll_seconds(self) -> float:
         if self.fixed_poll is not None:
@@ -190,12 +204,38 @@ class SharedWatcher:
         return min(max(statistics.median(gaps) / 4, MIN_POLL_SECONDS), MAX_POLL_SECONDS)
 
     def _run(self) -> None:
+        idle_since = time.monotonic()
         while not self._stop.is_set():
+            with self._lock:
+                if self._expected or self._new or self.blocks.tracked():
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > IDLE_EXIT_SECONDS:
+                    if self._thread is threading.current_thread():
+                        self._thread = None  # under the lock: the next expect() starts another
+                    return
+                self._wake.clear()
             try:
                 self.poll_once()
             except Exception as exc:  # an RPC hiccup: the next round reads again
-                log.warning("EVM watcher of %s: %s", self.chain.network.network, type(exc).__name__)
-            self._stop.wait(self.poll_seconds())
+                self._failures += 1
+                if self._failures == 1:
+                    log.warning("EVM watcher of %s: %s (more failures at debug level until a read succeeds)",
+                                self.chain.network.network, type(exc).__name__)  # fmt: skip
+                else:
+                    log.debug("EVM watcher of %s: %s", self.chain.network.network, type(exc).__name__)
+            else:
+                if self._failures:
+                    log.info("EVM watcher of %s: reads succeed again after %d failed", self.chain.network.network,
+                             self._failures)  # fmt: skip
+                self._failures = 0
+            self._wake.wait(self._pause())
+
+    def _pause(self) -> float:
+        """The interval before the next round: the poll interval, longer while reads fail and nobody waits."""
+        with self._lock:
+            if not self._failures or any(e.waiters for e in self._expected.values()):
+                return self.poll_seconds()
+            return min(BACKOFF_MAX_SECONDS, self.poll_seconds() * 2.0 ** min(self._failures, 16))
 
     def poll_once(self) -> None:
         """One round: hand new hashes to the BlockWatcher, poll it, act on its events."""
