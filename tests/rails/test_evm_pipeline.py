@@ -618,3 +618,33 @@ def test_a_watcher_whose_rpc_is_gone_warns_once_and_backs_off_until_someone_wait
         assert len([r for r in caplog.records if r.name == pipeline.__name__ and r.levelno >= logging.WARNING]) == 1
     finally:
         watcher.stop()
+
+
+def test_a_watcher_thread_started_after_idle_counts_heads_from_the_new_head_not_the_old(
+    node: Chain, monkeypatch: pytest.MonkeyPatch
+):
+    """After an idle exit, blocks mined meanwhile are not heads a new transaction waited through: counted from the
+    head its thread last saw, a transaction tracked then was reported missing (and its node asked, or it broadcast
+    again) in its first round."""
+    from backend.rails.evm.blocks import DEFAULT_MISSING_AFTER
+
+    monkeypatch.setattr(pipeline, "IDLE_EXIT_SECONDS", 0.3)
+    watcher = pipeline.shared_watcher(node.chain)
+    watcher.ensure_running()
+    _until(lambda: watcher.blocks.head is not None)
+    _until(lambda: watcher._thread is None, timeout=10)  # nothing to watch: it left
+    node.rpc("anvil_mine", hex(DEFAULT_MISSING_AFTER + 5))
+    missing: list[str] = []
+    monkeypatch.setattr(watcher, "_missing", missing.append)
+    node.rpc("evm_setAutomine", False)  # the transaction waits in the pool: no receipt (set back by the fixture)
+    account = node.relay_account()
+    signed = account.sign_transaction({"to": account.address, "value": 0, "gas": 21_000, "gasPrice": 2 * 10**9,
+                                       "nonce": 0, "chainId": node.network.chain_id})  # fmt: skip
+    tx_hash = "0x" + bytes(node.w3.eth.send_raw_transaction(signed.raw_transaction)).hex()
+    watcher.expect(tx_hash)
+    _until(lambda: tx_hash in watcher.blocks.tracked() and watcher.blocks.head is not None)
+    rounds = watcher.blocks.counter.calls
+    _until(lambda: watcher.blocks.counter.calls >= rounds + 3)  # a few more rounds on the new head
+    assert missing == []
+    node.rpc("evm_mine")
+    assert watcher.wait(tx_hash, 30) is not None

@@ -116,6 +116,12 @@ class BlockWatcher:
         """The head of the last complete poll (None before the first)."""
         return self._head
 
+    def forget_head(self) -> None:
+        """Nothing is tracked and nobody polls for a while (the watcher thread left): the next poll's head is the
+        first seen, so a transaction tracked then counts its heads from it, not from a head long gone."""
+        with self._lock:
+            self._head = None
+
     @property
     def confirmations(self) -> int:
         return max(self.chain.network.confirmations, 1)

@@ -164,11 +164,15 @@ class SharedWatcher:
             self._kept.pop(key, None)
 
     def raw_of(self, tx_hash: str) -> bytes | None:
-        """The signed bytes of a transaction of this process not seen mined (None: unknown here, or mined)."""
+        """The signed bytes of a transaction of this process not seen mined (None: unknown here, mined, or forgotten
+        more than ``KEEP_RAW_SECONDS`` ago: the thread prunes them only while it runs)."""
         key = _key(tx_hash)
         with self._lock:
             expected = self._expected.get(key)
-            return expected.raw if expected is not None else self._kept.get(key, (0.0, None))[1]
+            if expected is not None:
+                return expected.raw
+            at, raw = self._kept.get(key, (0.0, None))
+            return raw if time.monotonic() - at <= KEEP_RAW_SECONDS else None
 
     def forget(self, tx_hash: str) -> None:
         key = _key(tx_hash)
@@ -212,8 +216,16 @@ class SharedWatcher:
                 elif time.monotonic() - idle_since > IDLE_EXIT_SECONDS:
                     if self._thread is threading.current_thread():
                         self._thread = None  # under the lock: the next expect() starts another
+                    # What this thread saw is stale for the next one: the head (a transaction tracked then would
+                    # count the heads since it as heads without a receipt: "missing" at once, a fee bump too early),
+                    # the head times (the idle gap would lengthen the poll) and the failures (a new outage warns).
+                    self.blocks.forget_head()
+                    self._heads.clear()
+                    self._failures = 0
                     return
                 self._wake.clear()
+            if self._stop.is_set():  # stop() set the wake just cleared: leave now, not after a round's pause
+                return
             try:
                 self.poll_once()
             except Exception as exc:  # an RPC hiccup: the next round reads again
