@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from flask import g, has_request_context
-from rq.job import Job, get_current_job
+from rq.job import get_current_job
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # An incoming X-Request-Id is kept only if it is a sane token; anything else is replaced.
@@ -40,26 +40,29 @@ def valid_request_id(value: str | None) -> str | None:
 
 
 def running() -> tuple[str | None, str | None]:
-    """(request id, RQ job id) of what this thread runs: an api request, or a job (with its enqueuer's request id)."""
+    """(request id, job id) of what this thread runs: an api request, an RQ job (with its enqueuer's request id),
+    or work handed to it with a :func:`job_context` (the relayer's settlement threads)."""
     if has_request_context():
         return g.get("request_id"), None
-    job = get_current_job() or _handed_job.get()
-    return (job.meta.get("request_id"), job.id) if job is not None else (None, None)
+    job = get_current_job()
+    if job is not None:
+        return job.meta.get("request_id"), job.id
+    return _handed.get()
 
 
-# The RQ job a thread works for after the job handed its work over (the relayer's settlement threads): RQ's own
-# current job is the worker thread's only.
-_handed_job: contextvars.ContextVar[Job | None] = contextvars.ContextVar("handed_job", default=None)
+# The request and job ids a thread works for when its work was handed to it (the relayer's settlement threads,
+# given a settlement from its intake list): RQ's own current job is the worker thread's only.
+_handed: contextvars.ContextVar[tuple[str | None, str | None]] = contextvars.ContextVar("handed", default=(None, None))
 
 
 @contextlib.contextmanager
-def job_context(job: Job | None) -> Iterator[None]:
-    """Log lines written in here carry ``job``'s request id and id, as inside the job itself."""
-    token = _handed_job.set(job)
+def job_context(request_id: str | None, job_id: str | None = None) -> Iterator[None]:
+    """Log lines written in here carry ``request_id`` (the call that asked for the work) and ``job_id``."""
+    token = _handed.set((request_id, job_id))
     try:
         yield
     finally:
-        _handed_job.reset(token)
+        _handed.reset(token)
 
 
 def current_request_id() -> str | None:

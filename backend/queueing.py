@@ -135,6 +135,7 @@ class _Stop(SystemExit):
 
 
 _stopping = threading.Event()
+_stop_times: list[float] = []  # when (time.monotonic) each stop signal came, in stop_flag_on_signals
 
 
 def _stop_requested(signum: int, note: str = "") -> None:
@@ -156,6 +157,11 @@ def _stop_requested(signum: int, note: str = "") -> None:
 def stop_requested() -> bool:
     """Whether a stop signal ended (or is ending) :func:`work`, as opposed to ``burst`` draining the queues."""
     return _stopping.is_set()
+
+
+def stop_signal_times() -> list[float]:
+    """When (``time.monotonic()``) each stop signal came in :func:`stop_flag_on_signals`, first first."""
+    return list(_stop_times)
 
 
 class StoppableWorker(SimpleWorker):
@@ -276,13 +282,45 @@ def _stop_on_signals() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def wait_for_redis(connection: Redis) -> None:
-    """Until Redis answers PING, retrying after 0.5 s, 1 s, 2 s ... up to REDIS_RETRY_MAX_SECONDS."""
+@contextlib.contextmanager
+def stop_flag_on_signals() -> Iterator[None]:
+    """In here a stop signal only notes the stop (:func:`stop_requested` turns True, STOP_DEADLINE_SECONDS is armed),
+    for a loop that checks it between its steps and must never be interrupted inside one (the relayer's: between
+    taking a settlement off its list and handing it to a thread); each signal's time is kept
+    (:func:`stop_signal_times`). The caller's handlers are back afterwards."""
+    _stopping.clear()
+    _stop_times.clear()
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+
+    def note(signum: int, _frame: Any) -> None:
+        _stop_times.append(time.monotonic())
+        _stop_requested(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, note)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def wait_for_redis(connection: Redis, *, until: Callable[[], bool] | None = None) -> None:
+    """Until Redis answers PING, retrying after 0.5 s, 1 s, 2 s ... up to REDIS_RETRY_MAX_SECONDS; or until
+    ``until()`` (checked every 0.5 s) is True."""
     delay = 0.5
     while True:
         try:
             connection.ping()
             return
         except (RedisConnectionError, RedisTimeoutError):
-            time.sleep(delay)
+            waited = 0.0
+            while waited < delay:
+                if until is not None and until():
+                    return
+                time.sleep(0.5)
+                waited += 0.5
             delay = min(delay * 2, REDIS_RETRY_MAX_SECONDS)

@@ -2,27 +2,32 @@
 
     python /app/deploy/healthcheck.py http http://127.0.0.1:8000/healthz   # the api answers 200
     python /app/deploy/healthcheck.py worker    # an RQ worker of this container listens on the worker queue
-    python /app/deploy/healthcheck.py relayer   # an RQ worker of this container listens on a RELAYER_QUEUE:<network>
+    python /app/deploy/healthcheck.py relayer   # a relayer of this container takes a RELAYER_QUEUE:<network>'s
 
 A worker or relayer counts as healthy once it has registered with Redis (what the tests wait for
 before they send it work): that proves it started, loaded its configuration (the relayer: its
-keys) and reaches Redis. RQ drops the registration when the process stops sending heartbeats.
+keys) and reaches Redis. RQ drops a worker's registration when the process stops sending heartbeats;
+a relayer's presence key expires when it stops refreshing it.
 Containers are told apart by host name (each container has its own). Health checks do not run
 through the image's entrypoint, so ``*_FILE`` secrets are read here too.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from typing import Any
 
 from entrypoint import ConfigError, load_secret_files
 
 WORKER_QUEUE = "payintent"  # backend.queueing.DEFAULT_QUEUE (the worker also listens on the webhook queue)
 RELAYER_QUEUE_DEFAULT = "relayer"  # backend.config.Settings.relayer_queue
+RELAYER_ALIVE_KEY = "payintent:relayer:alive:{host}:{pid}"  # backend.settlement.intake.ALIVE_KEY
 
 
 def check_http(url: str, timeout: float = 3.0) -> str | None:
@@ -36,31 +41,52 @@ def check_http(url: str, timeout: float = 3.0) -> str | None:
     return None if status == 200 else f"{url}: HTTP {status}"
 
 
-def check_rq(queue_name: str, hostname: str | None = None, *, per_network: bool = False) -> str | None:
-    """None when an RQ worker of this host listens on ``queue_name`` (``per_network``: on one of its
-    network queues, ``<queue_name>:<network>``, as backend.queueing.relayer_queue names them)."""
+def _with_redis(probe: Callable[[Any, str], str | None], hostname: str | None) -> str | None:
+    """``probe(connection, hostname)`` on REDIS_URL's Redis (3 s timeouts), its problem or None; a Redis error
+    is the problem."""
     from redis import Redis, RedisError
-    from rq import Worker
 
     url = os.environ.get("REDIS_URL", "").strip()
     if not url:
         return "REDIS_URL is not set"
-    hostname = hostname or socket.gethostname()
     connection = Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3)
     try:
-        workers = Worker.all(connection=connection)
-
-        def listens(names: list[str]) -> bool:
-            return any(n.startswith(f"{queue_name}:") for n in names) if per_network else queue_name in names
-
-        if any(w.hostname == hostname and listens(w.queue_names()) for w in workers):
-            return None
-        wanted = f"{queue_name}:<network>" if per_network else queue_name
-        return f"no worker of {hostname} listens on queue {wanted!r}"
+        return probe(connection, hostname or socket.gethostname())
     except RedisError as exc:
         return f"redis: {exc}"
     finally:
         connection.close()
+
+
+def check_rq(queue_name: str, hostname: str | None = None) -> str | None:
+    """None when an RQ worker of this host listens on ``queue_name``."""
+
+    def probe(connection: Any, host: str) -> str | None:
+        from rq import Worker
+
+        if any(w.hostname == host and queue_name in w.queue_names() for w in Worker.all(connection=connection)):
+            return None
+        return f"no worker of {host} listens on queue {queue_name!r}"
+
+    return _with_redis(probe, hostname)
+
+
+def check_relayer(queue_name: str, hostname: str | None = None) -> str | None:
+    """None when a relayer of this host is present (its RELAYER_ALIVE_KEY, refreshed while it runs) and takes
+    settlements of a ``<queue_name>:<network>`` (backend.queueing.relayer_queue names them so)."""
+
+    def probe(connection: Any, host: str) -> str | None:
+        for key in connection.scan_iter(match=RELAYER_ALIVE_KEY.format(host=host, pid="*"), count=1000):
+            value = connection.get(key)
+            try:
+                queues = json.loads(value)["queues"] if value is not None else []
+            except (ValueError, TypeError, KeyError):
+                continue
+            if any(str(q).startswith(f"{queue_name}:") for q in queues):
+                return None
+        return f"no relayer of {host} takes settlements of {queue_name + ':<network>'!r}"
+
+    return _with_redis(probe, hostname)
 
 
 def main(argv: list[str]) -> int:
@@ -74,7 +100,7 @@ def main(argv: list[str]) -> int:
     elif argv == ["worker"]:
         problem = check_rq(WORKER_QUEUE)
     elif argv == ["relayer"]:
-        problem = check_rq(os.environ.get("RELAYER_QUEUE", "").strip() or RELAYER_QUEUE_DEFAULT, per_network=True)
+        problem = check_relayer(os.environ.get("RELAYER_QUEUE", "").strip() or RELAYER_QUEUE_DEFAULT)
     else:
         print("usage: healthcheck.py http URL | worker | relayer", file=sys.stderr)
         return 2

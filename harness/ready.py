@@ -1,4 +1,4 @@
-"""Readiness: wait until a process answers (HTTP health, an RQ worker registered, Redis ping).
+"""Readiness: wait until a process answers (HTTP health, an RQ worker registered, a relayer present, Redis ping).
 
 Every wait takes ``check``, called at each poll: it raises to give up (``payintent dev``'s stop signal, a
 benchmark's "a process died")."""
@@ -83,10 +83,29 @@ def redis_ping(url: str) -> bool:
         connection.close()
 
 
+def present_relayers(redis: Any, queue: str | None = None) -> set[int]:
+    """The pids of this host's relayers that announce themselves in ``redis`` (a connection; their
+    backend.settlement.intake.ALIVE_KEY), those taking settlements of ``queue`` (``RELAYER_QUEUE:<network>``) only
+    if given."""
+    import json
+    import socket
+
+    from backend.settlement.intake import ALIVE_KEY
+
+    pids = set()
+    for key in redis.scan_iter(match=ALIVE_KEY.format(host=socket.gethostname(), pid="*"), count=1000):
+        value = redis.get(key)
+        with contextlib.suppress(ValueError, TypeError):
+            if value is not None and (queue is None or queue in json.loads(value)["queues"]):
+                pids.add(int((key.decode() if isinstance(key, bytes) else key).rsplit(":", 1)[1]))
+    return pids
+
+
 def wait_registered(
     proc: subprocess.Popen[Any], redis_url: str, timeout: float = START_TIMEOUT_SECONDS, *, check: Check = None
 ) -> None:
-    """Until the RQ worker in ``proc`` (the relayer, a worker) has registered in Redis: it then takes jobs.
+    """Until the RQ worker in ``proc`` (a worker) has registered in Redis, or the relayer in ``proc`` announces
+    itself there (present_relayers): it then takes work.
     A Redis that does not answer yet (starting, restarting) counts as "not registered yet". RuntimeError
     when ``proc`` exits first or after ``timeout`` s."""
     from redis import Redis, RedisError
@@ -98,7 +117,9 @@ def wait_registered(
         while time.monotonic() < deadline:
             # Registration first: a worker may register, take a job and exit (tests' crash faults) between polls.
             with contextlib.suppress(RedisError):
-                if any(w.pid == proc.pid for w in Worker.all(connection=connection)):
+                if proc.pid in present_relayers(connection) or any(
+                    w.pid == proc.pid for w in Worker.all(connection=connection)
+                ):
                     return
             if proc.poll() is not None:
                 raise RuntimeError(f"{proc.args!r} exited during start-up; see its output above")
@@ -121,14 +142,15 @@ def wait_all_registered(
     poll: float,
 ) -> None:
     """Until every process of `started` has registered with ``redis`` (a connection) as an RQ worker of
-    `queue`, polling every `poll` s; `check()` raises when one of them died. HarnessError after `timeout` s."""
+    `queue`, or announced itself as a relayer taking its settlements (present_relayers), polling every `poll` s;
+    `check()` raises when one of them died. HarnessError after `timeout` s."""
     from rq import Queue, Worker
 
     rq_queue = Queue(queue, connection=redis)
     deadline = time.monotonic() + timeout
     while True:
         check()
-        registered = {w.pid for w in Worker.all(connection=redis, queue=rq_queue)}
+        registered = {w.pid for w in Worker.all(connection=redis, queue=rq_queue)} | present_relayers(redis, queue)
         if {p.pid for p in started} <= registered:
             return
         if time.monotonic() > deadline:

@@ -1,8 +1,9 @@
-"""The relayer's settlement threads: RQ hands each settlement job to one of them and takes the next job.
+"""The relayer's settlement threads: the relayer's loop hands each settlement it takes to one of them.
 
 A settlement spends most of its time waiting for the chain (its receipt, its confirmations), so one process
-runs RELAYER_THREADS of them at once and their waits overlap. The hand-off is bounded: a job waits while every
-thread is busy, so the queue keeps what this process cannot start (other relayer processes take it meanwhile).
+runs RELAYER_THREADS of them at once and their waits overlap. The hand-off is bounded: the loop reserves a free
+thread before it takes a settlement from its intake list, so the list keeps what this process cannot start (other
+relayer processes take it meanwhile) and a stop leaves nothing taken and not handed over.
 
 The threads are daemon threads: a stopped relayer gives the settlements in progress a grace period
 (``STOP_GRACE_SECONDS``) and then exits without them. Each one is then left as a crash would leave it: open
@@ -16,14 +17,13 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-# After a stop signal (and after RQ's own grace for the job it runs, backend.queueing.STOP_GRACE_SECONDS), the
-# settlements in progress get this long to finish; the process must be gone before queueing's
-# STOP_DEADLINE_SECONDS (15 s) exits it with a failure code.
+# After a stop signal (the relayer's loop ends within about a second of it), the settlements in progress get this
+# long to finish; the process must be gone before queueing's STOP_DEADLINE_SECONDS (15 s) exits it with a failure code.
 STOP_GRACE_SECONDS = 8.0
 _SAME_STOP_SECONDS = 1.0  # a second signal this soon is the same stop (make signals the group and the process)
 
@@ -46,11 +46,24 @@ class SettlementPool:
         with self._done:
             return self._in_flight
 
-    def submit(self, item: Any) -> None:
-        """Hand ``item`` to a free thread, waiting while every thread is busy (in short waits, so a stop
-        signal's handler runs in the caller: RQ's job is the caller)."""
-        while not self._free.acquire(timeout=0.5):
-            pass
+    def reserve(self, timeout: float) -> bool:
+        """Take a free thread for an item :meth:`hand` gives it next; False if none was free within ``timeout`` s."""
+        return self._free.acquire(timeout=timeout)
+
+    def reserve_more(self, most: int) -> int:
+        """Take up to ``most`` more free threads, not waiting: how many were free."""
+        taken = 0
+        while taken < most and self._free.acquire(blocking=False):
+            taken += 1
+        return taken
+
+    def unreserve(self, count: int = 1) -> None:
+        """Give back ``count`` reserved threads that got no item."""
+        for _ in range(count):
+            self._free.release()
+
+    def hand(self, item: Any) -> None:
+        """Give ``item`` to a thread reserved for it (:meth:`reserve`, :meth:`reserve_more`)."""
         with self._done:
             self._in_flight += 1
         self._items.put(item)
@@ -74,17 +87,19 @@ class SettlementPool:
                 self._free.release()
 
 
-def finish_in_flight(pool: SettlementPool, *, stopped: bool) -> None:
-    """After RQ's worker returned: wait for the settlements in progress.
+def finish_in_flight(pool: SettlementPool, *, stopped: bool, signals: Sequence[float] = ()) -> None:
+    """After the relayer's loop returned: wait for the settlements in progress.
 
-    ``stopped`` (a stop signal ended the worker): up to STOP_GRACE_SECONDS. Otherwise (``--burst`` drained the
-    queue) until they are done, unless a stop signal comes, which starts the grace period. A signal more than a
-    second after the one that started the grace ends it at once.
+    ``stopped`` (a stop signal ended the loop): up to STOP_GRACE_SECONDS. Otherwise (``--burst`` drained the
+    lists) until they are done, unless a stop signal comes, which starts the grace period. A signal more than a
+    second after the one that started the grace ends it at once. ``signals``: when the stop signals that came
+    during the loop did (queueing.stop_signal_times): the grace counts from the first, and a later one ends it.
     """
     if threading.current_thread() is not threading.main_thread():  # no signals here (tests run it in a thread)
         pool.wait_idle(STOP_GRACE_SECONDS if stopped else None)
         return
-    state = {"since": time.monotonic() if stopped else None, "now": False}
+    first = signals[0] if signals else (time.monotonic() if stopped else None)
+    state = {"since": first, "now": any(t - signals[0] >= _SAME_STOP_SECONDS for t in signals[1:])}
 
     def on_signal(signum: int, _frame: Any) -> None:
         since = state["since"]

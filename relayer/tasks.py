@@ -31,7 +31,6 @@ from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from rq.job import Job, get_current_job
 
 from backend import appstate, logs
 from backend.chains.registry import Network
@@ -60,7 +59,6 @@ from backend.settlement.flow import notify_settled
 from backend.settlement.models import settlement_claim
 from backend.settlement.reconcile import FINISHED, LEDGER, paid, rpc_unreachable, settle_from_chain
 from relayer.faults import crash_point
-from relayer.pool import SettlementPool
 
 log = logging.getLogger(__name__)
 
@@ -128,44 +126,23 @@ def settlement_lock(redis: Redis, settlement_id: str) -> Iterator[Callable[[], b
             redis.delete(key)
 
 
-# Set by relayer.worker at start-up: the threads RQ's jobs hand their settlements to (None: a job settles itself).
-POOL: SettlementPool | None = None
-
-
-def settle(settlement_id: str) -> str:
-    """The RQ job (backend.settlement.flow.SETTLE_JOB): hands the settlement to a free settlement thread of this
-    process (waiting while none is free), which runs :func:`settle_now`; without threads, settles it here."""
-    if POOL is None:
-        return settle_now(settlement_id)
-    POOL.submit(Handed(settlement_id, get_current_job()))
-    return "handed-off"
-
-
 @dataclasses.dataclass(frozen=True)
 class Handed:
+    """A settlement taken from the intake list (backend.settlement.intake) for a settlement thread."""
+
     settlement_id: str
-    job: Job | None  # the RQ job that handed it over: its request id for the logs, its outcome in its meta
+    request_id: str | None  # the /pay call's (or the reconciler's): the relayer's log lines for it carry it
 
 
 def settle_handed(handed: Handed) -> None:
-    """One settlement thread's work: :func:`settle_now`, its outcome (or error) noted on the RQ job's meta."""
-    with logs.job_context(handed.job):
+    """One settlement thread's work: :func:`settle_now`, logged with the request id that asked for it. An error
+    leaves the settlement open: the reconciler pushes it again."""
+    with logs.job_context(handed.request_id, f"settle-{handed.settlement_id}"):
         try:
-            note = {"outcome": settle_now(handed.settlement_id)}
-        except Exception as exc:  # the settlement stays open: the reconciler sends it again (RQ's failed job, before)
+            settle_now(handed.settlement_id)
+        except Exception as exc:
             if not isinstance(exc, DomainError):  # a catalog error is logged by settle_now, without a traceback
                 log.exception("settlement %s: failed", handed.settlement_id)
-            note = {"error": f"{type(exc).__name__}: {exc}"}
-        if handed.job is not None:
-            _note_on_job(handed.job, note)
-
-
-def _note_on_job(job: Job, note: dict[str, str]) -> None:
-    """The outcome on the job's meta, while RQ keeps the job (result_ttl): never recreates an expired one."""
-    with contextlib.suppress(Exception):  # best effort: the database holds every durable fact
-        if job.connection.exists(job.key):
-            job.meta.update(note)
-            job.save_meta()  # type: ignore[no-untyped-call]  # RQ leaves it unannotated
 
 
 @app_job

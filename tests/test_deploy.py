@@ -642,37 +642,48 @@ def test_http_health_check(http_server):
 
 
 def test_worker_and_relayer_health_checks(redis_url, monkeypatch):
+    import json
+    import os
+
     from redis import Redis
     from rq import Worker
 
     from backend.config import Settings
     from backend.queueing import DEFAULT_QUEUE, relayer_queue
+    from backend.settlement import intake
 
     _, healthcheck = _entrypoint()
     assert healthcheck.WORKER_QUEUE == DEFAULT_QUEUE
     assert Settings.relayer_queue == healthcheck.RELAYER_QUEUE_DEFAULT
+    assert healthcheck.RELAYER_ALIVE_KEY == intake.ALIVE_KEY
     monkeypatch.setenv("REDIS_URL", redis_url)
     monkeypatch.delenv("RELAYER_QUEUE", raising=False)
     assert healthcheck.main(["worker"]) == 1  # nothing registered yet
     connection = Redis.from_url(redis_url)
     worker = Worker(["payintent-webhooks", DEFAULT_QUEUE], connection=connection)
-    relayer = Worker([relayer_queue("relayer-eu", "eip155:84532")], connection=connection)
     worker.register_birth()
-    relayer.register_birth()
+    # A relayer's presence, as relayer.worker keeps it (a pid no relayer of this test run has).
+    queues = [relayer_queue("relayer-eu", "eip155:84532")]
+    presence = intake.Presence(connection, queues, [intake.list_key("relayer-eu", "eip155:84532")])
     try:
+        assert connection.ttl(intake.alive_key(os.getpid())) > 0  # a dead relayer's presence expires
+        assert json.loads(connection.get(intake.alive_key()))["queues"] == queues
         assert healthcheck.main(["worker"]) == 0
-        assert healthcheck.main(["relayer"]) == 1  # listens on relayer-eu, not the default queue
+        assert healthcheck.main(["relayer"]) == 1  # takes relayer-eu's settlements, not the default queue's
         monkeypatch.setenv("RELAYER_QUEUE", "relayer-eu")
         assert healthcheck.main(["relayer"]) == 0
         assert healthcheck.check_rq(DEFAULT_QUEUE, hostname="another-container") is not None
-        assert healthcheck.check_rq("relayer-eu") is not None  # the relayer listens on its network's queue only
+        assert healthcheck.check_relayer("relayer-eu", hostname="another-container") is not None
+        assert healthcheck.check_rq("relayer-eu") is not None  # the relayer is no RQ worker
     finally:
         worker.register_death()
-        relayer.register_death()
-        connection.close()
+        presence.close()
     assert healthcheck.main(["worker"]) == 1
+    assert healthcheck.main(["relayer"]) == 1  # a clean stop deletes the presence
+    connection.close()
     monkeypatch.setenv("REDIS_URL", "")
     assert healthcheck.check_rq(DEFAULT_QUEUE) == "REDIS_URL is not set"
+    assert healthcheck.check_relayer("relayer") == "REDIS_URL is not set"
 
 
 def test_compose_health_checks_call_modes_the_script_has(compose):

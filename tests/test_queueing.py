@@ -111,7 +111,8 @@ def test_a_stop_signal_stops_worker_and_relayer_while_redis_is_gone(
         wait_registered(proc, url)
         redis_proc.kill()  # Redis goes away
         redis_proc.wait()
-        _until(lambda: _stderr_shows(stderr, "could not connect to Redis"))  # the worker noticed: it retries
+        noticed = "could not connect to Redis" if command == "worker" else "lost Redis"  # RQ's words, the relayer's
+        _until(lambda: _stderr_shows(stderr, noticed))  # it noticed: it waits for Redis
         proc.send_signal(sig)
         started = time.monotonic()
         code = proc.wait(timeout=STOP_DEADLINE_SECONDS + 10)

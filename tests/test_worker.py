@@ -44,8 +44,8 @@ def test_worker_expires_overdue_intents(app, client, merchant, clock, redis_url)
 
 
 def test_rq_logs_follow_log_level(redis_url, tmp_path):
-    """RQ sets its own loggers' level: the worker hands it LOG_LEVEL (it was always INFO). The relayer passes
-    the same setting to the same backend.queueing.work (tests/settlement/test_recovery.py checks it)."""
+    """RQ sets its own loggers' level: the worker hands it LOG_LEVEL (it was always INFO). (The relayer runs no
+    RQ worker: its own logger follows LOG_LEVEL like every other.)"""
     import os
     import subprocess
 

@@ -32,6 +32,7 @@ from backend import appstate, clock
 from backend.extensions import db
 from backend.queueing import DEFAULT_QUEUE, app_redis, queue, relayer_queue
 from backend.relaybudget.services import totals as relay_spending
+from backend.settlement import intake
 from backend.settlement.services import oldest_open_at, settlement_counts
 from backend.webhooks.models import DELIVERY_STATUSES
 from backend.webhooks.services import delivery_counts, oldest_due_at
@@ -140,14 +141,15 @@ class StateCollector:
         if redis is None:
             raise RuntimeError("REDIS_URL is not set")
         base = appstate.settings(self.app).relayer_queue
-        relayer_queues = [relayer_queue(base, network.network) for network in appstate.chains(self.app)]
         family = GaugeMetricFamily(
             "payintent_queue_depth",
-            f"Jobs waiting in each RQ queue ({base}:<network>: settlements for that network's relayers; "
+            f"Work waiting in each queue ({base}:<network>: settlements on that network's relayer intake list; "
             f"{DEFAULT_QUEUE}, {WEBHOOK_QUEUE}: the worker's)",
             labels=["queue"],
         )
-        for name in dict.fromkeys((*relayer_queues, DEFAULT_QUEUE, WEBHOOK_QUEUE)):
+        for network in appstate.chains(self.app):  # a relayer's list: the settlements it has not taken yet
+            family.add_metric([relayer_queue(base, network.network)], intake.depth(redis, base, network.network))
+        for name in dict.fromkeys((DEFAULT_QUEUE, WEBHOOK_QUEUE)):
             family.add_metric([name], queue(name, redis).count)
         yield family
 

@@ -19,7 +19,6 @@ from typing import Any
 
 from redis import Redis
 from redis.exceptions import RedisError
-from rq import Queue
 
 from backend import appstate, clock
 from backend.chains.registry import ChainRegistry, Network
@@ -29,12 +28,11 @@ from backend.extensions import db
 from backend.intents.models import Intent
 from backend.logs import current_request_id
 from backend.money import from_atomic
-from backend.queueing import relayer_queue
 from backend.rails.base import Terms
 from backend.rails.registry import rail_for
 from backend.relaybudget import services as relaybudget
+from backend.settlement import intake, services
 from backend.settlement import models as st
-from backend.settlement import services
 from backend.settlement.services import PaymentSubmission
 from backend.settlement.solana import PayeeLedger
 from backend.settlement.x402 import X402Payment, normalize_payment_signature
@@ -44,7 +42,6 @@ log = logging.getLogger(__name__)
 
 PAY_WAIT_SECONDS = 30.0
 SETTLED_KEY = "payintent:settled:{}"
-SETTLE_JOB = "relayer.tasks.settle"
 _NO_FAILURE_EVENT = ("ALREADY_PAID", "PAYMENT_IN_PROGRESS")
 
 
@@ -57,19 +54,10 @@ def load_payable_intent(merchant_id: str | None, intent_id: str) -> Intent:
 
 
 def enqueue_settlement(redis: Redis, settlement_id: str, queue_name: str, network: str) -> None:
-    """Wake a relayer of ``network`` (listening on RELAYER_QUEUE's queue for it) for this settlement."""
-    Queue(relayer_queue(queue_name, network), connection=redis).enqueue(
-        SETTLE_JOB,
-        settlement_id,
-        job_id=f"settle-{settlement_id}",
-        # No RQ retry: RQ parks a retry with an interval for its scheduler, which no relayer runs, so it never
-        # ran. A job that fails (an RPC hiccup) leaves its settlement open; the reconciler sends it again
-        # once it is STALE_AFTER old (settlement.reconcile), which is the one retry path.
-        job_timeout=300,
-        result_ttl=600,
-        failure_ttl=7 * 24 * 3600,
-        meta={"request_id": current_request_id()},  # the relayer's log lines for this job carry the /pay call's id
-    )
+    """Wake a relayer of ``network`` for this settlement: its id on the network's intake list (settlement.intake),
+    with this /pay call's request id, which the relayer's log lines for it carry. Nothing else is retried here:
+    a settlement left open (a lost push, a failed try) is pushed again by the reconciler once STALE_AFTER old."""
+    intake.push(redis, settlement_id, network, current_request_id(), base=queue_name)
 
 
 def notify_settled(redis: Redis, settlement_id: str) -> None:

@@ -282,7 +282,6 @@ def drain_and_audit(stack: Stack, payments: list[Payment], what: str, cap: float
     for item in paid:
         stack.expected_payout[item.network] += item.atomic
     problems += [f"{what}: {problem}" for problem in audit.audit(stack.tokens(), paid, before)]
-    problems += stack.new_failed_jobs(what)
     return problems
 
 

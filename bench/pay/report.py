@@ -217,8 +217,8 @@ def settings_lines(
         "measured; settlements/s = payments / (last answer - first request)",
         "- every payment is checked after its run: answered 200, exactly one settlement, confirmed, intent paid "
         "with the same tx hash, one payment.completed event, the buyer charged exactly once on chain, the "
-        "transaction succeeded, the merchant's balance on each chain equals the sum of its payments, no failed "
-        "RQ job",
+        "transaction succeeded, the merchant's balance on each chain equals the sum of its payments; after all "
+        "runs, no error or warning line in the relayers' logs",
         "- RPC: the API and relayers reach Anvil through the recording proxy (asyncio, in its own process; "
         "its time is counted as chain time: about 0.5 ms per call; when this benchmark was written the 1-client "
         "run's /pay p50 was 60 ms with `--no-proxy` and 71-77 ms through the proxy). Chain time of a payment "

@@ -214,7 +214,6 @@ def breakdown(
 
     import sqlalchemy as sa
     from eth_account import Account
-    from rq import Queue
 
     from backend import timing
     from backend.app import create_app
@@ -222,9 +221,8 @@ def breakdown(
     from backend.config import Settings
     from backend.extensions import db
     from backend.intents.models import Intent
-    from backend.queueing import relayer_queue
     from backend.rails.evm.terms import parse_evm_payload
-    from backend.settlement import flow
+    from backend.settlement import flow, intake
     from backend.settlement import models as st
     from payintent.eip3009 import domain_of, recover_authorizer
 
@@ -290,8 +288,8 @@ def breakdown(
                 raw[name].append(value)
     with app.app_context():
         db.engine.dispose()
-    for network in stack.networks:  # the jobs /pay enqueued for a relayer that never came
-        Queue(relayer_queue(BREAKDOWN_QUEUE, network), connection=stack.redis).empty()
+    for network in stack.networks:  # the settlements /pay pushed for a relayer that never came
+        stack.redis.delete(intake.list_key(BREAKDOWN_QUEUE, network))
     calls = stack.proxy_records()
     for name, values in raw.items():
         for wall, provider, count, w0, w1 in values:

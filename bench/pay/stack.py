@@ -57,7 +57,6 @@ class Stack:
         self.expected_payout: Counter[str] = Counter()
         self.paid_intents: set[str] = set()
         self.tx_hashes: set[str] = set()
-        self.seen_failed_jobs: set[str] = set()
         self.pay_timeout = 90.0  # a client gives up on /pay after this many seconds (status 0)
 
     # devnet ---------------------------------------------------------------------------------------
@@ -422,33 +421,8 @@ class Stack:
         for p in paid:
             self.expected_payout[p.network] += p.atomic
         problems += [f"{what}: {problem}" for problem in audit.audit(self.tokens(), paid, before)]
-        problems += self.new_failed_jobs(what)
         return problems
 
     def tokens(self) -> dict[str, audit.Token]:
         """Each network's chain (Anvil itself, not the proxy) and USDC contract, for harness.audit."""
         return {n: audit.Token(self.rpc_url[n], self.usdc[n]) for n in self.networks}
-
-    def new_failed_jobs(self, what: str) -> list[str]:
-        from rq import Queue
-        from rq.job import Job
-        from rq.registry import FailedJobRegistry
-
-        from backend.queueing import relayer_queue
-
-        registries = [
-            FailedJobRegistry(queue=Queue(relayer_queue("relayer", network), connection=self.redis))
-            for network in self.networks
-        ]
-        found = []
-        for job_id in (job_id for registry in registries for job_id in registry.get_job_ids()):
-            if job_id in self.seen_failed_jobs:
-                continue
-            self.seen_failed_jobs.add(job_id)
-            reason = ""
-            with contextlib.suppress(Exception):
-                result = Job.fetch(job_id, connection=self.redis).latest_result()
-                lines = (result.exc_string or "").strip().splitlines() if result else []
-                reason = lines[-1][:300] if lines else ""
-            found.append(f"{what}: relayer job {job_id} failed: {reason}")
-        return found

@@ -16,6 +16,7 @@ from backend.app import create_app
 from backend.chains.registry import ChainRegistry
 from backend.extensions import db
 from backend.queueing import queue, relayer_queue
+from backend.settlement import intake
 from backend.settlement.models import Settlement
 from payintent.eip3009 import sign_authorization
 from tests.conftest import free_port, make_settings
@@ -142,7 +143,8 @@ def test_queue_depth_is_read_from_redis_and_a_dead_redis_costs_only_its_own_metr
     app = with_metrics_token(create_app(make_settings(db_url, redis_url=redis_url, relayer_queue=name)))
     connection = Redis.from_url(redis_url)
     for n in range(3):
-        queue(relayer_queue(name, BASE_SEPOLIA), connection).enqueue("relayer.tasks.settle", f"stl_{n}")
+        intake.push(connection, f"stl_{n}", BASE_SEPOLIA, None, base=name)
+    queue(relayer_queue(name, BASE_SEPOLIA), connection).enqueue("relayer.tasks.settle", "stl_old")  # RQ: not read
     samples = scrape(app.test_client())
     assert value(samples, "payintent_queue_depth", queue=relayer_queue(name, BASE_SEPOLIA)) == 3
     assert value(samples, "payintent_queue_depth", queue=relayer_queue(name, "eip155:11155111")) == 0

@@ -1,16 +1,15 @@
 """What the relayer tries again, and what it does not (hostile review, L2 and HIGH item 3).
 
-``enqueue_settlement`` asked RQ to retry a failed settle job after 1, 3 and 10 s. RQ parks such a retry
-in its ScheduledJobRegistry for a scheduler to move back, and the relayer runs its workers without one
-(``backend.queueing.work``: ``with_scheduler=False``): the retries never ran. They are gone; the
+``enqueue_settlement`` once asked RQ to retry a failed settle job, a retry no scheduler ran. Settlements now
+reach the relayer as items on a plain Redis list (backend.settlement.intake), with no retry of their own: the
 reconciler, which sends again every settlement left open past ``STALE_AFTER``, is the one retry path of a
-failed job (its re-sending is tested in test_recovery.py). Within a job, the settlement thread tries again
+failed settlement (its re-sending is tested in test_recovery.py). Within a job, the settlement thread tries again
 on passing trouble only (``relayer.tasks._transient``; its retry is tested in test_relayer_connections.py).
 """
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import logging
 import uuid
 
@@ -19,22 +18,32 @@ from redis import Redis
 from rq import Queue
 from sqlalchemy.exc import OperationalError
 
-from backend import queueing
 from backend.queueing import relayer_queue
+from backend.settlement import intake
 from backend.settlement.flow import enqueue_settlement
 
 
-def test_a_settle_job_promises_no_retry_that_no_scheduler_would_run(redis_url):
+@contextlib.contextmanager
+def logs_request(request_id: str):
+    from backend import logs
+
+    with logs.job_context(request_id):
+        yield
+
+
+def test_a_settlement_reaches_the_relayer_as_one_list_item_not_an_rq_job(redis_url):
+    """One RPUSH on the network's intake list, carrying the request id; nothing for RQ (no job, no retry that a
+    scheduler would have to run: the reconciler is the one retry path)."""
     redis = Redis.from_url(redis_url)
     name, settlement_id = f"relayer-retry-{uuid.uuid4().hex[:8]}", f"stl_{uuid.uuid4().hex[:12]}"
-    enqueue_settlement(redis, settlement_id, name, "eip155:84532")
-    queue = Queue(relayer_queue(name, "eip155:84532"), connection=redis)
-    job = queue.fetch_job(f"settle-{settlement_id}")
-    assert job is not None
-    assert not job.retries_left and not job.retry_intervals  # nothing RQ would park for a scheduler
-    # ... and indeed no worker of ours runs RQ's scheduler, which is why such a retry never ran.
-    assert "with_scheduler=False" in inspect.getsource(queueing._work)
-    queue.empty()
+    with logs_request("req-intake-1"):
+        enqueue_settlement(redis, settlement_id, name, "eip155:84532")
+    key = intake.list_key(name, "eip155:84532")
+    assert key == f"payintent:intake:{relayer_queue(name, 'eip155:84532')}"  # never one of RQ's keys (rq:...)
+    assert intake.depth(redis, name, "eip155:84532") == 1
+    assert Queue(relayer_queue(name, "eip155:84532"), connection=redis).count == 0
+    assert intake.pop(redis, [key], 5, block=None) == ([intake.Item(settlement_id, "req-intake-1")], 1)
+    assert intake.pop(redis, [key], 5, block=0.1) == ([], 0)  # empty: BLPOP times out
 
 
 def test_what_ends_a_settlement_and_what_is_tried_again():

@@ -17,6 +17,7 @@ Real Anvil chains, real relayer processes, real PostgreSQL and Redis.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from collections.abc import Iterator
@@ -26,13 +27,11 @@ import pytest
 from eth_account import Account
 from eth_account.messages import encode_typed_data
 from eth_utils import to_checksum_address
-from redis import Redis
-from rq.job import Job
 from web3.exceptions import ContractLogicError, Web3RPCError
 
 from backend.rails.evm import relay as evm
 from payintent.eip3009 import MESSAGE_TYPES, domain_of, message_of, sign_authorization
-from tests.settlement.conftest import stop_process
+from tests.settlement.conftest import start_relayer, stop_process
 from tests.settlement.test_pay import create_intent, pay, requirement
 from tests.settlement.test_payer_code import _relay_call, events, funded_buyer, relay_nonces, settlement_of
 from tests.settlement.test_recovery import NETWORK, _token, iso  # noqa: F401  (fixture)
@@ -182,7 +181,7 @@ def test_pay_refuses_a_valid_after_the_chains_latest_block_has_not_passed(iso, c
     assert iso.devnet.balance(NETWORK, buyer.address) == 1_000_000
 
 
-def test_the_relayer_never_sends_before_the_chains_clock_passes_valid_after(iso, chain_clock):  # noqa: F811
+def test_the_relayer_never_sends_before_the_chains_clock_passes_valid_after(iso, chain_clock, tmp_path):  # noqa: F811
     """/pay saw the chain past validAfter; the relayer's node does not (a lagging node): it waits, leaves the
     settlement open without sending anything, and it settles once the chain's clock has passed."""
     w3, token = _token(iso.devnet, NETWORK)
@@ -194,16 +193,18 @@ def test_the_relayer_never_sends_before_the_chains_clock_passes_valid_after(iso,
     settlement = settlement_of(intent["intent_id"])
     chain_clock(int(time.time()) - 30)  # now the chain's latest block is before validAfter
     nonces = relay_nonces(w3, iso.devnet)
-    relayer = iso.relayer()
+    log = tmp_path / "relayer.log"  # its own file, at INFO: the settlement's outcome is logged there
+    relayer = start_relayer(iso.db_url, iso.redis_url, iso.devnet.info["chains_file"], log_file=log,
+                            RELAYER_QUEUE=iso.queue, LOG_LEVEL="INFO")  # fmt: skip
     try:
-        job = Job.fetch(f"settle-{settlement.id}", connection=Redis.from_url(iso.redis_url))
         deadline = time.monotonic() + 60
-        # The job hands the settlement to a settlement thread, which notes the outcome on the job's meta.
-        while "outcome" not in job.get_meta(refresh=True):
-            assert not job.is_failed and "error" not in job.meta and time.monotonic() < deadline, job.get_status()
+        while f"settlement {settlement.id}: " not in log.read_text(errors="replace"):
+            assert time.monotonic() < deadline, log.read_text(errors="replace")
             time.sleep(0.2)
-        assert job.return_value() == "handed-off"
-        assert job.meta["outcome"] == "not-yet-valid"  # before the fix: "reverted" (a transaction sent, status 0)
+        time.sleep(0.5)  # the line is complete
+        outcome = re.search(rf"settlement {settlement.id}: ([\w-]+)", log.read_text(errors="replace"))
+        assert outcome is not None
+        assert outcome.group(1) == "not-yet-valid"  # before the fix: "reverted" (a transaction sent, status 0)
         settlement = settlement_of(intent["intent_id"])
         assert settlement.status == "pending" and settlement.tx_hash is None and settlement.failure_code is None
         assert relay_nonces(w3, iso.devnet) == nonces  # no transaction that would revert

@@ -23,13 +23,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from redis import Redis
-from rq.job import Job
 
 from backend import appstate
 from backend.app import RELAYER_POOL_SIZE
 from backend.appstate import SETTINGS_KEY
+from backend.settlement import intake
 from devnet.anvil import rpc
 from payintent.eip3009 import sign_authorization
+from relayer.tasks import JOB_LOCK_KEY
 from tests.settlement.conftest import start_relayer, stop_process
 from tests.settlement.test_pay import create_intent, pay, requirement
 from tests.settlement.test_payer_code import funded_buyer, relay_nonces, settlement_of
@@ -181,14 +182,20 @@ def test_settlement_threads_waiting_on_the_chain_hold_no_connection_and_share_a_
     frozen = freeze()
     chain_clock(int(time.time()) - 30)  # the chain's latest block is before validAfter: every thread waits (10 s)
     redis = Redis.from_url(iso.redis_url)
-    jobs = [Job.fetch(f"settle-{settlement_of(i['intent_id']).id}", connection=redis) for i in intents]
+    locks = [JOB_LOCK_KEY.format(settlement_of(i["intent_id"]).id) for i in intents]
     relayer = _relayer(iso, role, RELAYER_THREADS=str(count))
     try:
-        # Every job handed to a thread, none finished: all 12 threads wait for the chain's clock.
-        _wait(lambda: all(job.get_status(refresh=True) == "finished" for job in jobs), 30, "every job handed off")
+        # Every settlement taken off the list by a thread (each holds its settlement's lock), none finished: all 12
+        # threads wait for the chain's clock.
+        _wait(lambda: intake.depth(redis, iso.queue, NETWORK) == 0 and redis.exists(*locks) == count, 30,
+              "every settlement handed to a thread")  # fmt: skip
+        # The 12 start at once (taken together off the list), 10 connections for 12 first reads: once those are
+        # done, none is in use while they wait (before the fix: one per waiting thread, never 0). Done means none
+        # in use for 0.5 s on end: one look at 0 can fall between two reads of a thread a loaded machine slows.
+        _wait(lambda: _none_in_use_for(role, 0.5), 8, "the threads' first reads done")
         with _Sampler(role) as waiting_for_clock:
             time.sleep(2)
-        assert not any("outcome" in job.get_meta(refresh=True) for job in jobs)  # still waiting, all of them
+        assert redis.exists(*locks) == count  # still waiting, all of them (a finished one frees its lock)
         chain_clock(int(time.time()) + 1)  # validAfter passed: each sends, and waits for its receipt
         _wait(lambda: _in_pool(w3, iso.devnet) == count, 60, "every payment's transaction in the node's pool")
         with _Sampler(role) as waiting_for_receipts:
@@ -205,6 +212,16 @@ def test_settlement_threads_waiting_on_the_chain_hold_no_connection_and_share_a_
     assert iso.devnet.balance(NETWORK, iso.payout) == amount * count  # each moved once
     assert all(iso.devnet.balance(NETWORK, buyer.address) == 0 for buyer in buyers)
     assert all(len(iso.completed_events(i["intent_id"])) == 1 for i in intents)
+
+
+def _none_in_use_for(role: Role, seconds: float) -> bool:
+    """Whether none of the role's connections was in use at any look (every 50 ms) for ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if role.connections()[1]:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _text(log: Path) -> str:

@@ -62,3 +62,26 @@ def test_relayer_stopped_while_waiting_for_a_receipt_stops_at_once_and_the_payme
     assert len(iso.completed_events(intent["intent_id"])) == 1
     assert iso.reconcile_later()["finished"] == 0
     assert iso.devnet.balance(NETWORK, iso.payout) == 3_000_000  # moved once
+
+
+def test_a_second_stop_signal_ends_the_grace_counted_from_the_first_signal(iso: Any, no_mining: str) -> None:
+    """The grace counts from the first signal, not from the loop's end, and a second signal a second or more
+    after the first ends it, even one that came while the loop was still winding down."""
+    intent = create_intent(iso.client, iso.shop, 3)
+    payload = sign_authorization(iso.devnet.buyer(2).key, requirement(intent, NETWORK))
+    relayer = iso.relayer()
+    try:
+        assert pay(iso.client, iso.shop, intent, NETWORK, payload).status_code == 504  # sent, not mined
+        assert iso.wait_settlement(intent["intent_id"], "submitted").tx_hash
+        relayer.send_signal(signal.SIGTERM)  # one settlement in flight: the grace (8 s) starts
+        started = time.monotonic()
+        time.sleep(1.5)  # the loop has ended (within about 1 s) or is ending: counted from the loop's end, too soon
+        relayer.send_signal(signal.SIGTERM)  # "stop now"
+        assert relayer.wait(timeout=60) == 0
+        assert time.monotonic() - started < 5  # not the 8 s grace
+    finally:
+        stop_process(relayer)
+    rpc(no_mining, "evm_mine")
+    assert iso.reconcile_later()["finished"] == 1  # the reconciler finishes what the relayer left
+    assert iso.devnet.balance(NETWORK, iso.payout) == 3_000_000  # moved once
+    assert iso.intent_row(intent["intent_id"]).status == "paid"
