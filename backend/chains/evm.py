@@ -22,7 +22,7 @@ from backend.chains.registry import Network
 # limited to one more try of a refused or reset connection: by default it retries timeouts five times (a
 # hung RPC then held each call a minute, and the reconcile pass with it). Callers retry at their level.
 # Never eth_sendRawTransaction (in web3's default list): a broadcast from a leased relay account is tried again only
-# while the lease is surely ours (``backend.rails.evm.accounts.broadcast``), never by web3 after its check.
+# while the lease is surely ours (``backend.rails.evm.fence.broadcast``), never by web3 after its check.
 _RETRIED_METHODS = [method for method in REQUEST_RETRY_ALLOWLIST if method != "eth_sendRawTransaction"]
 RPC_TIMEOUT_SECONDS = 10.0
 RPC_CONNECT_TIMEOUT_SECONDS = 3.0

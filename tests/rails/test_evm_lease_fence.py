@@ -1,6 +1,6 @@
 """The lease fence's edges (the leases branch's second review), on a real Anvil and a real Redis:
 
-1. The watcher's rebroadcast of a dropped transaction goes through ``accounts.broadcast``: the lease is checked and
+1. The watcher's rebroadcast of a dropped transaction goes through ``fence.broadcast``: the lease is checked and
    the send counted right before the write, so a release waits for it, and none is sent once the lease is gone.
 2. One renewal round that times out (a 1.5 s Redis stall) is tried again soon: the lease keeps its slack.
 3. An account given back (or released) with a broadcast still under way is kept as retired: leasing it again here
@@ -21,7 +21,7 @@ from redis import Redis
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from backend.rails.evm import accounts as accounts_module
-from backend.rails.evm import relay
+from backend.rails.evm import fence, relay
 from backend.rails.evm.pipeline import SharedWatcher
 from harness.proxy import RpcProxy
 from tests.rails.test_evm_lease_stalls import _broadcasting, _cancel, _stall, _via, stallable  # noqa: F401
@@ -52,7 +52,7 @@ class _Rebroadcast(threading.Thread):
     """A cancel signed and never sent (the node "dropped" it), expected by a watcher reading through ``proxy``;
     the thread runs the watcher's rebroadcast of it (``_missing``), keeping what it raised."""
 
-    def __init__(self, node: Chain, proxy: _Slow, owned: accounts_module.Owned) -> None:  # noqa: F811
+    def __init__(self, node: Chain, proxy: _Slow, owned: fence.Owned) -> None:  # noqa: F811
         super().__init__(daemon=True)
         raw = _cancel(node, owned)
         self.tx_hash = "0x" + eth_utils.keccak(raw).hex()

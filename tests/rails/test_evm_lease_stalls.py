@@ -28,7 +28,7 @@ from redis import Redis
 
 from backend.chains.evm import EvmChain
 from backend.rails.evm import accounts as accounts_module
-from backend.rails.evm import relay
+from backend.rails.evm import fence, relay
 from backend.rails.evm.nonces import NonceManager
 from harness.proxy import DropConnection, RpcProxy
 from harness.redis_server import start_redis
@@ -126,13 +126,13 @@ def _via(node: Chain, url: str) -> EvmChain:  # noqa: F811
     return EvmChain(dataclasses.replace(node.network, rpc_url=url))
 
 
-def _cancel(node: Chain, owned: accounts_module.Owned) -> bytes:  # noqa: F811
+def _cancel(node: Chain, owned: fence.Owned) -> bytes:  # noqa: F811
     transaction = owned.manager.cancel_transaction(owned.manager.allocate(), relay.fees(node.chain))
     return bytes(owned.account.sign_transaction(transaction).raw_transaction)
 
 
-def _broadcasting(chain: EvmChain, owned: accounts_module.Owned, raw: bytes) -> threading.Thread:
-    thread = threading.Thread(target=lambda: accounts_module.broadcast(chain, owned, raw), daemon=True)
+def _broadcasting(chain: EvmChain, owned: fence.Owned, raw: bytes) -> threading.Thread:
+    thread = threading.Thread(target=lambda: fence.broadcast(chain, owned, raw), daemon=True)
     thread.start()
     return thread
 
@@ -153,8 +153,8 @@ def test_a_release_waits_for_a_broadcast_under_way_before_freeing_the_key(node: 
         assert not node.redis.exists(key) and 0.5 < time.monotonic() - began < accounts_module.RELEASE_WAIT_SECONDS
         sending.join(5)
         assert not owned.valid()
-        with pytest.raises(accounts_module.LeaseLost):  # none starts after the release
-            accounts_module.broadcast(node.chain, owned, _cancel(node, owned))
+        with pytest.raises(fence.LeaseLost):  # none starts after the release
+            fence.broadcast(node.chain, owned, _cancel(node, owned))
 
 
 def test_a_release_leaves_the_key_to_lapse_when_a_broadcast_outlasts_its_wait(
@@ -220,12 +220,12 @@ class _ResetFirstSend(RpcProxy):
         return self.forward(body)
 
 
-def _owned(node: Chain, valid_for: float) -> accounts_module.Owned:  # noqa: F811
+def _owned(node: Chain, valid_for: float) -> fence.Owned:  # noqa: F811
     account = node.relay_account()
     manager = NonceManager.for_chain(node.chain, account.address, node.redis)
     manager.start(None)
     key = relay.LEASE_KEY.format(NETWORK, account.address)
-    return accounts_module.Owned(account, manager, key, valid_until=time.monotonic() + valid_for)
+    return fence.Owned(account, manager, key, valid_until=time.monotonic() + valid_for)
 
 
 def test_a_reset_broadcast_is_not_sent_again_once_the_lease_lapsed(node: Chain):  # noqa: F811
@@ -233,7 +233,7 @@ def test_a_reset_broadcast_is_not_sent_again_once_the_lease_lapsed(node: Chain):
     start = node.w3.eth.get_transaction_count(owned.account.address)
     with _ResetFirstSend(node.network.rpc_url or "", hold=1.0) as proxy:
         with pytest.raises(requests.ConnectionError):  # the node may hold the first try: not LeaseLost
-            accounts_module.broadcast(_via(node, proxy.url), owned, _cancel(node, owned))
+            fence.broadcast(_via(node, proxy.url), owned, _cancel(node, owned))
         time.sleep(0.5)  # web3's retry came 0.1 s after the reset
         assert proxy.sends == 1
     assert node.w3.eth.get_transaction_count(owned.account.address, "pending") == start
@@ -243,6 +243,6 @@ def test_a_reset_broadcast_is_sent_again_while_the_lease_is_ours(node: Chain):  
     owned = _owned(node, valid_for=30)
     start = node.w3.eth.get_transaction_count(owned.account.address)
     with _ResetFirstSend(node.network.rpc_url or "", hold=0.2) as proxy:
-        accounts_module.broadcast(_via(node, proxy.url), owned, _cancel(node, owned))
+        fence.broadcast(_via(node, proxy.url), owned, _cancel(node, owned))
         assert proxy.sends == 2
     assert node.w3.eth.get_transaction_count(owned.account.address, "pending") == start + 1

@@ -9,7 +9,7 @@ processes each holds its share; when none is free it waits (``RelayUnavailable``
 found taken by another process, or gone, at renewal is given up at once (the account is no longer used here; leased
 again later, it starts afresh). A second thread repairs the owned accounts and adopts free ones a dead relayer left
 with an unmined nonce (``adopt``). Every broadcast from a leased account (the watcher's rebroadcast too:
-``Owned.resend``) checks the lease right before it (``broadcast``), is never retried once the lease is not surely
+``Owned.resend``) checks the lease right before it (``fence.broadcast``), is never retried once the lease is not surely
 ours, and a release (``release``, at exit) waits for the broadcasts under way before freeing the lease. A key still
 holding this pool's own token (its renewals failed while Redis stalled, so the account was given up here) is taken
 again at once: nobody else held it meanwhile.
@@ -32,17 +32,15 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-import requests
 from eth_account.signers.local import LocalAccount
 from redis import ConnectionPool, Redis
 from redis.backoff import NoBackoff
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
-from web3.exceptions import Web3RPCError
 
-from backend.chains.evm import RPC_CONNECT_ATTEMPTS, RPC_CONNECT_TIMEOUT_SECONDS, EvmChain
+from backend.chains.evm import RPC_CONNECT_TIMEOUT_SECONDS, EvmChain
+from backend.rails.evm.fence import LeaseLost, Owned, broadcast, node_answered
 from backend.rails.evm.nonces import NonceManager
 from backend.rails.evm.pipeline import shared_watcher
 from backend.rails.evm.relay import LEASE_KEY, RelayUnavailable, fees
@@ -88,74 +86,6 @@ end
 return 0
 """
 _PROCESS = secrets.token_hex(8)  # this process (its pools' lease values share it)
-
-
-@dataclass
-class Owned:
-    account: LocalAccount
-    manager: NonceManager
-    key: str
-    # The manager's clock (monotonic) until which the lease is surely ours: set at each renewal that succeeded,
-    # the lease's length minus a margin after the renewal began. Checked in ``take`` and right before a broadcast.
-    valid_until: float = 0.0
-    given_up: bool = False  # lost or released: never valid again, whatever a renewal in flight does
-    adopted: bool = False  # leased to fill a dead relayer's gaps: no new sends; released once all is mined
-    # The broadcasts under way (``broadcast``: counted under ``sends`` with their lease check), waited for by a
-    # release (``close``), which gives the account up under the same lock: none starts after it.
-    sending: int = 0
-    sends: threading.Condition = field(default_factory=threading.Condition, repr=False, compare=False)
-
-    def valid(self) -> bool:
-        return not self.given_up and time.monotonic() < self.valid_until
-
-    def close(self, deadline: float) -> bool:
-        """Given up (no broadcast starts from it any more); True once none is under way, False if one still was at
-        ``deadline`` (monotonic): then its key must be left to lapse."""
-        with self.sends:
-            self.given_up = True
-            return self.sends.wait_for(lambda: self.sending == 0, timeout=max(0.0, deadline - time.monotonic()))
-
-    def resend(self, chain: EvmChain, raw: bytes) -> bool:
-        """The watcher's rebroadcast (``pipeline.Resender``) through ``broadcast``; False: ``LeaseLost``, not sent."""
-        try:
-            broadcast(chain, self, raw)
-        except LeaseLost:
-            return False
-        return True
-
-
-class LeaseLost(Exception):
-    """The account's lease is not surely this process's any more: nothing was broadcast."""
-
-
-def broadcast(chain: EvmChain, owned: Owned, raw: bytes) -> None:
-    """Check then broadcast: ``raw`` is sent only while this process surely holds ``owned``'s lease, checked right
-    before the send (``LeaseLost`` otherwise). Every broadcast from a leased account goes through here.
-
-    web3 never retries eth_sendRawTransaction (``backend.chains.evm``); a refused or reset connection is tried again
-    here, up to ``RPC_CONNECT_ATTEMPTS`` tries in all, each only after the lease is checked again: never once it is
-    not surely ours (the error is raised: the node may hold the first try). A release waits for the sends under way
-    (``Owned.close``)."""
-    failed: requests.ConnectionError | None = None
-    for attempt in range(1, RPC_CONNECT_ATTEMPTS + 1):
-        with owned.sends:
-            if not owned.valid():
-                if failed is not None:
-                    raise failed  # not LeaseLost: the node may hold the try that failed
-                raise LeaseLost(owned.account.address)
-            owned.sending += 1
-        try:
-            chain.w3.eth.send_raw_transaction(raw)
-            return
-        except requests.ConnectionError as exc:
-            if attempt == RPC_CONNECT_ATTEMPTS:
-                raise
-            failed = exc
-        finally:
-            with owned.sends:
-                owned.sending -= 1
-                owned.sends.notify_all()
-        time.sleep(0.1 * attempt)
 
 
 class AccountPool:
@@ -548,17 +478,6 @@ def _with_timeout(redis: Redis, seconds: float) -> Redis:
     kwargs["retry"] = Retry(NoBackoff(), 0)
     kwargs.pop("retry_on_timeout", None)
     return Redis(connection_pool=ConnectionPool(connection_class=pool.connection_class, **kwargs))
-
-
-def node_answered(exc: BaseException) -> bool:
-    """Whether a broadcast's error is the node's answer (a JSON-RPC error: refused, underpriced, overdraft, txpool
-    full, nonce too high; HTTP 429): the node did not take the transaction. False for a timeout or a dropped
-    connection: the node may hold it."""
-    if isinstance(exc, requests.HTTPError):
-        return exc.response is not None and exc.response.status_code == 429
-    if isinstance(exc, requests.RequestException | TimeoutError | ConnectionError):
-        return False
-    return isinstance(exc, Web3RPCError | ValueError)
 
 
 def fill_nonce(chain: EvmChain, owned: Owned, nonce: int) -> str | None:

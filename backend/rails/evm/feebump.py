@@ -23,7 +23,7 @@ from web3.exceptions import Web3RPCError
 
 from backend.chains.evm import EvmChain
 from backend.rails.base import Claim, Rerecord, TxStatus
-from backend.rails.evm.accounts import LeaseLost, Owned, broadcast, node_answered
+from backend.rails.evm.fence import LeaseLost, Owned, broadcast, node_answered
 from backend.rails.evm.nonces import replacement_fees
 from backend.rails.evm.pipeline import shared_watcher
 from backend.rails.evm.relay import fees, sign_transfer

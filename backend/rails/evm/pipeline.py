@@ -55,7 +55,7 @@ AFTER_WAKE: Callable[[int], None] | None = None
 
 
 class Resender(Protocol):
-    """The sending account's lease (``accounts.Owned``): ``valid`` is a cheap look before the node is asked;
+    """The sending account's lease (``fence.Owned``): ``valid`` is a cheap look before the node is asked;
     ``resend`` broadcasts through the lease fence (checked and counted right before the write; False: not sent)."""
 
     def valid(self) -> bool: ...

@@ -32,17 +32,9 @@ from backend.rails.base import (
     RelayNonceTaken,
     Submission,
 )
-from backend.rails.evm.accounts import (
-    AccountPool,
-    LeaseLost,
-    Owned,
-    RecordedNonce,
-    account_pool,
-    broadcast,
-    fill_nonce,
-    node_answered,
-)
+from backend.rails.evm.accounts import AccountPool, RecordedNonce, account_pool, fill_nonce
 from backend.rails.evm.feebump import Sent, remember
+from backend.rails.evm.fence import LeaseLost, Owned, broadcast, node_answered
 from backend.rails.evm.nonces import replacement_fees
 from backend.rails.evm.pipeline import shared_watcher
 from backend.rails.evm.relay import (
