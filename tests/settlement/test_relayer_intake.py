@@ -120,6 +120,24 @@ def test_free_threads_take_several_at_once_and_burst_returns_once_the_list_is_em
     assert sorted(ran) == sorted(f"stl_{n}" for n in range(20)) and loop.depth() == 0
 
 
+def test_a_pop_takes_no_more_than_it_was_asked_for_across_lists_in_order(redis_url):
+    redis = Redis.from_url(redis_url)
+    base = f"intake-{uuid.uuid4().hex[:8]}"
+    first, second = intake.list_key(base, NETWORK), intake.list_key(base, "eip155:11155111")
+    for n in range(3):
+        intake.push(redis, f"stl_a{n}", NETWORK, None, base=base)
+        intake.push(redis, f"stl_b{n}", "eip155:11155111", None, base=base)
+    redis.rpush(second, b"not json")
+    items, taken = intake.pop(redis, [first, second], 4, block=1.0)
+    # Two free threads' worth and no more: the first list drained in order, then the second's head; the rest waits.
+    assert [i.settlement_id for i in items] == ["stl_a0", "stl_a1", "stl_a2", "stl_b0"] and taken == 4
+    assert redis.llen(first) == 0 and redis.llen(second) == 3
+    items, taken = intake.pop(redis, [first, second], 10, block=None)
+    assert [i.settlement_id for i in items] == ["stl_b1", "stl_b2"] and taken == 3  # the unreadable one counted
+    assert intake.pop(redis, [first, second], 10, block=None) == ([], 0)
+    assert intake.pop(redis, [first, second], 10, block=0.2) == ([], 0)  # waited, nothing came
+
+
 def test_burst_goes_on_past_a_pop_of_only_unreadable_items(redis_url):
     ran: list[str] = []
     loop = Loop(Redis.from_url(redis_url), 1, lambda item: ran.append(item.settlement_id), burst=True)
