@@ -7,6 +7,7 @@ since (each writes only while the row names what it replaces)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -155,25 +156,7 @@ def test_the_put_back_never_moves_a_row_another_attempt_recorded_at_another_nonc
     row = stuck.iso.settlement(intent_id)
     assert (row.tx_hash, row.relay_address, row.relay_nonce) == (other_hash, other_address, other_nonce)  # ...moot
     assert looks and all(trips == 1 for _, trips in looks) and (2, 1) in looks  # the count and the block: one trip
-    stuck.mine(1)  # the fees fall; the first is mined (sent again if the node dropped it under the high base fee)
-    try:
-        stuck.w3.eth.send_raw_transaction(old_raw)
-    except Exception as exc:
-        assert "already" in str(exc).lower() or "known" in str(exc).lower(), exc
-    for _ in range(40):
-        if not thread.is_alive():
-            break
-        stuck.mine(1)
-        time.sleep(0.3)
-    thread.join(timeout=30)
-    assert stuck.outcomes == ["confirmed"]
-    assert stuck.w3.eth.get_transaction_receipt(first)["status"] == 1
-    row = stuck.iso.settlement(intent_id)
-    assert (row.status, row.tx_hash.lower(), row.relay_address.lower(), row.relay_nonce) == (
-        "confirmed", first.lower(), address.lower(), nonce)  # fmt: skip
-    assert stuck.iso.intent_row(intent_id).status == "paid" and len(stuck.iso.completed_events(intent_id)) == 1
-    assert stuck.iso.devnet.balance(NETWORK, stuck.iso.payout) - payout_before == 1_000_000  # moved once
-    assert [reference for reference, _ in _relay_spends(stuck)] == [first.lower()]  # its gas charged, once
+    _first_mined_and_paid_once(stuck, thread, old_raw, (first, address, nonce), intent_id, payout_before)
 
 
 def test_a_record_another_attempt_made_before_the_bump_recorded_stands_and_nothing_is_broadcast(
@@ -226,7 +209,22 @@ def test_a_record_another_attempt_made_before_the_bump_recorded_stands_and_nothi
     with pytest.raises(Exception, match="not found"):
         stuck.w3.eth.get_transaction(second)  # ...nor sent
     assert not broadcast_raws  # the bump broadcast nothing
-    stuck.mine(1)  # the fees fall; the first is mined (sent again if the node dropped it under the high base fee)
+    _first_mined_and_paid_once(stuck, thread, old_raw, (first, address, nonce), intent_id, payout_before)
+
+
+def _first_mined_and_paid_once(
+    stuck: Stuck,  # noqa: F811
+    thread: threading.Thread,
+    old_raw: bytes,
+    sent: tuple[str, str, int],
+    intent_id: str,
+    payout_before: int,
+) -> None:
+    """The fees fall and the first transaction (``sent``: hash, relay account, nonce) is mined (sent again if the
+    node dropped it under the high base fee): the job ends confirmed, the row names the first with its own account
+    and nonce, the intent is paid once, the money moved once and its gas charged once."""
+    first, address, nonce = sent
+    stuck.mine(1)
     try:
         stuck.w3.eth.send_raw_transaction(old_raw)
     except Exception as exc:
