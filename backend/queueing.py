@@ -267,19 +267,33 @@ def _install_stop_handlers() -> None:
 
 
 @contextlib.contextmanager
-def _stop_on_signals() -> Iterator[None]:
-    """Stop signals raise _Stop in here (RQ's worker installs its own while it works); the caller's handlers
-    are back afterwards."""
+def _stop_signals_to(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """Stop signals go to ``handler`` in here (in the main thread; elsewhere nothing changes: signals reach only
+    it); the caller's handlers are back afterwards."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    _install_stop_handlers()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, previous_handler in previous.items():
+            signal.signal(sig, previous_handler)
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """Stop signals raise _Stop in here (RQ's worker installs its own while it works); the caller's handlers
+    are back afterwards."""
+    with _stop_signals_to(_raise_stop):
+        yield
+
+
+def _note_stop(signum: int, _frame: Any) -> None:
+    _stop_times.append(time.monotonic())
+    _stop_requested(signum)
 
 
 @contextlib.contextmanager
@@ -290,22 +304,8 @@ def stop_flag_on_signals() -> Iterator[None]:
     (:func:`stop_signal_times`). The caller's handlers are back afterwards."""
     _stopping.clear()
     _stop_times.clear()
-    if threading.current_thread() is not threading.main_thread():
+    with _stop_signals_to(_note_stop):
         yield
-        return
-    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-
-    def note(signum: int, _frame: Any) -> None:
-        _stop_times.append(time.monotonic())
-        _stop_requested(signum)
-
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, note)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def wait_for_redis(connection: Redis, *, until: Callable[[], bool] | None = None) -> None:
