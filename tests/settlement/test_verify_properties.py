@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 from eth_account import Account
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from backend.errors import DomainError
@@ -122,6 +122,9 @@ def test_a_signature_for_another_domain_fails(buyer, change):
 def test_changing_any_byte_of_the_signature_fails(buyer, index, flip):
     payload = signed(buyer, REQUIREMENT)
     signature = bytearray(bytes.fromhex(payload["signature"][2:]))
+    # v written as 0 or 1 is the same signature as 27 or 28 (accepted: test_v_as_0_or_1_is_accepted_as_27_or_28);
+    # 27 ^ 27 and 28 ^ 29 are such a rewrite, not a change.
+    assume(not (index == 64 and signature[64] ^ flip == signature[64] - 27))
     signature[index] ^= flip
     assert error_code({**payload, "signature": "0x" + signature.hex()}, REQUIREMENT) == "INVALID_SIGNATURE"
 
