@@ -56,9 +56,10 @@ def _engine_options(url: str, threads: int | None = None) -> dict[str, Any]:
         pool_size, overflow = (POOL_SIZE, POOL_OVERFLOW) if threads is None else (min(threads, RELAYER_POOL_SIZE), 0)
         options.update(pool_size=pool_size, max_overflow=overflow, pool_timeout=POOL_TIMEOUT_SECONDS)
     if url.startswith("postgresql"):
-        # pool_pre_ping: a pooled connection the server dropped (a restart, an idle timeout) is replaced when
-        # checked out, instead of failing the request that gets it.
-        options.update(pool_pre_ping=True, pool_recycle=1800)
+        # A pooled connection the server dropped (a restart, an idle timeout) is replaced when checked out after
+        # sitting idle, instead of failing the request that gets it (extensions.ping_idle_connections, installed
+        # by the extension: SQLAlchemy's pool_pre_ping would cost a round trip on every checkout).
+        options.update(pool_recycle=1800)
     return options
 
 

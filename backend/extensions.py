@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
+import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from flask import Flask, g
 from flask_smorest import Api
 from flask_sqlalchemy import SQLAlchemy
-from sqlalchemy import JSON, DateTime, MetaData, Select, Table, event
+from sqlalchemy import JSON, DateTime, MetaData, Select, Table, event, insert
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Connection, CursorResult, Engine, Result, make_url
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InvalidatePoolError
 from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.types import TypeDecorator
 
@@ -59,6 +61,8 @@ class PayintentSQLAlchemy(SQLAlchemy):
             for engine in self.engines.values():
                 if engine.dialect.driver == "psycopg2":  # kept by the pool that engine.dispose() makes
                     event.listen(engine, "reset", _out_of_autocommit)
+                if engine.dialect.name == "postgresql":
+                    ping_idle_connections(engine)
 
     def _teardown_session(self, exc: BaseException | None) -> None:
         registry = self.session.registry
@@ -83,6 +87,53 @@ class PayintentSQLAlchemy(SQLAlchemy):
 
 _AUTOCOMMIT = "_payintent_autocommit_connection"
 
+# A pooled connection given back this recently, whose server has sent nothing since, is taken as alive: its
+# checkout sends no ping. A busy process reuses its few connections continuously, so a ping on every checkout
+# (SQLAlchemy's pool_pre_ping) was one round trip in two of a GET. HikariCP, the JVM's pool, skips its check for
+# the same reason (``aliveBypassWindowMs``, 500 ms by default).
+PING_AFTER_IDLE_SECONDS = 0.5
+_LAST_USED = "payintent_last_used"
+
+
+def _server_spoke(dbapi_connection: Any) -> bool:
+    """Whether the server sent anything to an idle connection (no query in flight): a server that ends a session
+    (a shutdown or restart, ``pg_terminate_backend``, an idle timeout) says so, or closes the socket, which makes
+    it readable. A look at the socket, no round trip; a peer that vanished without a word is the idle ping's."""
+    poller = select.poll()
+    poller.register(dbapi_connection.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
+
+
+def ping_idle_connections(engine: Engine) -> None:
+    """In place of the pool's ``pool_pre_ping`` (a round trip on every checkout): a connection is pinged when it
+    is checked out after sitting in the pool for ``PING_AFTER_IDLE_SECONDS`` or more, or when its server sent
+    something while it sat there (:func:`_server_spoke`). One the server dropped is then replaced before the
+    request gets it, and, as with ``pool_pre_ping``, the pool's older connections are marked stale. What is left
+    (a connection lost without a word within the window) fails its first statement: SQLAlchemy (and
+    :func:`fetch_autocommit`) then throw it and the pool's older connections away and the request answers 503,
+    as it does while the database is down."""
+    dialect = engine.dialect
+
+    def used(dbapi_connection: Any, connection_record: Any) -> None:
+        connection_record.info[_LAST_USED] = time.monotonic()
+
+    def ping_if_idle(dbapi_connection: Any, connection_record: Any, connection_proxy: Any) -> None:
+        last_used = connection_record.info.get(_LAST_USED)
+        recent = last_used is not None and time.monotonic() - last_used < PING_AFTER_IDLE_SECONDS
+        try:
+            if recent and not _server_spoke(dbapi_connection):
+                return
+            dialect.do_ping(dbapi_connection)
+        except dialect.loaded_dbapi.Error as exc:
+            if dialect.is_disconnect(exc, dbapi_connection, None):
+                raise InvalidatePoolError(str(exc)) from exc  # the pool connects again, as after pool_pre_ping
+            raise
+        connection_record.info[_LAST_USED] = time.monotonic()
+
+    event.listen(engine, "connect", used)
+    event.listen(engine, "checkin", used)
+    event.listen(engine, "checkout", ping_if_idle)
+
 
 _COMPILED: dict[tuple[Select[Any], str], tuple[str, tuple[str, ...]]] = {}
 
@@ -90,14 +141,11 @@ _COMPILED: dict[tuple[Select[Any], str], tuple[str, tuple[str, ...]]] = {}
 def fetch_autocommit(statement: Select[Any], params: dict[str, Any]) -> list[dict[str, Any]]:
     """The rows of a SELECT built once (a hot path's), as dicts, run on :func:`autocommit_connection`.
 
-    On psycopg2 the statement, compiled once, runs on the driver's cursor: SQLAlchemy's execution and result
-    machinery cost about as much CPU as the driver's round trip. Only for statements whose parameters are
-    plain strings or numbers and whose columns need no result processing on PostgreSQL (its driver returns
-    timezone-aware datetimes and, through the JSON decoders SQLAlchemy registers on every connection, the
-    stored JSON). A driver error is raised as SQLAlchemy's ``DBAPIError`` subclass for it (as from ``execute``);
-    on a disconnect the connection is thrown away and the pool's older connections are marked stale (replaced at
-    their next checkout), as ``execute`` does, and the request answers 503. Unlike ``execute``, the engine's
-    ``handle_error`` listeners are not called (there are none)."""
+    On psycopg2 the statement, compiled once, runs on the driver's cursor (:func:`_on_cursor`): SQLAlchemy's
+    execution and result machinery cost about as much CPU as the driver's round trip. Only for statements whose
+    parameters are plain strings or numbers and whose columns need no result processing on PostgreSQL (its driver
+    returns timezone-aware datetimes and, through the JSON decoders SQLAlchemy registers on every connection, the
+    stored JSON)."""
     connection = autocommit_connection()
     dialect = connection.dialect
     if dialect.driver != "psycopg2":
@@ -107,13 +155,50 @@ def fetch_autocommit(statement: Select[Any], params: dict[str, Any]) -> list[dic
         sql = str(statement.compile(dialect=dialect))
         compiled = _COMPILED.setdefault((statement, dialect.name), (sql, tuple(statement.selected_columns.keys())))
     sql, names = compiled
+    rows = _on_cursor(connection, sql, params, fetch=True)
+    return [dict(zip(names, row, strict=True)) for row in rows]
+
+
+_INSERTS: dict[tuple[Table, str, tuple[str, ...]], tuple[str, tuple[tuple[str, Any], ...]]] = {}
+
+
+def insert_autocommit(table: Table, row: dict[str, Any]) -> None:
+    """One INSERT of ``row`` (column name -> value) into ``table`` on :func:`autocommit_connection`: it commits
+    by itself. On psycopg2 the statement is compiled once per set of columns and run on the driver's cursor
+    (:func:`_on_cursor`), each value put through its column type's own bind processing first, as ``execute``
+    does (JSON written with the engine's serializer, ``UTCDateTime``'s refusal of a naive datetime)."""
+    connection = autocommit_connection()
+    dialect = connection.dialect
+    if dialect.driver != "psycopg2":
+        connection.execute(insert(table), row)
+        return
+    keys = tuple(row)
+    prepared = _INSERTS.get((table, dialect.name, keys))
+    if prepared is None:
+        compiled = insert(table).compile(dialect=dialect, column_keys=list(keys))
+        if set(compiled.params) != set(keys):  # a bind named other than its column: not for this path
+            raise ValueError(f"INSERT into {table.name}: bind names {sorted(compiled.params)} are not the columns")
+        processors = tuple((key, table.c[key].type.dialect_impl(dialect).bind_processor(dialect)) for key in keys)
+        prepared = _INSERTS.setdefault((table, dialect.name, keys), (str(compiled), processors))
+    sql, processors = prepared
+    params = {key: row[key] if process is None else process(row[key]) for key, process in processors}
+    _on_cursor(connection, sql, params, fetch=False)
+
+
+def _on_cursor(connection: Connection, sql: str, params: dict[str, Any], *, fetch: bool) -> list[Any]:
+    """Run compiled ``sql`` on the driver's cursor of ``connection`` (psycopg2); its rows when ``fetch``. A driver
+    error is raised as SQLAlchemy's ``DBAPIError`` subclass for it (as from ``execute``); on a disconnect the
+    connection is thrown away and the pool's older connections are marked stale (replaced at their next
+    checkout), as ``execute`` does, and the request answers 503. Unlike ``execute``, the engine's
+    ``handle_error`` listeners are not called (there are none)."""
+    dialect = connection.dialect
     dbapi_connection = connection.connection.dbapi_connection
     assert dbapi_connection is not None
     try:
         cursor = dbapi_connection.cursor()
         try:
             cursor.execute(sql, params)
-            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+            return list(cursor.fetchall()) if fetch else []
         finally:
             cursor.close()
     except dialect.loaded_dbapi.Error as exc:
@@ -134,7 +219,7 @@ def release_autocommit_connection() -> None:
     """The app context's :func:`autocommit_connection` (if it took one) back to the pool now: a request that goes
     on in the session's transaction holds one connection at a time; the pool's reset takes it out of autocommit
     (:func:`_out_of_autocommit`). A connection the database dropped goes back too (it holds nothing uncommitted;
-    the pool's pre-ping replaces it when next checked out)."""
+    :func:`ping_idle_connections` replaces it when next checked out)."""
     connection: Connection | None = g.pop(_AUTOCOMMIT, None)
     if connection is None or connection.closed:  # closed: someone else already gave it back
         return
@@ -155,7 +240,7 @@ def _out_of_autocommit(dbapi_connection: Any, connection_record: Any, reset_stat
     goes back (:func:`release_autocommit_connection`, a ``with`` block, the garbage collector's clean-up of a
     connection nobody returned): the next checkout may be a session's transaction, which must be atomic. The flag
     is the driver's, set on the client: no round trip. A connection in autocommit has no transaction open to stop
-    the change; a closed one is left alone (the pool's pre-ping replaces it)."""
+    the change; a closed one is left alone (:func:`ping_idle_connections` replaces it)."""
     if not dbapi_connection.closed and dbapi_connection.autocommit:
         dbapi_connection.autocommit = False
 

@@ -251,3 +251,78 @@ def test_a_connection_lost_on_the_driver_cursor_marks_the_pool_stale_as_execute_
         for connection in after:
             connection.close()
     assert not pids & before, "a connection from before the disconnect was reused"
+
+
+def _count_pings(pg_app: Any, monkeypatch: Any) -> list[int]:
+    """The pings the pool's checkout sends (``extensions.ping_idle_connections``), counted on the engine's dialect."""
+    from backend.extensions import db
+
+    with pg_app.app_context():
+        dialect = db.engine.dialect
+    pings: list[int] = []
+    ping = dialect.do_ping
+
+    def counted(dbapi_connection: Any) -> bool:
+        pings.append(dbapi_connection.info.backend_pid)
+        return ping(dbapi_connection)
+
+    monkeypatch.setattr(dialect, "do_ping", counted, raising=False)
+    return pings
+
+
+def _request_pids(pg_app: Any) -> list[int]:
+    """The backend pid of each request's autocommit connection (the hot read's), in order."""
+    from backend.extensions import taken_autocommit_connection
+
+    pids: list[int] = []
+
+    @pg_app.after_request
+    def note_pid(response: Any) -> Any:
+        connection = taken_autocommit_connection()
+        if connection is not None and not connection.invalidated:
+            pids.append(connection.connection.dbapi_connection.info.backend_pid)
+        return response
+
+    return pids
+
+
+def test_a_connection_reused_at_once_is_not_pinged_and_one_the_server_ended_is_replaced_before_use(
+    pg_app, server, killer, monkeypatch
+):
+    """No round trip for the pool's check on a connection given back moments ago (a busy process's), but a pooled
+    connection whose server ended it meanwhile is found by a look at its socket, pinged and replaced before the
+    request gets it: 200, not 503."""
+    from backend import extensions
+
+    monkeypatch.setattr(extensions, "PING_AFTER_IDLE_SECONDS", 3600.0)  # only the socket can tell
+    headers = merchant_of(pg_app).headers
+    pids = _request_pids(pg_app)  # (hooks are added before the app's first request)
+    intent_id = create_intent(server, headers).json["data"]["intent_id"]
+    pings = _count_pings(pg_app, monkeypatch)
+    for _ in range(3):
+        assert server.get(f"{INTENTS}/{intent_id}", headers=headers).status_code == 200
+    assert pings == [] and len(set(pids)) == 1, (pings, pids)
+
+    killer.armed = True  # ended after the view: the connection goes back to the pool dead
+    assert server.get(f"{INTENTS}/{intent_id}", headers=headers).status_code == 200
+    assert killer.killed == [pids[-1]]
+    again = server.get(f"{INTENTS}/{intent_id}", headers=headers)
+    assert again.status_code == 200, again.get_data(as_text=True)
+    assert pings == killer.killed, "the ended connection was not pinged"
+    assert pids[-1] != killer.killed[0], "the ended connection was used"
+    assert server.get(f"{INTENTS}/{intent_id}", headers=headers).status_code == 200
+    assert pings == killer.killed, "the new connection was pinged although it had just been used"
+
+
+def test_a_connection_idle_in_the_pool_past_the_window_is_pinged(pg_app, server, monkeypatch):
+    from backend import extensions
+
+    headers = merchant_of(pg_app).headers
+    pids = _request_pids(pg_app)
+    intent_id = create_intent(server, headers).json["data"]["intent_id"]
+    pings = _count_pings(pg_app, monkeypatch)
+    monkeypatch.setattr(extensions, "PING_AFTER_IDLE_SECONDS", 0.0)  # every checkout is "after the window"
+    del pids[:]
+    for _ in range(2):
+        assert server.get(f"{INTENTS}/{intent_id}", headers=headers).status_code == 200
+    assert pings == pids and len(pids) == 2, (pings, pids)

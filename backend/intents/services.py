@@ -18,7 +18,7 @@ from backend import clock
 from backend.chains.registry import ChainRegistry, Network
 from backend.errors import ChainUnavailable, DomainError, not_found
 from backend.events.services import record_event
-from backend.extensions import autocommit_connection, db, fetch_autocommit, rowcount
+from backend.extensions import autocommit_connection, db, fetch_autocommit, insert_autocommit, rowcount
 from backend.ids import intent_id as new_intent_id
 from backend.intents.models import CANCELLED, EXPIRED, PENDING, Intent
 from backend.merchants.models import ApiKey, Wallet
@@ -200,7 +200,7 @@ def insert_intent(row: dict[str, Any], *, commit: bool | None = True) -> None:
     ``commit=None``: alone, outside the session (a statement that commits itself: no BEGIN and COMMIT round
     trips; the intent exists once it returns, so the caller must have nothing left to do that can fail)."""
     if commit is None:
-        autocommit_connection().execute(_INSERT, row)
+        insert_autocommit(_intents, row)
         return
     db.session.execute(_INSERT, row)
     if commit:

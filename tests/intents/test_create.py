@@ -122,7 +122,7 @@ def test_full_request_is_echoed_on_read(client, merchant):
         "cancel_url": "http://localhost:3000/cart",
         "description": "Tiny",
         "order_id": "A-1",
-        "metadata": {"customer": "c_1", "qty": 2, "gift": True, "note": None},
+        "metadata": {"customer": "c_1", "qty": 2, "gift": True, "note": None, "price": 1.25, "name": "Zoë ✓"},
     }
     created = post(client, merchant, body).get_json()["data"]
     read = client.get(f"{URL}/{created['intent_id']}", headers=merchant.headers).get_json()["data"]
@@ -130,6 +130,9 @@ def test_full_request_is_echoed_on_read(client, merchant):
         assert read[field] == body[field]
     assert read["payment_requirements"][0]["maxAmountRequired"] == "1"
     assert read["created_at"].endswith("Z")
+    # what was written (on PostgreSQL by the driver's cursor: extensions.insert_autocommit) reads back as answered
+    for field in ("created_at", "expires_at", "payment_requirements", "status", "amount_usdc"):
+        assert read[field] == created[field], field
 
 
 BAD_BODIES = [
