@@ -56,10 +56,13 @@ def _engine_options(url: str, threads: int | None = None) -> dict[str, Any]:
         pool_size, overflow = (POOL_SIZE, POOL_OVERFLOW) if threads is None else (min(threads, RELAYER_POOL_SIZE), 0)
         options.update(pool_size=pool_size, max_overflow=overflow, pool_timeout=POOL_TIMEOUT_SECONDS)
     if url.startswith("postgresql"):
-        # A pooled connection the server dropped (a restart, an idle timeout) is replaced when checked out after
-        # sitting idle, instead of failing the request that gets it (extensions.ping_idle_connections, installed
-        # by the extension: SQLAlchemy's pool_pre_ping would cost a round trip on every checkout).
+        # A pooled connection the server dropped (a restart, an idle timeout) is replaced when checked out,
+        # instead of failing the request that gets it: on psycopg2 by extensions.ping_idle_connections (installed
+        # by the extension; it pings only a connection idle 0.5 s or one its server wrote to), elsewhere by
+        # SQLAlchemy's pool_pre_ping (a round trip on every checkout).
         options.update(pool_recycle=1800)
+        if make_url(url).get_driver_name() != "psycopg2":
+            options.update(pool_pre_ping=True)
     return options
 
 

@@ -61,7 +61,6 @@ class PayintentSQLAlchemy(SQLAlchemy):
             for engine in self.engines.values():
                 if engine.dialect.driver == "psycopg2":  # kept by the pool that engine.dispose() makes
                     event.listen(engine, "reset", _out_of_autocommit)
-                if engine.dialect.name == "postgresql":
                     ping_idle_connections(engine)
 
     def _teardown_session(self, exc: BaseException | None) -> None:
@@ -99,28 +98,34 @@ def _server_spoke(dbapi_connection: Any) -> bool:
     """Whether the server sent anything to an idle connection (no query in flight): a server that ends a session
     (a shutdown or restart, ``pg_terminate_backend``, an idle timeout) says so, or closes the socket, which makes
     it readable. A look at the socket, no round trip; a peer that vanished without a word is the idle ping's."""
-    poller = select.poll()
-    poller.register(dbapi_connection.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
-    return bool(poller.poll(0))
+    try:
+        poller = select.poll()
+        poller.register(dbapi_connection.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(poller.poll(0))
+    except (ValueError, OSError):  # no socket to look at (fileno -1): the ping decides
+        return True
 
 
 def ping_idle_connections(engine: Engine) -> None:
     """In place of the pool's ``pool_pre_ping`` (a round trip on every checkout): a connection is pinged when it
-    is checked out after sitting in the pool for ``PING_AFTER_IDLE_SECONDS`` or more, or when its server sent
-    something while it sat there (:func:`_server_spoke`). One the server dropped is then replaced before the
+    is checked out ``PING_AFTER_IDLE_SECONDS`` or more after its previous checkout (so a connection held long
+    unused is pinged too), or when its server sent something meanwhile (:func:`_server_spoke`). For psycopg2
+    (other drivers keep ``pool_pre_ping``: ``app._engine_options``). One the server dropped is then replaced before the
     request gets it, and, as with ``pool_pre_ping``, the pool's older connections are marked stale. What is left
     (a connection lost without a word within the window) fails its first statement: SQLAlchemy (and
     :func:`fetch_autocommit`) then throw it and the pool's older connections away and the request answers 503,
     as it does while the database is down."""
     dialect = engine.dialect
 
-    def used(dbapi_connection: Any, connection_record: Any) -> None:
+    def connected(dbapi_connection: Any, connection_record: Any) -> None:
         connection_record.info[_LAST_USED] = time.monotonic()
 
     def ping_if_idle(dbapi_connection: Any, connection_record: Any, connection_proxy: Any) -> None:
+        now = time.monotonic()
         last_used = connection_record.info.get(_LAST_USED)
-        recent = last_used is not None and time.monotonic() - last_used < PING_AFTER_IDLE_SECONDS
+        connection_record.info[_LAST_USED] = now  # the next checkout counts from this one
         try:
+            recent = last_used is not None and now - last_used < PING_AFTER_IDLE_SECONDS
             if recent and not _server_spoke(dbapi_connection):
                 return
             dialect.do_ping(dbapi_connection)
@@ -128,10 +133,8 @@ def ping_idle_connections(engine: Engine) -> None:
             if dialect.is_disconnect(exc, dbapi_connection, None):
                 raise InvalidatePoolError(str(exc)) from exc  # the pool connects again, as after pool_pre_ping
             raise
-        connection_record.info[_LAST_USED] = time.monotonic()
 
-    event.listen(engine, "connect", used)
-    event.listen(engine, "checkin", used)
+    event.listen(engine, "connect", connected)
     event.listen(engine, "checkout", ping_if_idle)
 
 
@@ -159,7 +162,7 @@ def fetch_autocommit(statement: Select[Any], params: dict[str, Any]) -> list[dic
     return [dict(zip(names, row, strict=True)) for row in rows]
 
 
-_INSERTS: dict[tuple[Table, str, tuple[str, ...]], tuple[str, tuple[tuple[str, Any], ...]]] = {}
+_INSERTS: dict[tuple[Table, Any, tuple[str, ...]], tuple[str, tuple[tuple[str, Any], ...]]] = {}
 
 
 def insert_autocommit(table: Table, row: dict[str, Any]) -> None:
@@ -173,13 +176,13 @@ def insert_autocommit(table: Table, row: dict[str, Any]) -> None:
         connection.execute(insert(table), row)
         return
     keys = tuple(row)
-    prepared = _INSERTS.get((table, dialect.name, keys))
+    prepared = _INSERTS.get((table, dialect, keys))  # the dialect: its JSON serializer is the engine's
     if prepared is None:
         compiled = insert(table).compile(dialect=dialect, column_keys=list(keys))
-        if set(compiled.params) != set(keys):  # a bind named other than its column: not for this path
+        if set(compiled.params) != set(keys) or compiled.escaped_bind_names:  # a bind not named as its column
             raise ValueError(f"INSERT into {table.name}: bind names {sorted(compiled.params)} are not the columns")
         processors = tuple((key, table.c[key].type.dialect_impl(dialect).bind_processor(dialect)) for key in keys)
-        prepared = _INSERTS.setdefault((table, dialect.name, keys), (str(compiled), processors))
+        prepared = _INSERTS.setdefault((table, dialect, keys), (str(compiled), processors))
     sql, processors = prepared
     params = {key: row[key] if process is None else process(row[key]) for key, process in processors}
     _on_cursor(connection, sql, params, fetch=False)

@@ -326,3 +326,47 @@ def test_a_connection_idle_in_the_pool_past_the_window_is_pinged(pg_app, server,
     for _ in range(2):
         assert server.get(f"{INTENTS}/{intent_id}", headers=headers).status_code == 200
     assert pings == pids and len(pids) == 2, (pings, pids)
+
+
+def test_a_pooled_connection_found_dead_at_checkout_marks_the_pool_stale(pg_app, server, killer, monkeypatch):
+    """As with pool_pre_ping: the checkout's ping that finds its connection gone also marks every connection the
+    pool already holds as stale (the server that dropped one has likely dropped them all)."""
+    from backend import extensions
+    from backend.extensions import db
+
+    monkeypatch.setattr(extensions, "PING_AFTER_IDLE_SECONDS", 3600.0)
+    headers = merchant_of(pg_app).headers
+    intent_id = create_intent(server, headers).json["data"]["intent_id"]
+    with pg_app.app_context():
+        db.engine.dispose()
+        held = [db.engine.connect() for _ in range(2)]
+        before = [c.connection.dbapi_connection.info.backend_pid for c in held]  # type: ignore[union-attr]
+        for connection in held:
+            connection.close()  # back to the pool; the last one returned is the next one taken
+    with killer.admin.begin() as conn:
+        assert conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": before[-1]}).scalar()
+    killer.wait_gone("pid = :pid", {"pid": before[-1]})
+    assert server.get(f"{INTENTS}/{intent_id}", headers=headers).status_code == 200
+    with pg_app.app_context():
+        after = [db.engine.connect() for _ in range(2)]
+        pids = {c.connection.dbapi_connection.info.backend_pid for c in after}  # type: ignore[union-attr]
+        for connection in after:
+            connection.close()
+    assert not pids & set(before), "a connection from before the disconnect was reused"
+
+
+def test_only_a_checkout_after_the_window_is_pinged(pg_app, server, monkeypatch):
+    """The window counts from the connection's previous checkout: back-to-back requests send no ping, a request
+    after a pause longer than the window does."""
+    from backend import extensions
+
+    monkeypatch.setattr(extensions, "PING_AFTER_IDLE_SECONDS", 0.2)
+    headers = merchant_of(pg_app).headers
+    intent_id = create_intent(server, headers).json["data"]["intent_id"]
+    pings = _count_pings(pg_app, monkeypatch)
+    for _ in range(3):
+        assert server.get(f"{INTENTS}/{intent_id}", headers=headers).status_code == 200
+    assert pings == []
+    time.sleep(0.3)
+    assert server.get(f"{INTENTS}/{intent_id}", headers=headers).status_code == 200
+    assert len(pings) == 1
