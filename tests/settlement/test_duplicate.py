@@ -94,6 +94,8 @@ def test_an_authorization_executed_after_another_paid_the_intent_writes_one_paym
     # Found twice, sent once: the watch again, and a second finish of the same settlement.
     assert iso.reconcile_later()["late"] == 0
     assert services.complete_settlement(released.id, duplicate_tx) is True
+    assert services.complete_settlement(released.id, "") is True  # finished: no hash needed to say so
+    assert services.complete_settlement("stl_" + "0" * 36, duplicate_tx) is False  # no such settlement
     assert len(_events("payment.duplicate", intent_id)) == 1
     deliveries = db.session.scalars(select(WebhookDelivery).where(WebhookDelivery.event_id == event.id)).all()
     assert len(deliveries) == 1 and deliveries[0].status == "pending"  # delivered like every event
