@@ -86,10 +86,10 @@ class PayintentSQLAlchemy(SQLAlchemy):
 
 _AUTOCOMMIT = "_payintent_autocommit_connection"
 
-# A pooled connection given back this recently, whose server has sent nothing since, is taken as alive: its
-# checkout sends no ping. A busy process reuses its few connections continuously, so a ping on every checkout
-# (SQLAlchemy's pool_pre_ping) was one round trip in two of a GET. HikariCP, the JVM's pool, skips its check for
-# the same reason (``aliveBypassWindowMs``, 500 ms by default).
+# A pooled connection checked out again this soon after its previous checkout, whose server has sent nothing
+# since, is taken as alive: its checkout sends no ping. A busy process reuses its few connections continuously,
+# so a ping on every checkout (SQLAlchemy's pool_pre_ping) was one round trip in two of a GET. HikariCP, the JVM's
+# pool, skips its check for the same reason (``aliveBypassWindowMs``, 500 ms by default).
 PING_AFTER_IDLE_SECONDS = 0.5
 _LAST_USED = "payintent_last_used"
 
