@@ -359,3 +359,61 @@ def test_a_relayer_restarted_in_a_dead_ones_slot_takes_its_accounts_back_at_once
         child.kill()
         child.wait()
         node.redis.delete(key)
+
+
+def test_the_repair_sends_no_cancel_over_a_payment_the_node_already_holds(
+    node: Chain,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """The repair read the node's pending count just before a sender's broadcast landed: it finds that nonce ours in
+    flight and sends the same bytes again. Anvil answers "transaction already imported" (geth "already known"): the
+    payment is in the pool, not refused. It used to be taken for a refusal and the nonce filled with a cancel, which
+    evicts the payment once fees have risen 10 % (seen in 3 of 8 blocks2-32 benchmark runs, then underpriced)."""
+    account = node.relay_account()
+    buyer, payee = node.buyer(1_000), Account.create().address
+    node.rpc("evm_setAutomine", False)
+    tx = _submit(node, [account], node.claim(buyer, payee, 1_000, "held"), lambda *r: None)
+    pool = accounts_module._pools[NETWORK]
+    manager = pool._owned[account.address].manager
+    nonce = manager.next_nonce - 1
+    real = manager.chain_count
+    reads: list[int] = []
+
+    def lagging(block: Any = "pending") -> int:  # the first pending count was read before the broadcast landed
+        if block != "pending":
+            return real(block)
+        reads.append(nonce if not reads else real(block))
+        return reads[-1]
+
+    monkeypatch.setattr(manager, "chain_count", lagging)
+    risen = {"maxPriorityFeePerGas": 50 * 10**9, "maxFeePerGas": 500 * 10**9}  # a cancel would replace the payment
+    monkeypatch.setattr(accounts_module, "fees", lambda chain: risen)
+    pool.repair()  # as the repair thread does
+    assert reads[0] == nonce
+    assert [flight.nonce for flight in manager.in_flight()] == [nonce]  # still ours in flight, not reclaimed
+    assert manager._fills == set() and manager._unfilled == set()  # no cancel sent or owed
+    node.rpc("evm_mine")
+    assert node.w3.eth.get_transaction_receipt(tx)["status"] == 1
+    assert node.balance(payee) == 1_000 and node.balance(buyer.address) == 0
+
+
+def test_a_start_leaves_the_recorded_nonce_to_the_settlement_sent_again_there(node: Chain):  # noqa: F811
+    """A dead relayer's settlement recorded at a nonce the node lacks (never broadcast), sent again by a live relayer
+    that leases the account for it: the start fills no cancel there, the transfer goes at that nonce. The start used
+    to cancel it and the transfer then replaced the cancel; a block mined between the two took the nonce with the
+    cancel, and the payment waited for the reconciler (a CI failure of the reorg test, 1-second blocks)."""
+    account = node.relay_account()
+    start = node.w3.eth.get_transaction_count(account.address)
+    buyer, payee = node.buyer(1_000), Account.create().address
+    claim = node.claim(buyer, payee, 1_000, "recorded")
+    never_sent = "0x" + "ab" * 32  # the dead relayer recorded it, then died before the broadcast
+    retry = dataclasses.replace(claim, tx_id=never_sent, relay_address=account.address, relay_nonce=start)
+    records: list[tuple[str, str, int]] = []
+    sent = sender.submit(node.network, retry, [account], node.redis, lambda *r: records.append(r),
+                         lambda network, address: start)  # fmt: skip
+    assert (sent.relay_address, sent.relay_nonce) == (account.address, start)
+    assert [nonce for _, _, nonce in records] == [start]
+    assert node.w3.eth.get_transaction_receipt(sent.tx_id)["status"] == 1  # automine: mined at once
+    assert node.w3.eth.get_transaction_count(account.address) == start + 1  # one transaction: no cancel before it
+    assert node.balance(payee) == 1_000
+    node.redis.delete(relay.LEASE_KEY.format(NETWORK, account.address))

@@ -265,3 +265,25 @@ def test_a_replacement_whose_fee_read_fails_leaves_its_nonce_to_the_repair_step(
     _landed(node, later)
     _until(lambda: node.w3.eth.get_transaction_count(account.address) == start + 2)
     assert node.balance(payee) == 2_000
+
+
+@pytest.mark.parametrize(
+    ("answer", "held"),
+    [
+        ("already known", True),  # geth and its forks
+        ("transaction already imported", True),  # Anvil
+        ("Known transaction", True),  # Besu
+        ("AlreadyKnown", True),  # Nethermind
+        ("Transaction with the same hash was already imported.", True),  # OpenEthereum
+        ("unknown transaction", False),
+        ("replacement transaction underpriced", False),
+        ("nonce too low", False),
+        ("insufficient funds for gas * price + value", False),
+        ("txpool is full", False),
+    ],
+)
+def test_only_a_nodes_word_that_it_holds_the_very_transaction_counts_as_held(answer: str, held: bool):
+    """A resend's answer that the node holds these bytes is not a refusal (no reclaim, no cancel); everything else
+    is read as before (the regex must not take an "unknown transaction" or an underpriced refusal for it)."""
+    assert relay.already_known(Web3RPCError(answer)) is held
+    assert relay.already_known(ValueError({"code": -32000, "message": answer})) is held

@@ -43,7 +43,7 @@ from backend.chains.evm import RPC_CONNECT_TIMEOUT_SECONDS, EvmChain
 from backend.rails.evm.fence import LeaseLost, Owned, broadcast, node_answered
 from backend.rails.evm.nonces import NonceManager
 from backend.rails.evm.pipeline import shared_watcher
-from backend.rails.evm.relay import LEASE_KEY, RelayUnavailable, fees
+from backend.rails.evm.relay import LEASE_KEY, RelayUnavailable, already_known, fees
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +163,11 @@ class AccountPool:
                 raise RelayUnavailable(f"no relay account of {self.network} became free within {wait_seconds:.0f}s")
             time.sleep(0.1)
 
-    def lease(self, address: str) -> Owned | None:
+    def lease(self, address: str, keep: int | None = None) -> Owned | None:
         """``address`` owned by this process: already, or leased now if free (its start fills its gaps); None when
-        another process holds it or it is not one of ``accounts``."""
+        another process holds it or it is not one of ``accounts``. ``keep``: a nonce the caller sends at itself (a
+        settlement's recorded one): a start leaves it unfilled, so the transfer goes there rather than over a cancel
+        (which, mined first, would take the nonce and leave the payment to the reconciler)."""
         account = next((a for a in self.accounts if a.address == address), None)
         if account is None:
             return None
@@ -174,7 +176,7 @@ class AccountPool:
             owned = self._owned.get(address)
             if owned is not None:
                 return owned if owned.valid() else None
-        return self._lease(account)
+        return self._lease(account, keep=keep)
 
     def _reserve(self, address: str, alone: frozenset[str] | None = None) -> bool:
         """``address`` marked as starting here, unless owned or starting already (or, with ``alone``, while another
@@ -185,7 +187,9 @@ class AccountPool:
             self._starting.add(address)
             return True
 
-    def _lease(self, account: LocalAccount, adopted: bool = False, reserved: bool = False) -> Owned | None:
+    def _lease(
+        self, account: LocalAccount, adopted: bool = False, reserved: bool = False, keep: int | None = None
+    ) -> Owned | None:
         """``account`` leased now if free, and started; None when another process (or another start here) has it.
         The start (RPCs, a database read, cancels) runs outside ``_lock``, so the settlement threads and the renewer
         never wait for it; its broadcasts are checked against the lease, renewed at each of its rounds."""
@@ -208,7 +212,7 @@ class AccountPool:
             owned = Owned(account, NonceManager.for_chain(self.chain, address, self.redis), key, adopted=adopted)
             owned.valid_until = began + self._valid_for()
             try:
-                self._start(owned)
+                self._start(owned, keep)
                 started = self._renew(owned)
             except BaseException:
                 self._retire(owned)  # its fills (and their watcher entries) never sent from it again
@@ -232,18 +236,20 @@ class AccountPool:
         with self._lock:
             self._retired[owned.account.address] = owned
 
-    def _start(self, owned: Owned) -> None:
-        """Start the account's nonce manager after every nonce that may be used, and fill the gaps (cancels)."""
+    def _start(self, owned: Owned, keep: int | None = None) -> None:
+        """Start the account's nonce manager after every nonce that may be used, and fill the gaps (cancels), up to
+        ``keep`` (the caller's to send: left untracked, so its ``take_for_fill`` allocates it)."""
         account, manager = owned.account, owned.manager
         try:
             recorded = self.recorded_nonce(self.network, account.address) if self.recorded_nonce else None
             gaps = manager.start(recorded)
             for nonce in gaps:
-                manager.unfilled(nonce)  # tracked (never handed out), filled below from the lowest
+                if nonce != keep:
+                    manager.unfilled(nonce)  # tracked (never handed out), filled below from the lowest
             # Lowest first, reading the node's pending count again after each fill: a gap the node already holds a
             # transaction for (queued behind a missing nonce: ours, sent before a crash) is counted once the nonce
             # below it is filled, and is never replaced by a cancel (which, with fees risen, would evict it).
-            self._fill_from_pending(owned, rounds=len(gaps) + 1, renewing=True)
+            self._fill_from_pending(owned, rounds=len(gaps) + 1, renewing=True, keep=keep)
         except BaseException:
             if owned.close(time.monotonic() + RELEASE_WAIT_SECONDS):  # a rebroadcast under way: the key lapses
                 self._delete_key(owned.key)  # not started: not ours (the next job leases it again)
@@ -271,7 +277,9 @@ class AccountPool:
     def _repair_account(self, owned: Owned) -> None:
         self._fill_from_pending(owned)
 
-    def _fill_from_pending(self, owned: Owned, rounds: int = 16, renewing: bool = False) -> None:
+    def _fill_from_pending(
+        self, owned: Owned, rounds: int = 16, renewing: bool = False, keep: int | None = None
+    ) -> None:
         """While the node's pending count is below the manager's next nonce, the nonce it lacks (that count) is
         filled: our own bytes again, else a cancel; the count is read again after each fill. Each broadcast is
         checked against the lease; ``renewing`` (a start) renews it at each round, and stops once it is lost."""
@@ -286,6 +294,8 @@ class AccountPool:
             pending = manager.chain_count("pending")
             if pending == last:
                 return  # the fill did not move the count (the node queues it or is behind): the next round looks
+            if pending == keep:
+                return  # the caller's: its transfer goes there (later gaps wait for it; the repair step fills them)
             last = pending
             taken = manager.take_for_fill(pending)
             if taken is None:
@@ -304,7 +314,7 @@ class AccountPool:
                         manager.unfilled(pending)  # its next owner's start (or a renewed lease's repair) fills it
                         return
                     except Exception as exc:
-                        if "already known" in str(exc).lower():
+                        if already_known(exc):
                             continue
                         if not node_answered(exc):
                             return
@@ -501,7 +511,7 @@ def fill_nonce(chain: EvmChain, owned: Owned, nonce: int) -> str | None:
         return None
     except Exception as exc:
         message = str(exc).lower()
-        if tx_hash is None or "already known" not in message:
+        if tx_hash is None or not already_known(exc):
             # "underpriced", "nonce too low": the node holds or mined a transaction at that nonce; or refused.
             log.warning("relay account %s on %s: nonce %d not filled (%s)", account.address, chain.network.network,
                         nonce, exc)  # fmt: skip

@@ -26,7 +26,7 @@ from backend.rails.base import Claim, Rerecord, TxStatus
 from backend.rails.evm.fence import LeaseLost, Owned, broadcast, node_answered
 from backend.rails.evm.nonces import replacement_fees
 from backend.rails.evm.pipeline import shared_watcher
-from backend.rails.evm.relay import fees, sign_transfer
+from backend.rails.evm.relay import already_known, fees, sign_transfer
 from backend.rails.evm.rpcbatch import call_many, strict_quantity
 from backend.rails.evm.terms import EvmTerms
 from backend.rails.evm.watch import mined_receipts, rpc_counter
@@ -275,7 +275,7 @@ def _bump(
         return None
     except Exception as exc:
         message = str(exc).lower()
-        if "already known" not in message and node_answered(exc):
+        if not already_known(exc) and node_answered(exc):
             # Not taken, and in no pool (the node answered): the row back on the last hash broadcast. A sure refusal
             # ends this job's bumps ("nonce too low": the nonce is mined, by ours or a cancel: the wait ends;
             # "insufficient funds", underpriced against our own cancel: retrying each round would not help); any

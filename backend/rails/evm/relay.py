@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -88,6 +89,20 @@ class Reverted(RuntimeError):
 
 class Refused(Reverted):
     """The node refused to take the transaction for a reason that sending it again does not change."""
+
+
+# How nodes say a broadcast's bytes are the very transaction they already hold (the send is then as good as taken):
+# geth and its forks "already known", Anvil "transaction already imported", Besu "Known transaction", Nethermind
+# "AlreadyKnown". Matched on the lower-cased message; "known transaction" only at a word's start ("unknown
+# transaction" is no such answer).
+ALREADY_HELD = re.compile(r"already known|already imported|\bknown transaction|alreadyknown")
+
+
+def already_known(exc: BaseException) -> bool:
+    """Whether a broadcast's error says the node already holds this very transaction (in its pool): not a refusal.
+    Anvil words it "transaction already imported", geth "already known"; treating either as a refusal would take
+    the nonce back and cancel a payment in flight."""
+    return ALREADY_HELD.search(str(exc).lower()) is not None
 
 
 def final_refusal(exc: BaseException) -> str | None:
@@ -281,7 +296,7 @@ def send(
                 chain.w3.eth.send_raw_transaction(signed.raw_transaction)
             except Exception as exc:
                 message = str(exc).lower()
-                if "already known" not in message:  # else: the very same transaction is in the pool
+                if not already_known(exc):  # else: the very same transaction is in the pool
                     reason = final_refusal(exc)
                     if reason is not None:
                         raise Refused(reason) from None

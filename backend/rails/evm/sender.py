@@ -48,6 +48,7 @@ from backend.rails.evm.relay import (
     RelayShortOfFunds,
     RelayUnavailable,
     Reverted,
+    already_known,
     fees,
     final_refusal,
     relay_cost,
@@ -169,11 +170,12 @@ def _send_again(
         if _consumed(chain, address, claim.relay_nonce):
             return None
         if raw is None:
-            owned = pool.lease(address)  # its start, if leased now, fills its gaps (then this nonce is in flight)
+            # Leased now: its start fills its other gaps and leaves this one to the transfer below.
+            owned = pool.lease(address, keep=claim.relay_nonce)
             if owned is None:
                 raise LeftOpen(f"nonce {claim.relay_nonce} of {address} is not consumed yet: its owner fills it",
                                "waiting-for-chain")  # fmt: skip
-            if _consumed(chain, address, claim.relay_nonce):  # the start's cancel took it: mined
+            if _consumed(chain, address, claim.relay_nonce):  # taken meanwhile (the repair step's cancel): mined
                 return None
             taken = owned.manager.take_for_fill(claim.relay_nonce)
             if taken is None:
@@ -197,7 +199,7 @@ def _send_again(
                            "waiting-for-chain") from None  # fmt: skip
         return None
     except Exception as exc:
-        if "already known" not in str(exc).lower():
+        if not already_known(exc):
             if claim.relay_nonce is not None:  # its nonce is not consumed: never a new one now
                 raise LeftOpen(f"{claim.tx_id} could not be sent again: {exc}", "waiting-for-chain") from None
             log.warning("settlement %s: its transaction %s could not be sent again (%s): a new one is sent",
@@ -280,7 +282,7 @@ def _send(
             raise LeftOpen(lapsed, "lease-lost") from None
         except Exception as exc:
             message = str(exc).lower()
-            if "already known" not in message:  # else: the very same transaction is in the pool
+            if not already_known(exc):  # else: the very same transaction is in the pool
                 if not node_answered(exc):
                     # A timeout or a dropped connection: the node may hold it. In flight; the watcher and the
                     # repair step send the same bytes again if the node turns out not to have it (no gap).
@@ -348,7 +350,7 @@ def _replace(
         manager.unfilled(nonce)  # recorded: the repair step (a renewed lease) or the account's next owner fills it
         raise LeftOpen(f"the lease of relay account {account.address} is not surely ours", "lease-lost") from None
     except Exception as exc:
-        if "already known" not in str(exc).lower():
+        if not already_known(exc):
             if not node_answered(exc):
                 manager.sent(nonce, tx_hash)
                 raise
