@@ -17,6 +17,7 @@ from backend.config import Settings
 from backend.dashboard import init_app as init_dashboard
 from backend.errors import DomainError
 from backend.extensions import api, connect_args, db
+from backend.facilitator.views import blp as facilitator_blp
 from backend.http import JSONRequest
 from backend.http_errors import register_error_handlers
 from backend.intents.views import blp as intents_blp
@@ -147,6 +148,7 @@ def create_app(
 
     api.register_blueprint(intents_blp)
     api.register_blueprint(payments_blp)
+    api.register_blueprint(facilitator_blp)
     api.register_blueprint(webhooks_blp)
     api.register_blueprint(checkout_blp)
     register_error_handlers(app)

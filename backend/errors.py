@@ -94,6 +94,10 @@ CATALOG: dict[str, ErrorKind] = {
     **_kinds(503, "The chain's RPC cannot be reached; nothing was claimed, try again", "CHAIN_UNAVAILABLE"),
     **_kinds(503, "Settlement is not configured on this server (REDIS_URL)", "SETTLEMENT_UNAVAILABLE"),
     **_kinds(504, "Accepted, still settling; read the intent", "SETTLEMENT_PENDING"),
+    # The x402 facilitator API (its answers are the spec's bodies; error.code there is one of these or the above)
+    **_kinds(400, "The resource server's paymentRequirements cannot be paid here (its asset, payTo or amount)",
+             "INVALID_PAYMENT_REQUIREMENTS"),
+    **_kinds(409, "This payment-identifier was used with a different payment", "PAYMENT_IDENTIFIER_REUSED"),
     # Merchant administration (dashboard and CLI; backend.merchants.services.MerchantError)
     **_kinds(400, "Bad merchant input", "INVALID_EMAIL", "WEAK_PASSWORD", "INVALID_PASSWORD", "INVALID_NAME",
              "EMAIL_TAKEN", "UNKNOWN_NETWORK", "INVALID_ADDRESS", "ADDRESS_NOT_ALLOWED", where="admin"),

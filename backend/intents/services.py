@@ -97,6 +97,14 @@ def build_requirement(
     return requirement
 
 
+def requirement_on(
+    network: Network, pay_to: str, amount_atomic: int, resource: str, description: str
+) -> dict[str, Any]:
+    """One requirement with the token's EIP-712 domain as this service knows it (the chains file, else the chain:
+    503 CHAIN_UNAVAILABLE when it cannot be read)."""
+    return build_requirement(network, pay_to, amount_atomic, resource, description, _domain_name(network))
+
+
 def payable_networks(
     merchant_id: str, registry: ChainRegistry, wallets: Mapping[str, str] | None = None
 ) -> list[tuple[Network, str]]:
@@ -151,23 +159,30 @@ def new_intent(
     checkout_host: str,
     *,
     wallets: Mapping[str, str] | None = None,
+    intent_id: str | None = None,
+    requirements: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The row of a new pending intent with one requirement per payable network, not yet written
     (:func:`insert_intent` writes it): a caller whose INSERT commits by itself builds its answer first, so that
     nothing that can fail runs after the commit.
 
-    ``wallets``: the merchant's wallets (network -> address) when already read (``key_and_wallets``)."""
-    networks = payable_networks(merchant_id, registry, wallets)
-    if not networks:
-        raise DomainError(
-            "NO_PAYOUT_WALLET",
-            "The merchant has no wallet on any configured network; register one before creating intents",
-            networks=registry.ids(),
-        )
-    intent_id = new_intent_id()
+    ``wallets``: the merchant's wallets (network -> address) when already read (``key_and_wallets``).
+    ``intent_id`` and ``requirements``: given by a caller that has them (the facilitator API: an id derived from
+    the payment, the one requirement the resource server published); else a new id, and a requirement per
+    network the merchant has a wallet on."""
+    intent_id = intent_id or new_intent_id()
     amount_atomic = to_atomic(params.amount_usdc)
     url = checkout_url(checkout_host, intent_id)
     label = params.description or f"Payment {intent_id}"
+    if requirements is None:
+        networks = payable_networks(merchant_id, registry, wallets)
+        if not networks:
+            raise DomainError(
+                "NO_PAYOUT_WALLET",
+                "The merchant has no wallet on any configured network; register one before creating intents",
+                networks=registry.ids(),
+            )
+        requirements = [requirement_on(network, address, amount_atomic, url, label) for network, address in networks]
     now = clock.now()
     row: dict[str, Any] = {
         "id": intent_id,
@@ -179,10 +194,7 @@ def new_intent(
         "metadata": params.metadata,
         "redirect_url": params.redirect_url,
         "cancel_url": params.cancel_url,
-        "payment_requirements": [
-            build_requirement(network, address, amount_atomic, url, label, _domain_name(network))
-            for network, address in networks
-        ],
+        "payment_requirements": requirements,
         "created_at": now,
         "updated_at": now,
         "expires_at": now + INTENT_TTL,
