@@ -9,10 +9,12 @@ Then the payload goes through the checks ``/pay`` runs (``settlement.x402``, the
 for ``verify``, its ``check_on_chain``). ``settle`` records the payment as an intent of the merchant, paid through
 ``settlement.flow.submit_payment``: the exactly-once claim, the pipelined relayer, ``payment.completed``.
 
-The intent's id is derived from the payment (an HMAC under the server's secret, shaped as a UUID4, so it is no
-more guessable than a random one): the same authorization settled again finds the same intent and gets the first
-result; the x402 ``payment-identifier`` extension's id, when sent, keys it instead, and its payment's digest is
-kept, so the same id with another payment is refused. docs/x402.md, "Facilitator API".
+The intent's id is derived from the payment (an HMAC under a key derived from the server's secret, shaped as a
+UUID4, so it is no more guessable than a random one): the same authorization settled again finds the same intent,
+and the money moves once. ``success`` is answered once per payment (a resource server serves each success), the
+others carry the first result's transaction; the x402 ``payment-identifier`` extension's id, when sent, keys the
+intent instead, and a retry of the same payment under it gets the paid result again (the extension's contract),
+while the same id with another payment is refused. docs/x402.md, "Facilitator API".
 """
 
 from __future__ import annotations
@@ -21,11 +23,10 @@ import hashlib
 import hmac
 import json
 import re
-import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from redis import Redis
@@ -37,8 +38,9 @@ from backend.errors import CATALOG, DomainError
 from backend.extensions import db
 from backend.intents import services as intents
 from backend.intents.models import PAID, Intent
-from backend.money import from_atomic
+from backend.money import from_atomic, to_atomic
 from backend.rails.registry import rail_for
+from backend.settlement import services as settlements
 from backend.settlement.flow import submit_payment
 from backend.settlement.solana import PayeeLedger
 from backend.settlement.x402 import X402_VERSIONS, X402Payment, check_accepted, normalize_payment_signature
@@ -71,7 +73,10 @@ REASONS: dict[str, str] = {
     "INTENT_CANCELLED": "invalid_transaction_state",
     "ALREADY_PAID": "invalid_transaction_state",
     "SETTLEMENT_PENDING": "settlement_pending",
+    "PAYMENT_IN_PROGRESS": "settlement_pending",
 }
+# Our refusals for a want of room, not a bad payment (429, Retry-After): answered with their status.
+_BUSY = ("RELAY_BUDGET_EXHAUSTED", "TOO_MANY_OPEN_SETTLEMENTS", "PAYER_TOO_MANY_OPEN_PAYMENTS", "RATE_LIMITED")
 
 
 class Refusal(Exception):
@@ -87,7 +92,9 @@ class Refusal(Exception):
         self.transaction = ""  # settle: the transaction sent, when one was (a settlement still pending)
 
     @classmethod
-    def of(cls, err: DomainError, payer: str | None = None) -> Refusal:
+    def of(cls, err: DomainError, payer: str | None = None, *, settle: bool = True) -> Refusal:
+        """``err`` in the spec's terms: its reason; 200 for a refusal of the payment, its own status for our trouble
+        (5xx) or a want of room (429, with Retry-After)."""
         reason = REASONS.get(err.code)
         if (
             reason is None
@@ -95,9 +102,11 @@ class Refusal(Exception):
             and "insufficient balance" in str(err.extra.get("reason"))
         ):
             reason = "insufficient_funds"
-        status = err.http_status if err.http_status >= 500 and err.code != "SETTLEMENT_PENDING" else 200
+        ours = (err.http_status >= 500 or err.code in _BUSY) and err.code != "SETTLEMENT_PENDING"
+        status = err.http_status if ours else 200
         if reason is None:
-            reason = "unexpected_settle_error" if status >= 500 else "invalid_payload"
+            unexpected = "unexpected_settle_error" if settle else "unexpected_verify_error"
+            reason = unexpected if ours else "invalid_payload"
         reasons = err.extra.get("reason")
         refusal = cls(reason, err.code, f"{err.message} ({reasons})" if reasons else err.message, status=status)
         refusal.payer, refusal.headers = payer, dict(err.headers)
@@ -123,7 +132,7 @@ class Checked:
     resource: str | None
     description: str | None
     payment_id: str | None
-    digest: str  # of the payment payload and the requirement, as sent
+    digest: str  # of what the payment moves (``_digest``): a payment-identifier's retry must carry the same
 
 
 def supported(wallets: Mapping[str, str], registry: ChainRegistry) -> dict[str, Any]:
@@ -158,7 +167,7 @@ def _amount(requirements: Mapping[str, Any], version: int, settings: Settings) -
             f"paymentRequirements.{keys[0]} must be a decimal string of an unsigned integer (atomic units)"
         )
     amount = int(str(value))
-    if amount <= 0 or from_atomic(amount) > settings.max_amount_usdc:
+    if amount <= 0 or amount > to_atomic(settings.max_amount_usdc):
         raise _bad_requirements(
             f"the amount must be above 0 and at most {settings.max_amount_usdc} USDC ({amount} atomic units asked)"
         )
@@ -181,9 +190,12 @@ def _payment_id(payload: Mapping[str, Any]) -> str | None:
     return payment_id
 
 
-def _digest(payload: Mapping[str, Any], requirements: Mapping[str, Any]) -> str:
-    canonical = json.dumps([payload, requirements], sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(canonical.encode()).hexdigest()
+def _digest(network: Network, terms: Any) -> str:
+    """What the payment moves, whatever shape it came in: the network, the token, who pays whom how much, and the
+    authorization's window and nonce (a retry in another form, or with other requirement fields, is the same)."""
+    moved = [network.network, network.usdc_address.lower(), terms.payer.lower(), terms.pay_to.lower(),
+             str(terms.value), str(terms.valid_after), str(terms.valid_before), terms.nonce.hex()]  # fmt: skip
+    return hashlib.sha256(json.dumps(moved).encode()).hexdigest()
 
 
 def check(
@@ -249,6 +261,8 @@ def check(
     try:
         requirement = intents.requirement_on(network, wallet, amount, resource or "", description or "")
         payment = normalize_payment_signature(payload, registry)
+        if payment.scheme != "exact":
+            raise Refusal("unsupported_scheme", "UNSUPPORTED_SCHEME", "the payment's scheme must be 'exact'")
         if payment.network != network.network:
             raise Refusal("invalid_network", "UNSUPPORTED_NETWORK", "the payment's network is not the requirement's")
         if payment.accepted is not None:
@@ -266,18 +280,18 @@ def check(
         resource=resource,
         description=description,
         payment_id=_payment_id(payload),
-        digest=_digest(payload, requirements),
+        digest=_digest(network, terms),
     )
 
 
-def verify(checked: Checked) -> dict[str, Any]:
+def verify(checked: Checked, *, settle: bool = False) -> dict[str, Any]:
     """The chain's checks ``/pay`` runs before its claim (nonce unused, validAfter passed on chain, a plain payer,
     the balance), without moving money."""
     network = checked.network
     try:
         rail_for(network).check_on_chain(network, checked.requirement, checked.terms, PayeeLedger())
     except DomainError as err:
-        raise Refusal.of(err, checked.payer) from None
+        raise Refusal.of(err, checked.payer, settle=settle) from None
     finally:
         db.session.rollback()  # only reads: no connection held after the answer
     return {"isValid": True, "payer": checked.payer}
@@ -285,13 +299,22 @@ def verify(checked: Checked) -> dict[str, Any]:
 
 def payment_intent_id(secret: str, merchant_id: str, checked: Checked) -> str:
     """The intent a payment is recorded as: keyed by its payment-identifier if sent, else by its authorization
-    (network, payer, nonce); an HMAC under the server's secret, as a UUID4."""
-    if checked.payment_id is not None:
-        key = f"{merchant_id}|payment-identifier|{checked.payment_id}"
+    (network, payer, nonce)."""
+    nonce = checked.terms.nonce.hex() if isinstance(checked.terms.nonce, bytes) else str(checked.terms.nonce)
+    return derived_intent_id(secret, merchant_id, checked.network.network, checked.payer, nonce, checked.payment_id)
+
+
+def derived_intent_id(
+    secret: str, merchant_id: str, network_id: str, payer: str, nonce_hex: str, payment_id: str | None = None
+) -> str:
+    """An HMAC under the server's secret of the payment's key, as a UUID4 (as unguessable as a random one: the
+    hosted checkout takes an intent id as its capability). ``nonce_hex``: the authorization's nonce, no 0x."""
+    if payment_id is not None:
+        key = f"{merchant_id}|payment-identifier|{payment_id}"
     else:
-        nonce = checked.terms.nonce.hex() if isinstance(checked.terms.nonce, bytes) else str(checked.terms.nonce)
-        key = f"{merchant_id}|authorization|{checked.network.network}|{checked.payer.lower()}|{nonce}"
-    digest = hmac.new(secret.encode(), key.encode(), hashlib.sha256).digest()
+        key = f"{merchant_id}|authorization|{network_id}|{payer.lower()}|{nonce_hex.lower().removeprefix('0x')}"
+    own = hmac.new(secret.encode(), b"payintent facilitator intent id", hashlib.sha256).digest()  # this use's key
+    digest = hmac.new(own, key.encode(), hashlib.sha256).digest()
     return str(uuid.UUID(bytes=digest[:16], version=4))
 
 
@@ -312,23 +335,44 @@ def _intent_row(
                               requirements=[checked.requirement])  # fmt: skip
 
 
-def _recorded_intent(merchant_id: str, checked: Checked, registry: ChainRegistry, settings: Settings) -> Intent:
-    """The payment's intent: found (an earlier settle of the same payment), else created now (a concurrent settle
-    of the same payment that created it first wins the insert; this one reads it)."""
-    intent_id = payment_intent_id(settings.secret_key, merchant_id, checked)
-    intent = db.session.get(Intent, intent_id, populate_existing=True)
-    if intent is None:
-        try:
-            intents.insert_intent(_intent_row(merchant_id, intent_id, checked, registry, settings))
-        except IntegrityError:
-            db.session.rollback()
-        intent = db.session.get(Intent, intent_id, populate_existing=True)
-    if intent is None or intent.merchant_id != merchant_id:
-        raise Refusal("unexpected_settle_error", "INTERNAL_ERROR", "the payment's record could not be read", status=500)
-    if (intent.meta or {}).get("x402_payment_digest") != checked.digest:
+def _record(merchant_id: str, intent_id: str, checked: Checked, registry: ChainRegistry, settings: Settings) -> None:
+    """The payment's intent, written now (a concurrent settle of the same payment that wrote it first wins; this one
+    then finds it). It lives as long as the authorization may still be settled, at least INTENT_TTL."""
+    row = _intent_row(merchant_id, intent_id, checked, registry, settings)
+    row["expires_at"] = max(row["expires_at"], datetime.fromtimestamp(checked.terms.valid_before, UTC))
+    try:
+        intents.insert_intent(row)
+    except IntegrityError:
         db.session.rollback()
+
+
+def _earlier(intent: Intent, checked: Checked) -> dict[str, Any] | None:
+    """An earlier settle of this payment, as this call's answer: with a payment-identifier, its paid result again
+    (the extension's retry); else a refusal that carries its transaction: one payment is answered ``success`` once,
+    so a resource server serves it once (N calls with one authorization would otherwise buy N resources). A
+    settlement still in flight: ``settlement_pending``. None: nothing settled or in flight (settle it now)."""
+    if checked.payment_id is not None and (intent.meta or {}).get("x402_payment_digest") != checked.digest:
         reused = "this payment-identifier was already used with a different payment; send a new id for a new payment"
-        raise Refusal("invalid_payload", "PAYMENT_IDENTIFIER_REUSED", reused, payer=checked.payer)
+        raise Refusal("invalid_payload", "PAYMENT_IDENTIFIER_REUSED", reused, status=409, payer=checked.payer)
+    if intent.status == PAID:
+        if checked.payment_id is not None:
+            return _paid(intent, checked)
+        settled = f"this authorization was already settled by an earlier call (transaction {intent.tx_hash}); " \
+                  "a payment is settled, and answered success, once"  # fmt: skip
+        refusal = Refusal("invalid_exact_evm_nonce_already_used", "NONCE_ALREADY_USED", settled, payer=checked.payer)
+        refusal.transaction = intent.tx_hash or ""
+        raise refusal
+    if intent.settlement_id is not None:
+        outcome = settlements.settlement_outcome(intent.settlement_id)
+        pending = "an earlier call's settlement of this payment is still in flight; settle it again for its result"
+        refusal = Refusal("settlement_pending", "PAYMENT_IN_PROGRESS", pending, payer=checked.payer)
+        refusal.transaction = (outcome.tx_hash if outcome is not None else None) or ""
+        raise refusal
+    return None
+
+
+def _current(intent_id: str) -> Intent | None:
+    intent = db.session.get(Intent, intent_id, populate_existing=True)
     return intent
 
 
@@ -356,28 +400,35 @@ def settle(
     *,
     wait_seconds: float,
 ) -> dict[str, Any]:
-    """Settle through ``/pay``'s engine, recorded as the merchant's intent; the same payment again gets the first
-    result (the money moves once)."""
-    intent = _recorded_intent(merchant_id, checked, registry, settings)
-    intent_id = intent.id
-    if intent.status == PAID:
-        answer = _paid(intent, checked)
+    """Settle through ``/pay``'s engine, recorded as the merchant's intent. The money moves once; ``success`` is
+    answered once per payment (``_earlier``), or again for a payment-identifier's retry."""
+    intent_id = payment_intent_id(settings.secret_key, merchant_id, checked)
+    try:
+        intent = _current(intent_id)
+        if intent is not None and intent.merchant_id != merchant_id:
+            raise Refusal("unexpected_settle_error", "INTERNAL_ERROR", "the payment's record is not yours", status=500)
+        answer = _earlier(intent, checked) if intent is not None else None
+    finally:
         db.session.rollback()
+    if answer is not None:
         return answer
-    db.session.rollback()
+    if intent is None:
+        verify(checked, settle=True)  # the chain's checks first: a payment refused there leaves no record
+        _record(merchant_id, intent_id, checked, registry, settings)
     try:
         result = submit_payment(merchant_id, intent_id, checked.payment, registry, redis, wait_seconds=wait_seconds,
                                 queue_name=settings.relayer_queue, settings=settings)  # fmt: skip
     except DomainError as err:
-        # Another settle of the same payment got there first (its claim, or the authorization's row): its result.
-        if err.code not in ("ALREADY_PAID", "PAYMENT_IN_PROGRESS", "NONCE_ALREADY_USED") or not _claimed(intent_id):
-            raise Refusal.of(err, checked.payer) from None
-        paid = _wait_paid(intent_id, 0 if err.code == "ALREADY_PAID" else wait_seconds)
-        if paid is None:
-            raise Refusal.of(err, checked.payer) from None
-        answer = _paid(paid, checked)
-        db.session.rollback()
-        return answer
+        if err.code in ("ALREADY_PAID", "PAYMENT_IN_PROGRESS", "NONCE_ALREADY_USED"):
+            # Another call of the same payment got the claim (or the authorization's row) first: its state now.
+            try:
+                current = _current(intent_id)
+                answer = _earlier(current, checked) if current is not None else None
+            finally:
+                db.session.rollback()
+            if answer is not None:
+                return answer
+        raise Refusal.of(err, checked.payer) from None
     return {
         "success": True,
         "transaction": result["tx_hash"],
@@ -385,24 +436,3 @@ def settle(
         "payer": result["buyer_address"] or checked.payer,
         "amount": checked.requirement["maxAmountRequired"],
     }
-
-
-def _claimed(intent_id: str) -> bool:
-    """Whether the intent is paid or held by a settlement (a nonce used elsewhere leaves it unclaimed)."""
-    intent = db.session.get(Intent, intent_id, populate_existing=True)
-    claimed = intent is not None and (intent.status == PAID or intent.settlement_id is not None)
-    db.session.rollback()
-    return claimed
-
-
-def _wait_paid(intent_id: str, wait_seconds: float) -> Intent | None:
-    """The intent once paid (another settle of the same payment is under way), waiting up to ``wait_seconds``."""
-    deadline = time.monotonic() + wait_seconds
-    while True:
-        intent = db.session.get(Intent, intent_id, populate_existing=True)
-        if intent is not None and intent.status == PAID:
-            return intent
-        db.session.rollback()
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.2)

@@ -13,6 +13,7 @@ from flask.views import MethodView
 
 from backend import appstate, clock
 from backend.errors import DomainError
+from backend.extensions import release_autocommit_connection
 from backend.facilitator import services
 from backend.facilitator.schemas import (
     FacilitatorRequestSchema,
@@ -34,12 +35,16 @@ blp = ApiBlueprint(
 
 
 def _checked() -> services.Checked:
+    # The key's check read the merchant's wallets on the request's autocommit connection: back to the pool now, so
+    # that no connection is held across the chain's RPCs and the wait for the relayer (the session takes its own).
+    wallets = read_with_key()
+    release_autocommit_connection()
     try:
         body = parse_json_body(request.get_data(cache=True))
     except DomainError as err:
         raise services.Refusal("invalid_payload", err.code, err.message, status=400) from None
     settings = appstate.settings()
-    return services.check(current_merchant_id(), read_with_key(), body, appstate.chains(), settings, clock.now())
+    return services.check(current_merchant_id(), wallets, body, appstate.chains(), settings, clock.now())
 
 
 def _failure(refusal: services.Refusal) -> dict[str, Any]:
@@ -58,7 +63,9 @@ class Supported(MethodView):
         `exact` on each configured EVM network you have a wallet on, as x402 v2 (CAIP-2 network) and, where the
         network has an x402 v1 name, v1. Extensions: `payment-identifier`.
         """
-        return json_response(services.supported(read_with_key(), appstate.chains()))
+        wallets = read_with_key()
+        release_autocommit_connection()
+        return json_response(services.supported(wallets, appstate.chains()))
 
 
 @blp.route("/verify")

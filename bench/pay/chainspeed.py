@@ -27,7 +27,7 @@ from bench import _common as common
 from bench._common import pct
 from bench.pay.measure import AMOUNT_ATOMIC, FUND_ATOMIC, INTENTS, Payment, ts
 from bench.pay.peer import PeerResult
-from bench.pay.stack import Stack
+from bench.pay.stack import Stack, payout_of
 from harness import audit
 
 CPU_STACK = ("api", "relayers", "postgres", "redis", "anvil", "stack")  # the service's processes and the chains
@@ -46,6 +46,7 @@ class Scenario:
     aim_cpu_ms: float | None = None
     all_settled: bool = False  # every payment answered 200 within the run
     dev: bool = False  # `payintent dev` (make run's stack) instead of bench/pay's
+    settle: bool = False  # through the facilitator API's settle (a resource server's call), not /pay
 
 
 SCENARIOS = (
@@ -56,6 +57,8 @@ SCENARIOS = (
              100, aim_cpu_ms=18),
     Scenario("makerun-32", "`payintent dev` (make run) defaults, 2 s blocks, 32 agents", 32, 96, 2,
              "≥ 12/s, /pay p50 ≤ 4 s", 12, 4.0, dev=True),
+    Scenario("facilitator-32", "2 s blocks, 32 concurrent settle calls to the facilitator API", 32, 96, 2,
+             "none set ([4/5]: beside the peer; the closed loop's bound is 16/s)", 0, settle=True),
 )  # fmt: skip
 BY_KEY = {s.key: s for s in SCENARIOS}
 READER_AIM_MS = 100.0
@@ -166,7 +169,10 @@ def run_scenario(
     2 s blocks), then drain and audit."""
     print(f"- {scenario.key}: {scenario.what}: {len(payments)} payments (+{len(warmup)} warm-up)", flush=True)
     outcome = Outcome(scenario, payments)
-    stack.create_intents(warmup + payments, f"{scenario.key}-{random.getrandbits(24):06x}")
+    if scenario.settle:
+        stack.prepare_settles(warmup + payments)
+    else:
+        stack.create_intents(warmup + payments, f"{scenario.key}-{random.getrandbits(24):06x}")
     if warmup:
         stack.drive(warmup, min(len(warmup), max(4, stack.workers)))
         outcome.problems += drain_and_audit(stack, warmup, f"{scenario.key} warm-up", drain_cap, Outcome(scenario, []))
@@ -225,11 +231,6 @@ def drain(stack: Stack, payments: list[Payment], cap: float, quiet: float = 20) 
         if paid == len(ids) or (not in_flight and now - changed >= quiet) or now - started >= cap:
             return now - started
         time.sleep(1.0)
-
-
-def payout_of(stack: Stack, network: str) -> str:
-    payout = stack.payout
-    return payout[network] if isinstance(payout, dict) else str(payout)
 
 
 def drain_and_audit(stack: Stack, payments: list[Payment], what: str, cap: float, outcome: Outcome) -> list[str]:

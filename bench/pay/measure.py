@@ -23,6 +23,7 @@ from harness.proxy import RECEIPT, Call
 SECTION = "## Settlement (bench/pay.py)"
 INTENTS = "/api/v1/x402/intents"
 PAY = "/api/v1/x402/pay"
+SETTLE = "/api/v1/x402/facilitator/settle"  # the facilitator API's (issue [4/5])
 AMOUNT_ATOMIC = 1_250_000  # 1.25 USDC per payment
 FUND_ATOMIC = 3 * AMOUNT_ATOMIC  # what each buyer gets: a second payment from one buyer would show
 MINT_SELECTOR = "0x40c10f19"  # mint(address,uint256), TestUSDC (owner: the devnet's deployer)

@@ -25,6 +25,7 @@ from bench.pay.measure import (
     MINT_SELECTOR,
     PAY,
     RECEIPT,
+    SETTLE,
     Call,
     Payment,
     rpc,
@@ -58,6 +59,9 @@ class Stack:
         self.paid_intents: set[str] = set()
         self.tx_hashes: set[str] = set()
         self.pay_timeout = 90.0  # a client gives up on /pay after this many seconds (status 0)
+        # The API's SECRET_KEY, known here: the facilitator API's intent ids are derived under it, so the bench
+        # knows each payment's intent (as it does for /pay's) and the drain and the audit work unchanged.
+        self.secret_key = secrets.token_hex(32)
 
     # devnet ---------------------------------------------------------------------------------------
 
@@ -146,6 +150,7 @@ class Stack:
         )
         if accounts is not None and accounts < all_accounts:
             env["RELAY_KEYS"] = json.dumps({n: keys[:accounts] for n, keys in self.relay_keys.items()})
+        env["SECRET_KEY"] = self.secret_key
         return env
 
     def prepare_database(self, database: bench_api.Database) -> None:
@@ -319,17 +324,47 @@ class Stack:
         with ThreadPoolExecutor(max_workers=min(4, self.workers)) as pool:
             list(pool.map(one, enumerate(payments)))
 
+    def prepare_settles(self, payments: list[Payment]) -> None:
+        """The facilitator API's requests (issue [4/5]): each payment a resource server's v2 requirement (our payout,
+        the devnet's USDC, the domain as an intent publishes it) and its buyer's PaymentPayload; the intent id the
+        API derives for it (``backend.facilitator.services.derived_intent_id``, under this stack's SECRET_KEY)."""
+        from backend.facilitator.services import derived_intent_id
+        from payintent.eip3009 import sign_authorization
+
+        extra: dict[str, Any] = {}
+        for network in {p.network for p in payments}:
+            answer = bench_api.request(self.api_port, "POST", INTENTS, self.api_key, {"amount_usdc": 0.01}, timeout=60)
+            published = bench_api.expect(201, answer, "POST intents")["data"]["payment_requirements"]
+            extra[network] = next(r for r in published if r["network"] == network)["extra"]
+        for p in payments:
+            requirement = {"scheme": "exact", "network": p.network, "amount": str(AMOUNT_ATOMIC),
+                           "asset": self.usdc[p.network], "payTo": payout_of(self, p.network),
+                           "maxTimeoutSeconds": 120, "extra": extra[p.network]}  # fmt: skip
+            signed = sign_authorization(p.buyer, {**requirement, "maxAmountRequired": requirement["amount"]})
+            authorization = {k: v for k, v in signed.items() if k != "signature"}
+            payload = {"x402Version": 2, "accepted": requirement,
+                       "payload": {"signature": signed["signature"], "authorization": authorization},
+                       "resource": {"url": "https://bench.example/report", "description": "bench"}}  # fmt: skip
+            p.body = {"x402Version": 2, "paymentPayload": payload, "paymentRequirements": requirement}
+            p.intent_id = derived_intent_id(self.secret_key, self.merchant_id, p.network, p.buyer.address,
+                                            signed["nonce"])  # fmt: skip
+
     def pay(self, p: Payment) -> None:
+        settle = "paymentPayload" in p.body  # prepared by prepare_settles: the facilitator API's settle
         p.t0 = time.time()
         started = time.perf_counter()
         try:
             p.status, answer = bench_api.request(
-                self.api_port, "POST", PAY, self.api_key, p.body, timeout=self.pay_timeout
+                self.api_port, "POST", SETTLE if settle else PAY, self.api_key, p.body, timeout=self.pay_timeout
             )
         except OSError as exc:
             p.status, answer = 0, {"error": {"code": f"socket: {exc}"}}
         p.t1 = p.t0 + (time.perf_counter() - started)
-        if isinstance(answer, dict) and p.status == 200:
+        if settle and isinstance(answer, dict) and not answer.get("success"):
+            p.status, p.code = p.status if p.status != 200 else 299, str(answer.get("errorReason"))  # 299: refused
+        elif settle and isinstance(answer, dict) and p.status == 200:
+            p.tx_hash = str(answer["transaction"]).lower()
+        elif isinstance(answer, dict) and p.status == 200:
             p.tx_hash = str(answer["data"]["tx_hash"]).lower()
         elif isinstance(answer, dict):
             p.code = str((answer.get("error") or {}).get("code"))
@@ -426,3 +461,8 @@ class Stack:
     def tokens(self) -> dict[str, audit.Token]:
         """Each network's chain (Anvil itself, not the proxy) and USDC contract, for harness.audit."""
         return {n: audit.Token(self.rpc_url[n], self.usdc[n]) for n in self.networks}
+
+
+def payout_of(stack: Stack, network: str) -> str:
+    payout = stack.payout
+    return payout[network] if isinstance(payout, dict) else str(payout)
