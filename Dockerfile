@@ -22,16 +22,16 @@ COPY package.json package-lock.json ./
 COPY deploy/swagger_ui.mjs deploy/
 RUN node deploy/swagger_ui.mjs --pack /build/swagger-ui
 
-# 3. The payintent wheel (backend, relayer, payintent; the dashboard's templates and static files and Swagger UI
-#    are package data of backend). Built apart so no source tree is left in the final image.
+# 3. The wheels: payintent (backend, relayer; the dashboard's templates and static files and Swagger UI
+#    are package data of backend) and payintent-client (clients/python); built apart: no source tree in the image.
 FROM python:3.11-slim AS wheel
 WORKDIR /build
 COPY pyproject.toml README.md ./
 COPY backend backend
 COPY --from=swagger-ui /build/swagger-ui backend/static/apidocs/swagger-ui
 COPY relayer relayer
-COPY payintent payintent
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+COPY clients/python clients/python
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . ./clients/python
 
 # 4. The runtime: the runtime dependencies pinned by constraints.txt (no dev dependencies), the wheel,
 #    the checkout bundle, the entrypoint and health checks; runs as an unprivileged user.
@@ -44,7 +44,7 @@ WORKDIR /app
 # The runtime dependencies first (a layer that survives code changes): the [project] dependencies of
 # pyproject.toml, at the versions constraints.txt pins.
 COPY pyproject.toml constraints.txt /tmp/deps/
-RUN python -c 'import tomllib; print("\n".join(tomllib.load(open("/tmp/deps/pyproject.toml", "rb"))["project"]["dependencies"]))' \
+RUN python -c 'import tomllib; print("\n".join(d for d in tomllib.load(open("/tmp/deps/pyproject.toml", "rb"))["project"]["dependencies"] if not d.startswith("payintent-client")))' \
         > /tmp/deps/requirements.txt \
     && pip install -r /tmp/deps/requirements.txt -c /tmp/deps/constraints.txt \
     && rm -rf /tmp/deps

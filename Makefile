@@ -13,11 +13,11 @@ SWAGGER_UI := backend/static/apidocs/swagger-ui/swagger-ui-bundle.js
 
 install: $(STAMP) $(NODE_STAMP) $(CHECKOUT) $(SWAGGER_UI)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt clients/python/pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt --config-settings editable_mode=compat -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt --config-settings editable_mode=compat -e ./clients/python -e '.[dev]'
 	touch $(STAMP)
 
 # Node tools for the local devnet (Anvil binary, solc, OpenZeppelin); nothing is fetched at run time.

@@ -19,7 +19,7 @@ from backend.errors import CATALOG, SETTLEMENT_FAILURES, ChainUnavailable, Domai
 ROOT = Path(__file__).resolve().parent.parent
 # Where error codes are raised: the services and entry points, and the Solana rules whose codes /pay answers.
 SOURCES = [*sorted((ROOT / "backend").rglob("*.py")), *sorted((ROOT / "relayer").rglob("*.py"))]
-SOLANA_RULES = ROOT / "payintent" / "solana_tx.py"
+SOLANA_RULES = ROOT / "clients" / "python" / "payintent" / "solana_tx.py"
 # The exceptions whose first argument is a catalog code.
 RAISERS = {"DomainError", "MerchantError", "SolanaTransactionError"}
 CODE = re.compile(r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)*\b")

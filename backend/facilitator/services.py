@@ -140,7 +140,9 @@ def supported(wallets: Mapping[str, str], registry: ChainRegistry) -> dict[str, 
     v2 (CAIP-2) and, where the network has a v1 name, v1."""
     kinds: list[dict[str, Any]] = []
     for network in registry:
-        if network.kind != "evm" or network.network not in wallets:
+        # A rail that prepares the buyer's transaction (Solana: ours carries the intent's memo) cannot settle a
+        # payload a public client built by itself.
+        if rail_for(network).prepares_transaction or network.network not in wallets:
             continue
         kinds.append({"x402Version": 2, "scheme": "exact", "network": network.network})
         if network.x402_v1_name:
@@ -234,7 +236,7 @@ def check(
         if isinstance(network_as_sent, str) and len(network_as_sent) <= 64
         else None
     )
-    if network is None or network.kind != "evm":
+    if network is None or rail_for(network).prepares_transaction:
         message = (
             "paymentRequirements.network must be one of this facilitator's EVM networks (GET /supported); "
             f"got {str(network_as_sent)[:64]!r}"

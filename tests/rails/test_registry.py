@@ -116,7 +116,7 @@ def test_a_network_id_names_its_rail():
 
 def test_no_chain_kind_branch_outside_the_rails():
     files = subprocess.run(
-        ["git", "ls-files", "backend", "relayer", "payintent", "devnet"],
+        ["git", "ls-files", "backend", "relayer", "clients/python/payintent", "devnet"],
         cwd=ROOT, capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
     found: dict[str, list[str]] = {}
