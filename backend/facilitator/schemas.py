@@ -12,7 +12,12 @@ class FacilitatorRequestSchema(Schema):
     class Meta:
         unknown = INCLUDE
 
-    x402Version = fields.Integer(metadata={"enum": [1, 2], "description": "1 or 2 (default: paymentPayload's)"})
+    x402Version = fields.Integer(
+        metadata={
+            "description": "1 or 2 (default: paymentPayload's); another value is answered 200 with the spec's "
+            "invalid_x402_version, as every refusal of the payment is"
+        }
+    )
     paymentPayload = fields.Dict(
         required=True,
         metadata={
