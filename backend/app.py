@@ -26,6 +26,7 @@ from backend.observability.hooks import init_app as init_observability
 from backend.schemas import FlatMetadata, HttpUrl, UsdcAmount
 from backend.settlement.views import blp as payments_blp
 from backend.webhooks.tasks import init_app as init_webhooks
+from backend.webhooks.views import WEBHOOK_ID_PATTERN, WebhookIdConverter
 from backend.webhooks.views import blp as webhooks_blp
 
 MAX_REQUEST_BYTES = 64 * 1024
@@ -140,11 +141,13 @@ def create_app(
     init_observability(app)  # first: its request hooks wrap every other one (JSON logs, request ids, metrics)
 
     db.init_app(app)
+    app.url_map.converters["webhook_id"] = WebhookIdConverter  # before the blueprints' rules are bound
     api.init_app(app)
     api.spec.components.security_scheme("bearerAuth", {"type": "http", "scheme": "bearer"})
     api.register_field(UsdcAmount, "number", None)
     api.register_field(HttpUrl, "string", "uri")
     api.register_field(FlatMetadata, "object", None)
+    api.register_converter(WebhookIdConverter, lambda _: {"type": "string", "pattern": f"^{WEBHOOK_ID_PATTERN}$"})
 
     api.register_blueprint(intents_blp)
     api.register_blueprint(payments_blp)

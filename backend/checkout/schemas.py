@@ -54,7 +54,15 @@ class CheckoutIntentSchema(StrictSchema):
 
 class BalanceQuerySchema(StrictSchema):
     network = fields.String(required=True, validate=validate.Length(max=64), metadata={"example": "eip155:84532"})
-    address = fields.String(required=True, validate=validate.Length(min=32, max=44), metadata={"description": "Buyer"})
+    address = fields.String(
+        required=True,
+        validate=validate.Length(min=32, max=44),
+        metadata={
+            "description": "The buyer's address on the network: EVM 0x and 40 hex characters, Solana base58",
+            # EVM's exact form; Solana's base58 (a 32-byte key: not every 32-44 character base58 string is one).
+            "pattern": "^(0x[0-9a-fA-F]{40}|[1-9A-HJ-NP-Za-km-z]{32,44})$",
+        },
+    )
 
 
 class BalanceSchema(StrictSchema):

@@ -15,7 +15,9 @@ class CreateIntentSchema(StrictSchema):
             "type": "number",
             "exclusiveMinimum": 0,
             "multipleOf": 0.000001,
-            "description": "Amount in USDC: a JSON number > 0 with at most 6 decimals (default maximum 1000000)",
+            "maximum": 1000000,
+            "description": "Amount in USDC: a JSON number > 0 with at most 6 decimals, at most MAX_AMOUNT_USDC "
+            "(1000000 unless the operator set another; this document says the default)",
             "example": 10.5,
         },
     )

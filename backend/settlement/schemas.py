@@ -50,8 +50,8 @@ class PaymentSignatureSchema(Schema):
             "and payTo must be the intent's requirement's (amount = maxAmountRequired); other fields are ignored"
         }
     )
-    resource = fields.Raw(metadata={"description": "x402Version 2: the resource paid for (ignored)"})
-    extensions = fields.Raw(metadata={"description": "x402Version 2: protocol extensions (ignored)"})
+    resource = fields.Raw(allow_none=True, metadata={"description": "x402Version 2: the resource paid for (ignored)"})
+    extensions = fields.Raw(allow_none=True, metadata={"description": "x402Version 2: protocol extensions (ignored)"})
 
     @validates_schema
     def _fields_of_the_version(self, data: dict[str, Any], **_: Any) -> None:
@@ -85,7 +85,10 @@ class SolanaTransactionRequestSchema(StrictSchema):
     payer = fields.String(
         required=True,
         validate=validate.Length(min=32, max=44),
-        metadata={"description": "The buyer's Solana address (base58): owner of the USDC account paying"},
+        metadata={
+            "description": "The buyer's Solana address (base58 of a 32-byte key): owner of the USDC account paying",
+            "pattern": "^[1-9A-HJ-NP-Za-km-z]{32,44}$",
+        },
     )
     network = fields.String(
         validate=validate.Length(max=64),
