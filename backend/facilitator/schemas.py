@@ -12,7 +12,7 @@ class FacilitatorRequestSchema(Schema):
     class Meta:
         unknown = INCLUDE
 
-    x402Version = fields.Integer(
+    x402Version = fields.Raw(
         metadata={
             "description": "1 or 2 (default: paymentPayload's); another value is answered 200 with the spec's "
             "invalid_x402_version, as every refusal of the payment is"
