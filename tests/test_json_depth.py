@@ -148,6 +148,7 @@ def test_the_recursion_limit_is_the_one_cpython_starts_with():
 SOME_ID = str(uuid.uuid4())
 JSON = {"Content-Type": "application/json"}
 # (rule, method, needs the merchant's key): every route whose view reads a JSON body.
+TOO_DEEP = "The request body nests arrays and objects deeper than 32 levels"
 JSON_ROUTES = {
     ("/api/v1/x402/intents", "POST", True),
     ("/api/v1/x402/pay", "POST", True),
@@ -167,7 +168,7 @@ def url_of(rule: str) -> str:
 @pytest.mark.parametrize(("rule", "method", "keyed"), sorted(JSON_ROUTES))
 def test_each_json_route_takes_32_levels_and_refuses_33(client, merchant, rule, method, keyed):
     headers = {**JSON, **(merchant.headers if keyed else {})}
-    too_deep = {"code": "INVALID_JSON", "message": "The request body nests arrays and objects deeper than 32 levels"}
+    too_deep = {"code": "INVALID_JSON", "message": TOO_DEEP}
     # The deepest of each kind that fits in the 64 KB body limit: 20,000 arrays, 10,000 objects.
     for nest, deepest in ((nested_arrays, DEEP), (nested_objects, 10_000)):
         read = client.open(url_of(rule), method=method, data=nest(32), headers=headers)
@@ -176,6 +177,28 @@ def test_each_json_route_takes_32_levels_and_refuses_33(client, merchant, rule, 
             refused = client.open(url_of(rule), method=method, data=nest(depth), headers=headers)
             assert refused.status_code == 400, refused.data
             assert refused.get_json() == {"success": False, "error": too_deep}
+
+
+# The x402 facilitator API reads its body itself and answers in the x402 spec's shape (``isValid``/``success``
+# false, the reason), our code in ``error``: a body it parsed but cannot use is INVALID_PAYLOAD, a too deep one
+# INVALID_JSON, both 400.
+FACILITATOR_ROUTES = {
+    ("/api/v1/x402/facilitator/verify", "POST", "isValid"),
+    ("/api/v1/x402/facilitator/settle", "POST", "success"),
+}
+
+
+@pytest.mark.parametrize(("rule", "method", "flag"), sorted(FACILITATOR_ROUTES))
+def test_the_facilitator_takes_32_levels_and_refuses_33_in_the_specs_shape(client, merchant, rule, method, flag):
+    headers = {**JSON, **merchant.headers}
+    for nest, deepest in ((nested_arrays, DEEP), (nested_objects, 10_000)):
+        read = client.open(rule, method=method, data=nest(32), headers=headers)
+        assert read.status_code == 400 and read.get_json()["error"]["code"] == "INVALID_PAYLOAD", read.data
+        for depth in (33, deepest):
+            refused = client.open(rule, method=method, data=nest(depth), headers=headers)
+            answer = refused.get_json()
+            assert refused.status_code == 400 and answer[flag] is False, refused.data
+            assert answer["error"] == {"code": "INVALID_JSON", "message": TOO_DEEP}
 
 
 def test_no_route_fails_on_a_deep_body_and_the_json_routes_are_all_known(app, client, merchant):
@@ -189,7 +212,7 @@ def test_no_route_fails_on_a_deep_body_and_the_json_routes_are_all_known(app, cl
             assert answer.status_code != 500, (rule.rule, method, answer.data[:300])  # /readyz: 503, no chains here
             if answer.is_json and (answer.get_json().get("error") or {}).get("code") == "INVALID_JSON":
                 refused.add((rule.rule, method))
-    assert refused == {(rule, method) for rule, method, _ in JSON_ROUTES}
+    assert refused == {(rule, method) for rule, method, _ in JSON_ROUTES | FACILITATOR_ROUTES}
 
 
 def test_flask_get_json_is_capped_and_answers_the_api_error(app):
