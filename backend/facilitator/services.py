@@ -302,7 +302,7 @@ def verify(checked: Checked, *, settle: bool = False) -> dict[str, Any]:
 def payment_intent_id(secret: str, merchant_id: str, checked: Checked) -> str:
     """The intent a payment is recorded as: keyed by its payment-identifier if sent, else by its authorization
     (network, payer, nonce)."""
-    nonce = checked.terms.nonce.hex() if isinstance(checked.terms.nonce, bytes) else str(checked.terms.nonce)
+    nonce = checked.terms.nonce.hex()
     return derived_intent_id(secret, merchant_id, checked.network.network, checked.payer, nonce, checked.payment_id)
 
 
@@ -374,8 +374,7 @@ def _earlier(intent: Intent, checked: Checked) -> dict[str, Any] | None:
 
 
 def _current(intent_id: str) -> Intent | None:
-    intent = db.session.get(Intent, intent_id, populate_existing=True)
-    return intent
+    return db.session.get(Intent, intent_id, populate_existing=True)
 
 
 def _paid(intent: Intent, checked: Checked) -> dict[str, Any]:
@@ -384,12 +383,17 @@ def _paid(intent: Intent, checked: Checked) -> dict[str, Any]:
     if intent.buyer_address and not rail_for(checked.network).same_address(intent.buyer_address, checked.payer):
         raise Refusal("invalid_transaction_state", "ALREADY_PAID", "this payment's record was paid by another payer",
                       payer=checked.payer)  # fmt: skip
+    return _settled(intent.tx_hash or "", intent.buyer_address, str(intent.amount_atomic), checked)
+
+
+def _settled(transaction: str, payer: str | None, amount: str, checked: Checked) -> dict[str, Any]:
+    """The spec's answer for a settled payment."""
     return {
         "success": True,
-        "transaction": intent.tx_hash,
+        "transaction": transaction,
         "network": checked.network_as_sent,
-        "payer": intent.buyer_address or checked.payer,
-        "amount": str(intent.amount_atomic),
+        "payer": payer or checked.payer,
+        "amount": amount,
     }
 
 
@@ -431,10 +435,4 @@ def settle(
             if answer is not None:
                 return answer
         raise Refusal.of(err, checked.payer) from None
-    return {
-        "success": True,
-        "transaction": result["tx_hash"],
-        "network": checked.network_as_sent,
-        "payer": result["buyer_address"] or checked.payer,
-        "amount": checked.requirement["maxAmountRequired"],
-    }
+    return _settled(result["tx_hash"], result["buyer_address"], checked.requirement["maxAmountRequired"], checked)

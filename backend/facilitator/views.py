@@ -34,21 +34,37 @@ blp = ApiBlueprint(
 )
 
 
-def _checked() -> services.Checked:
+def _body() -> Any:
+    """The request's JSON (the service's rules); a body that cannot be read is the spec's 400."""
+    try:
+        return parse_json_body(request.get_data(cache=True))
+    except DomainError as err:
+        raise services.Refusal("invalid_payload", err.code, err.message, status=400) from None
+
+
+def _checked(body: Any) -> services.Checked:
     # The key's check read the merchant's wallets on the request's autocommit connection: back to the pool now, so
     # that no connection is held across the chain's RPCs and the wait for the relayer (the session takes its own).
     wallets = read_with_key()
     release_autocommit_connection()
-    try:
-        body = parse_json_body(request.get_data(cache=True))
-    except DomainError as err:
-        raise services.Refusal("invalid_payload", err.code, err.message, status=400) from None
     settings = appstate.settings()
     return services.check(current_merchant_id(), wallets, body, appstate.chains(), settings, clock.now())
 
 
-def _failure(refusal: services.Refusal) -> dict[str, Any]:
-    return {"code": refusal.code, "message": refusal.message}
+def _refused(refusal: services.Refusal, payer: str | None, **spec: Any) -> Response:
+    """A refusal in the spec's shape (``spec``: its fields for verify or settle), our code and message in ``error``,
+    the payer when known."""
+    body: dict[str, Any] = {**spec, "error": {"code": refusal.code, "message": refusal.message}}
+    if refusal.payer or payer:
+        body["payer"] = refusal.payer or payer
+    return json_response(body, refusal.status, refusal.headers)
+
+
+def _network_sent(body: Any) -> str:
+    """paymentRequirements.network as sent, for a refusal before it was read (the spec's field is required)."""
+    requirements = body.get("paymentRequirements") if isinstance(body, dict) else None
+    network = requirements.get("network") if isinstance(requirements, dict) else None
+    return network[:64] if isinstance(network, str) else ""
 
 
 @blp.route("/supported")
@@ -86,15 +102,11 @@ class Verify(MethodView):
         """
         payer: str | None = None
         try:
-            checked = _checked()
+            checked = _checked(_body())
             payer = checked.payer
             return json_response(services.verify(checked))
         except services.Refusal as refusal:
-            body = {"isValid": False, "invalidReason": refusal.reason, "invalidMessage": refusal.message,
-                    "error": _failure(refusal)}  # fmt: skip
-            if refusal.payer or payer:
-                body["payer"] = refusal.payer or payer
-            return json_response(body, refusal.status, refusal.headers)
+            return _refused(refusal, payer, isValid=False, invalidReason=refusal.reason, invalidMessage=refusal.message)
 
 
 @blp.route("/settle")
@@ -116,26 +128,15 @@ class Settle(MethodView):
         `errorReason: settlement_pending`, with the transaction; settle the same payment again for its result.
         """
         settings = appstate.settings()
-        network = ""
+        body: Any = None
         payer: str | None = None
         try:
-            checked = _checked()
-            network, payer = checked.network_as_sent, checked.payer
+            body = _body()
+            checked = _checked(body)
+            payer = checked.payer
             answer = services.settle(current_merchant_id(), checked, appstate.chains(), api_redis(), settings,
                                      wait_seconds=settings.pay_wait_seconds)  # fmt: skip
             return json_response(answer)
         except services.Refusal as refusal:
-            body: dict[str, Any] = {"success": False, "errorReason": refusal.reason, "errorMessage": refusal.message,
-                                    "transaction": refusal.transaction, "network": network or _network_sent(),
-                                    "error": _failure(refusal)}  # fmt: skip
-            if refusal.payer or payer:
-                body["payer"] = refusal.payer or payer
-            return json_response(body, refusal.status, refusal.headers)
-
-
-def _network_sent() -> str:
-    """paymentRequirements.network as sent, for a refusal before it was read (the spec's field is required)."""
-    body = request.get_json(silent=True)
-    requirements = body.get("paymentRequirements") if isinstance(body, dict) else None
-    network = requirements.get("network") if isinstance(requirements, dict) else None
-    return network[:64] if isinstance(network, str) else ""
+            return _refused(refusal, payer, success=False, errorReason=refusal.reason, errorMessage=refusal.message,
+                            transaction=refusal.transaction, network=_network_sent(body))  # fmt: skip
