@@ -150,7 +150,7 @@ def test_a_dropped_settlement_after_a_restart_waits_for_its_nonce_and_settles_on
     """Its transaction dropped by the node and the process restarted (no signed bytes): no second transaction at a
     new nonce while the recorded one is unconsumed (watch: PENDING, not held; the submit leaves it open while
     another process owns the account); once this process owns the account, the transfer is re-signed at that
-    nonce (over the start's cancel there) and settles exactly once."""
+    nonce (the start, leased for this retry, leaves the nonce to it: no cancel first) and settles exactly once."""
     account = node.relay_account()
     start = node.w3.eth.get_transaction_count(account.address)
     other = node.relay_account()
