@@ -6,9 +6,10 @@ from ``var/demo.json``)::
     .venv/bin/python examples/paywalled_api.py [--port 5000] [--price 0.05]
 
 ``GET /`` is free and says what is for sale; ``GET /report`` costs ``--price`` USDC. A request
-without a payment gets 402 with the requirements of the route's intent (one, shared by all 402s);
-``examples/agent_fetch.py`` pays it and gets the report and an access token that serves it again
-for five minutes. Settings may come from the environment instead: ``PAYINTENT_URL``,
+without a payment gets 402 with the requirements (no intent is made until someone pays);
+``examples/agent_fetch.py`` pays it (verified, served, then settled through the facilitator API: the
+merchant's paid intent) and gets the report and an access token that serves it again for five
+minutes. Settings may come from the environment instead: ``PAYINTENT_URL``,
 ``PAYINTENT_API_KEY``.
 """
 
@@ -29,7 +30,7 @@ from payintent.paywall import Paywall
 
 def create_app(client: PayIntentClient, price: str, origin: str | None = None) -> Flask:
     app = Flask(__name__)
-    paywall = Paywall(client, origin=origin)  # the origin buyers use: shown in 402s, named in tokens and proofs
+    paywall = Paywall(client, origin=origin)  # the origin buyers use: shown in 402s
 
     @app.get("/")
     def index() -> Any:

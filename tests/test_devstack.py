@@ -145,12 +145,14 @@ def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
         assert fetched.returncode == 0, fetched.stderr
         bought = json.loads(fetched.stdout.splitlines()[-1])
         assert bought["status"] == 200 and bought["spent_usdc"] == "0.05" and "report" in fetched.stdout
-        sale = requests.get(
-            f"http://127.0.0.1:{port}/api/v1/x402/intents/{bought['paid']['intent_id']}",
+        paid = requests.get(
+            f"http://127.0.0.1:{port}/api/v1/x402/intents",
+            params={"status": "paid", "limit": 100},
             headers={"Authorization": f"Bearer {demo['api_key']}"},
             timeout=10,
-        ).json()["data"]
-        assert sale["status"] == "paid" and sale["tx_hash"] == bought["paid"]["transaction"]
+        ).json()["data"]["intents"]
+        (sale,) = [i for i in paid if i["tx_hash"] == bought["paid"]["transaction"]]  # recorded by the facilitator
+        assert sale["metadata"]["x402_resource"].endswith("/report") and sale["amount_usdc"] == 0.05
         rpc_url = demo["networks"][sale["chain"]]["rpc_url"]
         assert Web3(Web3.HTTPProvider(rpc_url)).eth.get_transaction_receipt(sale["tx_hash"])["status"] == 1
     finally:

@@ -39,6 +39,12 @@ class SupportedKindSchema(Schema):
     x402Version = fields.Integer(required=True)
     scheme = fields.String(required=True, metadata={"enum": ["exact"]})
     network = fields.String(required=True, metadata={"example": "eip155:84532"})
+    extra = fields.Dict(
+        metadata={
+            "description": "Ours: the requirement's fields that do not depend on the resource (payTo, asset, "
+            "maxTimeoutSeconds, usdcDomainName, extra with the token's EIP-712 name and version)"
+        }
+    )
 
 
 class SupportedSchema(Schema):

@@ -144,10 +144,23 @@ def supported(wallets: Mapping[str, str], registry: ChainRegistry) -> dict[str, 
         # payload a public client built by itself.
         if rail_for(network).prepares_transaction or network.network not in wallets:
             continue
-        kinds.append({"x402Version": 2, "scheme": "exact", "network": network.network})
+        extra = requirement_template(network, wallets[network.network])
+        kinds.append({"x402Version": 2, "scheme": "exact", "network": network.network, "extra": extra})
         if network.x402_v1_name:
-            kinds.append({"x402Version": 1, "scheme": "exact", "network": network.x402_v1_name})
+            kinds.append({"x402Version": 1, "scheme": "exact", "network": network.x402_v1_name, "extra": extra})
     return {"kinds": kinds, "extensions": [PAYMENT_IDENTIFIER], "signers": {}}
+
+
+# A requirement's fields that name the resource and its price: the rest is the network's and the merchant's.
+_PER_RESOURCE = frozenset({"scheme", "network", "maxAmountRequired", "resource", "description", "mimeType"})
+
+
+def requirement_template(network: Network, wallet: str) -> dict[str, Any]:
+    """A kind's ``extra`` (ours): the fields of a requirement for this merchant on ``network`` that do not depend on
+    the resource (``payTo``, ``asset``, ``maxTimeoutSeconds``, the token's domain), so that a resource server (our
+    paywall) builds its 402s without an API call per request. The official middlewares ignore it."""
+    requirement = intents.requirement_on(network, wallet, 0, "", "")
+    return {key: value for key, value in requirement.items() if key not in _PER_RESOURCE}
 
 
 def _mapping(value: Any, reason: str, code: str, what: str) -> Mapping[str, Any]:
@@ -346,6 +359,19 @@ def _record(merchant_id: str, intent_id: str, checked: Checked, registry: ChainR
         intents.insert_intent(row)
     except IntegrityError:
         db.session.rollback()
+        try:  # a concurrent settle wrote it first: with a payment-identifier, it must be for this very payment
+            written = _current(intent_id)
+            if written is not None:
+                _check_same_payment(written, checked)
+        finally:
+            db.session.rollback()
+
+
+def _check_same_payment(intent: Intent, checked: Checked) -> None:
+    """A payment-identifier's record names one payment: another one under the same id is refused (409)."""
+    if checked.payment_id is not None and (intent.meta or {}).get("x402_payment_digest") != checked.digest:
+        reused = "this payment-identifier was already used with a different payment; send a new id for a new payment"
+        raise Refusal("invalid_payload", "PAYMENT_IDENTIFIER_REUSED", reused, status=409, payer=checked.payer)
 
 
 def _earlier(intent: Intent, checked: Checked) -> dict[str, Any] | None:
@@ -353,9 +379,7 @@ def _earlier(intent: Intent, checked: Checked) -> dict[str, Any] | None:
     (the extension's retry); else a refusal that carries its transaction: one payment is answered ``success`` once,
     so a resource server serves it once (N calls with one authorization would otherwise buy N resources). A
     settlement still in flight: ``settlement_pending``. None: nothing settled or in flight (settle it now)."""
-    if checked.payment_id is not None and (intent.meta or {}).get("x402_payment_digest") != checked.digest:
-        reused = "this payment-identifier was already used with a different payment; send a new id for a new payment"
-        raise Refusal("invalid_payload", "PAYMENT_IDENTIFIER_REUSED", reused, status=409, payer=checked.payer)
+    _check_same_payment(intent, checked)
     if intent.status == PAID:
         if checked.payment_id is not None:
             return _paid(intent, checked)

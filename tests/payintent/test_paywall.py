@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
+from functools import partial
 from typing import Any
 
 import pytest
@@ -16,7 +18,8 @@ from flask import Flask, jsonify
 from payintent import x402
 from payintent.agent import PayingAgent, PaymentRequiredError, SpendLimitError
 from payintent.client import PayIntentClient
-from payintent.paywall import RESOURCE_KEY, Paywall, PaywallMiddleware
+from payintent.eip3009 import sign_authorization
+from payintent.paywall import Paywall, PaywallMiddleware
 from tests.payintent.conftest import serve
 from tests.payintent.test_client import mint
 
@@ -88,26 +91,40 @@ def recording(session: requests.Session) -> list[requests.PreparedRequest]:
     return sent
 
 
-def test_a_request_without_payment_gets_402_in_every_shape(shop_url, merchant_client):
+def intent_count(client: PayIntentClient) -> int:
+    return int(client.list_intents(limit=1)["total"])
+
+
+def paid_intent(client: PayIntentClient, transaction: str) -> dict[str, Any]:
+    """The merchant's paid intent the facilitator recorded for ``transaction``."""
+    found = [i for i in client.list_intents(status="paid", limit=100)["intents"] if i["tx_hash"] == transaction]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_a_request_without_payment_gets_402_in_every_shape_and_makes_no_intent(shop_url, merchant_client, shop):
     assert requests.get(f"{shop_url}/", timeout=10).status_code == 200  # free routes are untouched
+    before = intent_count(merchant_client)
     response = requests.get(f"{shop_url}/report?day=monday", timeout=10)
     assert response.status_code == 402 and response.headers["Cache-Control"] == "no-store"
+    for _ in range(20):  # anonymous requests cost no intent, no row, no API call
+        assert requests.get(f"{shop_url}/report?day={_}", timeout=10).status_code == 402
+    assert intent_count(merchant_client) == before
     ours = x402.decode_header(response.headers["X-Payment-Required"])
-    intent = merchant_client.get_intent(ours["intent_id"])
-    assert intent["status"] == "pending" and intent["amount_usdc"] == Decimal(PRICE)
-    assert intent["metadata"][RESOURCE_KEY] and intent["metadata"]["paywall_path"] == "/report"  # the route's intent
-    assert ours["accepts"] == intent["payment_requirements"]
+    assert "intent_id" not in ours
+    networks = [r["network"] for r in ours["accepts"]]
+    assert networks and all(n.startswith("eip155:") for n in networks)  # the facilitator's networks: EVM
+    for requirement in ours["accepts"]:
+        assert requirement["payTo"] == shop.payout and requirement["maxAmountRequired"] == str(ATOMIC)
+        assert requirement["resource"] == f"{shop_url}/report?day=monday" and requirement["extra"]["name"]
     body = response.json()
-    assert body["x402Version"] == 1 and body["intent_id"] == intent["intent_id"]
-    networks = [a["network"] for a in body["accepts"]]
-    assert networks[:2] == ["base-sepolia", "sepolia"]  # the names v1 clients know
-    assert {a["resource"] for a in body["accepts"]} == {f"{shop_url}/report?day=monday"}
+    assert body["x402Version"] == 1 and body["payment_requirements"] == ours["accepts"]
+    assert [a["network"] for a in body["accepts"]][:2] == ["base-sepolia", "sepolia"]  # the names v1 clients know
     v2 = x402.decode_header(response.headers["PAYMENT-REQUIRED"])
     assert v2["x402Version"] == 2 and v2["resource"]["url"] == f"{shop_url}/report?day=monday"
-    assert [a["network"] for a in v2["accepts"]] == [r["network"] for r in intent["payment_requirements"]]
+    assert [a["network"] for a in v2["accepts"]] == networks
     assert {a["amount"] for a in v2["accepts"]} == {str(ATOMIC)}
-    assert {a["extra"]["intentId"] for a in v2["accepts"]} == {intent["intent_id"]}
-    assert response.headers["X-Payment-Access-Challenge"]  # what a payer who lost its answer signs
+    assert all("intentId" not in a["extra"] for a in v2["accepts"])
 
 
 def test_an_agent_pays_on_the_chain_holding_its_usdc_and_gets_the_resource(shop_url, merchant_client, devnet, shop):
@@ -118,16 +135,42 @@ def test_an_agent_pays_on_the_chain_holding_its_usdc_and_gets_the_resource(shop_
     assert response.status_code == 200 and response.json() == {"report": "paid content"}
     receipt = response.payment
     assert receipt["success"] is True and receipt["network"] == "eip155:11155111" and receipt["payer"] == buyer.address
-    paid = merchant_client.get_intent(receipt["intent_id"])
-    assert paid["status"] == "paid" and paid["tx_hash"] == receipt["transaction"]
     assert receipt == x402.decode_header(response.headers["PAYMENT-RESPONSE"])
+    paid = paid_intent(merchant_client, receipt["transaction"])  # recorded when paid, by the facilitator
+    assert paid["amount_usdc"] == Decimal(PRICE) and paid["buyer_address"].lower() == buyer.address.lower()
+    assert paid["metadata"]["x402_resource"] == f"{shop_url}/report" and paid["description"] == "A report"
     after = payout(devnet, shop)
     assert {n: after[n] - before[n] for n in after} == {n: ATOMIC if n == "eip155:11155111" else 0 for n in after}
     assert devnet.balance("eip155:11155111", buyer.address) == 5_000_000 - ATOMIC
     assert agent.spent_usdc == Decimal(PRICE)
 
 
-def test_the_access_token_serves_again_and_the_settled_payment_does_not(shop_url, devnet, shop):
+def test_a_view_that_fails_is_not_paid_for(merchant_client, devnet, shop):
+    app = Flask("failing")
+    paywall = Paywall(merchant_client)
+    served: list[str] = []
+
+    @app.get("/broken")
+    @paywall.require(PRICE)
+    def broken() -> Any:
+        served.append("broken")
+        return jsonify({"error": "the report is not ready"}), 500
+
+    for base in serve(app):
+        buyer = funded_account(devnet)
+        challenge = requests.get(f"{base}/broken", timeout=10)
+        ours = x402.decode_header(challenge.headers["X-Payment-Required"])
+        requirement = next(r for r in ours["accepts"] if r["network"] == "eip155:11155111")
+        payment = {"x402Version": 1, "scheme": "exact", "network": requirement["network"],
+                   "payload": sign_authorization(buyer, requirement)}  # fmt: skip
+        before = payout(devnet, shop)
+        response = requests.get(f"{base}/broken", headers={"X-Payment": x402.encode_header(payment)}, timeout=60)
+        assert response.status_code == 500 and served == ["broken"]  # verified, served, and not settled
+        assert "PAYMENT-RESPONSE" not in response.headers and "X-Payment-Access" not in response.headers
+        assert payout(devnet, shop) == before and devnet.balance("eip155:11155111", buyer.address) == 5_000_000
+
+
+def test_the_access_token_serves_again_and_a_copy_of_the_payment_does_not(shop_url, devnet, shop):
     buyer = funded_account(devnet)
     agent = agent_for(buyer, devnet, rpc_urls=rpc_urls(devnet))
     sent = recording(agent.session)
@@ -135,32 +178,66 @@ def test_the_access_token_serves_again_and_the_settled_payment_does_not(shop_url
     assert first.status_code == 200 and first.headers["X-Payment-Access"]
     header, token = sent[-1].headers["X-Payment"], first.headers["X-Payment-Access"]
     before = payout(devnet, shop)
-    # The token its answer carried is the proof: served again, nothing charged.
+    # The token its answer carried serves again, nothing charged.
     again = requests.get(f"{shop_url}/report", headers={"X-Payment-Access": token}, timeout=30)
     assert again.status_code == 200 and again.json() == {"report": "paid content"}
     assert agent.get(f"{shop_url}/report").status_code == 200  # the agent presents its token by itself
     assert sent[-1].headers["X-Payment-Access"] == token and "X-Payment" not in sent[-1].headers
-    # The settled payment itself is public (calldata): presented again it buys nothing.
-    replay = requests.get(f"{shop_url}/report", headers={"X-Payment": header}, timeout=30)
+    # The buyer's own retry (its payment-identifier, known only to it and the paywall) gets the first result.
+    retry = requests.get(f"{shop_url}/report", headers={"X-Payment": header}, timeout=30)
+    assert retry.status_code == 200 and x402.decode_header(retry.headers["PAYMENT-RESPONSE"]) == first.payment
+    # The same header at another resource of the same price buys nothing: its id is this resource's retry only.
+    other = requests.get(f"{shop_url}/report?day=2", headers={"X-Payment": header}, timeout=30)
+    assert other.status_code == 402 and "PAYMENT-RESPONSE" not in other.headers
+    # The payment as anyone can rebuild it from the chain (no payment-identifier) buys nothing.
+    copied = {k: v for k, v in x402.decode_header(header).items() if k != "extensions"}
+    replay = requests.get(f"{shop_url}/report", headers={"X-Payment": x402.encode_header(copied)}, timeout=30)
     assert replay.status_code == 402 and "not proof" in replay.json()["error"]
+    # Another payment-identifier with the same authorization buys nothing either.
+    other = {**copied, "extensions": {"payment-identifier": {"info": {"id": "someone-else-0123456789"}}}}
+    stolen = requests.get(f"{shop_url}/report", headers={"X-Payment": x402.encode_header(other)}, timeout=30)
+    assert stolen.status_code == 402
     elsewhere = requests.get(f"{shop_url}/premium", headers={"X-Payment": header}, timeout=30)
     assert elsewhere.status_code == 402 and "value must be 1000000" in elsewhere.json()["error"]  # /premium's price
     assert requests.get(f"{shop_url}/premium", headers={"X-Payment-Access": token}, timeout=30).status_code == 402
     assert payout(devnet, shop) == before and agent.spent_usdc == Decimal(PRICE)
 
 
+def test_one_payment_sent_twice_at_once_is_served_once_and_charged_once(merchant_client, devnet, shop):
+    app = Flask("racing")
+    paywall = Paywall(merchant_client, settle_wait_seconds=5)
+
+    @app.get("/report")
+    @paywall.require(PRICE)
+    def report() -> Any:
+        return jsonify({"report": "paid content"})
+
+    for base in serve(app):
+        buyer = funded_account(devnet)
+        ours = x402.decode_header(requests.get(f"{base}/report", timeout=10).headers["X-Payment-Required"])
+        requirement = next(r for r in ours["accepts"] if r["network"] == "eip155:11155111")
+        payment = {"x402Version": 1, "scheme": "exact", "network": requirement["network"],
+                   "payload": sign_authorization(buyer, requirement)}  # fmt: skip
+        header = {"X-Payment": x402.encode_header(payment)}  # no payment-identifier: a plain x402 v1 client's
+        before = payout(devnet, shop)
+        send = partial(requests.get, f"{base}/report", headers=header, timeout=90)
+        with ThreadPoolExecutor(2) as pool:
+            answers = [future.result() for future in [pool.submit(send), pool.submit(send)]]
+        statuses = sorted(a.status_code for a in answers)
+        assert statuses[0] == 200 and statuses[1] != 200, statuses
+        assert sum(payout(devnet, shop).values()) - sum(before.values()) == ATOMIC
+
+
 def test_a_payment_for_a_cheaper_resource_cannot_buy_a_dearer_one(shop_url, devnet, shop):
     buyer = funded_account(devnet)
     challenge = requests.get(f"{shop_url}/report", timeout=10)  # 0.25 USDC
     ours = x402.decode_header(challenge.headers["X-Payment-Required"])
-    from payintent.eip3009 import sign_authorization
-
     requirement = next(r for r in ours["accepts"] if r["network"] == "eip155:11155111")
-    payment = {"x402Version": 1, "scheme": "exact", "network": requirement["network"], "intent_id": ours["intent_id"],
+    payment = {"x402Version": 1, "scheme": "exact", "network": requirement["network"],
                "payload": sign_authorization(buyer, requirement)}  # fmt: skip
     before = payout(devnet, shop)
     response = requests.get(f"{shop_url}/premium", headers={"X-Payment": x402.encode_header(payment)}, timeout=30)
-    assert response.status_code == 402  # /premium costs 1 USDC: that intent is not its
+    assert response.status_code == 402 and "value must be 1000000" in response.json()["error"]  # /premium: 1 USDC
     assert payout(devnet, shop) == before
 
 

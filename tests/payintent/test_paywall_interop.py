@@ -1,12 +1,13 @@
 """Standard x402 clients buy from our paywall unchanged: PyPI ``x402``'s requests wrapper and npm
 ``@x402/fetch`` (both read the v2 ``PAYMENT-REQUIRED`` header and answer ``PAYMENT-SIGNATURE``), and
-a v1 client that reads the JSON body and answers ``X-PAYMENT`` without naming an intent. Money moves
-once, on chain."""
+a v1 client that reads the JSON body and answers ``X-PAYMENT``. Money moves once, on chain, and the
+facilitator records the merchant's paid intent."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,14 @@ from x402.mechanisms.evm.exact import register_exact_evm_client
 from x402.schemas.v1 import PaymentRequiredV1
 
 from payintent import x402
-from tests.payintent.test_paywall import ATOMIC, funded_account, merchant_client, payout, shop_url  # noqa: F401
+from tests.payintent.test_paywall import (  # noqa: F401
+    ATOMIC,
+    funded_account,
+    merchant_client,
+    paid_intent,
+    payout,
+    shop_url,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 FETCH_MJS = Path(__file__).with_name("x402_fetch.mjs")
@@ -43,14 +51,14 @@ def test_the_pypi_x402_requests_wrapper_buys_from_the_paywall(shop_url, merchant
     assert response.status_code == 200 and response.json() == {"report": "paid content"}
     receipt = x402.decode_header(response.headers["PAYMENT-RESPONSE"])
     assert receipt["success"] is True and receipt["payer"] == buyer.address
-    intent = merchant_client.get_intent(receipt["intent_id"])
-    assert intent["status"] == "paid" and intent["tx_hash"] == receipt["transaction"]
+    intent = paid_intent(merchant_client, receipt["transaction"])
+    assert intent["amount_usdc"] == Decimal("0.25") and intent["metadata"]["x402_resource"] == f"{shop_url}/report"
     after = payout(devnet, shop)
     assert sum(after.values()) - sum(before.values()) == ATOMIC
     assert after[receipt["network"]] - before[receipt["network"]] == ATOMIC
 
 
-def test_a_v1_client_that_names_no_intent_is_settled_on_the_routes_intent(shop_url, merchant_client, devnet, shop):  # noqa: F811
+def test_a_v1_client_pays_with_x_payment_and_gets_a_receipt_and_a_token(shop_url, merchant_client, devnet, shop):  # noqa: F811
     buyer = funded_account(devnet, "eip155:84532")
     challenge = requests.get(f"{shop_url}/report", timeout=10)
     body = challenge.json()
@@ -60,19 +68,15 @@ def test_a_v1_client_that_names_no_intent_is_settled_on_the_routes_intent(shop_u
         "accepts": [a for a in body["accepts"] if a["network"] == "base-sepolia"],
     }
     payment = library_client(buyer, devnet).create_payment_payload(PaymentRequiredV1.model_validate(v1))
-    header = {"X-PAYMENT": encode_payment_signature_header(payment)}  # as a v1 client sends it: no intent id
-    assert "intent_id" not in x402.decode_header(header["X-PAYMENT"])
+    header = {"X-PAYMENT": encode_payment_signature_header(payment)}  # as a v1 client sends it
     before = payout(devnet, shop)
     response = requests.get(f"{shop_url}/report", headers=header, timeout=60)
     assert response.status_code == 200, response.text
     receipt = x402.decode_header(response.headers["X-PAYMENT-RESPONSE"])
     assert receipt["network"] == "eip155:84532" and receipt["payer"] == buyer.address
-    assert receipt["intent_id"] == body["intent_id"]  # the route's shared intent: no intent made per request
-    sold = merchant_client.get_intent(receipt["intent_id"])
-    assert sold["status"] == "paid" and sold["metadata"]["paywall_path"] == "/report"
+    sold = paid_intent(merchant_client, receipt["transaction"])
+    assert sold["chain"] == "eip155:84532" and sold["buyer_address"].lower() == buyer.address.lower()
     assert response.headers["X-Payment-Access"]
-    again = requests.get(f"{shop_url}/report", timeout=10)  # the next buyer gets a fresh intent
-    assert again.status_code == 402 and again.json()["intent_id"] != body["intent_id"]
     assert sum(payout(devnet, shop).values()) - sum(before.values()) == ATOMIC
 
 
@@ -94,7 +98,6 @@ def test_the_npm_x402_fetch_wrapper_buys_from_the_paywall(shop_url, merchant_cli
     assert json.loads(result["body"]) == {"report": "paid content"}
     receipt = result["paymentResponse"]
     assert receipt["success"] is True and receipt["payer"] == buyer.address
-    intent = merchant_client.get_intent(receipt["intent_id"])
-    assert intent["status"] == "paid" and intent["tx_hash"] == receipt["transaction"]
+    assert paid_intent(merchant_client, receipt["transaction"])["amount_usdc"] == Decimal("0.25")
     after = payout(devnet, shop)
     assert sum(after.values()) - sum(before.values()) == ATOMIC

@@ -15,6 +15,7 @@ from sqlalchemy import func, select
 from backend.events.models import Event
 from backend.extensions import db
 from backend.intents.models import Intent
+from payintent import x402
 
 NETWORK = "eip155:84532"
 FACILITATOR = "/api/v1/x402/facilitator"
@@ -76,7 +77,13 @@ def test_supported_lists_exact_on_each_evm_network_with_a_wallet(pay_client, sho
     v2 = {kind["network"] for kind in answer["kinds"] if kind["x402Version"] == 2}
     assert v2 == {n for n in devnet.networks if n.startswith("eip155:")}
     assert all(kind["scheme"] == "exact" for kind in answer["kinds"])
-    assert {"x402Version": 1, "scheme": "exact", "network": "base-sepolia"} in answer["kinds"]
+    v1 = {(kind["network"], kind["extra"]["payTo"]) for kind in answer["kinds"] if kind["x402Version"] == 1}
+    assert ("base-sepolia", shop.payout) in v1
+    for kind in answer["kinds"]:  # what a paywall needs to build a requirement without an intent
+        network = x402.caip2_network(kind["network"])
+        assert kind["extra"]["payTo"] == shop.payout
+        assert kind["extra"]["asset"].lower() == devnet.info["networks"][network]["usdc_address"].lower()
+        assert kind["extra"]["extra"]["version"] and kind["extra"]["usdcDomainName"] == kind["extra"]["extra"]["name"]
     assert answer["extensions"] == ["payment-identifier"]
     assert pay_client.get(f"{FACILITATOR}/supported").status_code == 401
 

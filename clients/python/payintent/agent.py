@@ -27,13 +27,12 @@ After paying it never pays twice for one answer:
 
 - the access token a payintent paywall returns (``X-Payment-Access``) is kept and presented again
   for the same URL until it expires, so those reads cost nothing;
-- a 503 with ``Retry-After`` (settlement still running) is retried with the claim token it carries
-  (or the same payment, from other servers), as is a 429 with ``Retry-After`` (waits capped at 30 s);
-- when the connection breaks after the payment was sent (or a retry finds it settled already), the
-  agent proves it holds the payer's key: it signs the paywall's fresh challenge
-  (``X-Payment-Access-Challenge`` of a new 402) into ``X-Payment-Proof`` and gets the resource and a
-  token; if the paywall knows no such payment, it sends the *same* authorization again, which can
-  settle at most once (its nonce is single-use).
+- a 503 with ``Retry-After`` (settlement still running) is retried with the same payment, as is a
+  429 with ``Retry-After`` (waits capped at 30 s);
+- a payment to a payintent paywall (or any x402 v2 server) carries the x402 ``payment-identifier``
+  extension, a random id of its own: when the connection breaks after the payment was sent, the agent
+  sends the *same* payment again, and a server honouring the extension answers the first result (the
+  money moved once); anywhere else the authorization settles at most once (its nonce is single-use).
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ import email.utils
 import logging
 import math
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -52,10 +52,9 @@ from typing import Any
 
 import requests
 
-from payintent import access, jsonlimits, x402
+from payintent import jsonlimits, x402
 from payintent.client import choose_requirement
 from payintent.eip3009 import DEFAULT_VALIDITY_SECONDS, sign_authorization
-from payintent.paywall_request import canonical_origin, resource_label
 
 __all__ = ["KNOWN_USDC", "AssetNotAllowedError", "PayingAgent", "PaymentRequiredError", "SpendLimitError"]
 
@@ -192,13 +191,13 @@ class PayingAgent:
             return response
         with self._lock:
             self._tokens.pop(slot, None)
-        version, requirements, intent_id, v2_required = _challenge_of(response)
+        version, requirements, intent_id, v2_required, ours = _challenge_of(response)
         requirement = self._choose(requirements, response)
         amount = int(requirement["maxAmountRequired"])
         self._reserve(amount, response)
         try:
-            header_name, header_value, payload, intent_id = self._payment_header(
-                version, requirement, intent_id, v2_required
+            header_name, header_value, payload = self._payment_header(
+                version, requirement, intent_id, v2_required, ours
             )
         except Exception as exc:  # nothing was sent: the reservation goes back
             self._release(amount)
@@ -209,12 +208,11 @@ class PayingAgent:
             self._open.append(sent)
         pay_headers = {**headers, header_name: header_value}
         try:
-            paid, taken = self._send_payment(method, url, headers, pay_headers, kwargs)
+            paid, taken = self._send_payment(method, url, pay_headers, kwargs)
         except requests.RequestException:
             paid, taken = None, True  # the payment may have settled: it stays counted against the session cap
         if taken and (paid is None or paid.status_code == 402):  # paid, but the answer was lost
-            proof = self._prover(requirement, payload, intent_id)
-            paid = self._recover(method, url, headers, pay_headers, proof, kwargs)
+            paid = self._recover(method, url, pay_headers, kwargs)
         assert paid is not None  # None only with taken: then recovered above
         if paid.status_code == 402:  # still counted: a refusal is the server's word, not the chain's
             raise PaymentRequiredError(f"the server refused the payment: {_error_of(paid)}", paid)
@@ -235,9 +233,9 @@ class PayingAgent:
     # --- after paying ------------------------------------------------------------------------------
 
     def _send_payment(
-        self, method: str, url: str, headers: dict[str, str], pay_headers: dict[str, str], kwargs: dict[str, Any]
+        self, method: str, url: str, pay_headers: dict[str, str], kwargs: dict[str, Any]
     ) -> tuple[requests.Response, bool]:
-        """Send the payment; while settling (503), retry with the claim token (or the same payment).
+        """Send the payment; while settling (503) or busy (429) with ``Retry-After``, send the same payment again.
         Returns the last answer and whether the payment may have been taken (a 503 was seen)."""
         paid = self.session.request(method, url, headers=pay_headers, **kwargs)
         taken = False
@@ -245,67 +243,22 @@ class PayingAgent:
             if paid.status_code not in (429, 503) or "Retry-After" not in paid.headers:
                 break
             taken = True
-            claim = paid.headers.get(x402.PAYMENT_ACCESS)
             self._sleep(_retry_after(paid.headers.get("Retry-After"), self._clock()))
-            retry = {**headers, x402.PAYMENT_ACCESS: claim} if claim else pay_headers
-            paid = self.session.request(method, url, headers=retry, **kwargs)
+            paid = self.session.request(method, url, headers=pay_headers, **kwargs)
         return paid, taken
 
-    def _recover(
-        self,
-        method: str,
-        url: str,
-        headers: dict[str, str],
-        pay_headers: dict[str, str],
-        prove: Callable[[str, str, str], str] | None,
-        kwargs: dict[str, Any],
-    ) -> requests.Response:
-        """Get what a payment whose answer was lost bought: a proof signed with the payer's key over the
-        paywall's fresh challenge; failing that the same authorization again (it settles at most once)."""
-        last: requests.Response | None = None
+    def _recover(self, method: str, url: str, pay_headers: dict[str, str], kwargs: dict[str, Any]) -> requests.Response:
+        """Get what a payment whose answer was lost bought: the *same* payment again (its payment-identifier gets
+        the first result from a server honouring it; elsewhere it settles at most once)."""
         error: requests.RequestException | None = None
         for _ in range(RECOVERY_ATTEMPTS):
             try:
-                challenge = self.session.request(method, url, headers=headers, **kwargs)
-                error = None
-                nonce = challenge.headers.get(x402.PAYMENT_ACCESS_CHALLENGE)
-                if challenge.status_code != 402:
-                    return challenge
-                if not nonce or prove is None:  # not a payintent paywall, or nothing to prove: resend
-                    break
-                proof = prove(method, challenge.url or url, nonce)
-                last = self.session.request(method, url, headers={**headers, x402.PAYMENT_PROOF: proof}, **kwargs)
-                if last.status_code not in (429, 503):
-                    break
-                self._sleep(_retry_after(last.headers.get("Retry-After"), self._clock()))
+                return self._send_payment(method, url, pay_headers, kwargs)[0]
             except requests.RequestException as exc:
                 error = exc
                 self._sleep(1)
-        if last is not None and last.status_code not in (402, 503):
-            return last
-        if last is None and error is not None:
-            raise error
-        return self._resend(method, url, headers, pay_headers, kwargs)
-
-    def _resend(
-        self, method: str, url: str, headers: dict[str, str], pay_headers: dict[str, str], kwargs: dict[str, Any]
-    ) -> requests.Response:
-        return self._send_payment(method, url, headers, pay_headers, kwargs)[0]
-
-    def _prover(
-        self, requirement: Mapping[str, Any], payload: Mapping[str, Any], intent_id: str | None
-    ) -> Callable[[str, str, str], str] | None:
-        """Signs proofs of this payment (None when the payment named no intent: nothing to prove)."""
-        if not intent_id:
-            return None
-
-        def prove(method: str, url: str, challenge: str) -> str:
-            label, origin = resource_label(method, url), canonical_origin(url)
-            proof = access.sign_evm_proof(self.account, label, intent_id, challenge, origin)
-            proof.update({"network": str(requirement["network"]), "nonce": str(payload["nonce"])})
-            return x402.encode_header(proof)
-
-        return prove
+        assert error is not None
+        raise error
 
     def _token(self, slot: tuple[str, str]) -> str | None:
         held = self._tokens.get(slot)
@@ -437,9 +390,15 @@ class PayingAgent:
         return max(self.min_validity_seconds, min(seconds, DEFAULT_VALIDITY_SECONDS))
 
     def _payment_header(
-        self, version: int, requirement: dict[str, Any], intent_id: str | None, v2_required: dict[str, Any] | None
-    ) -> tuple[str, str, dict[str, Any], str | None]:
-        """(header name, value, the signed payload, the intent it names)."""
+        self,
+        version: int,
+        requirement: dict[str, Any],
+        intent_id: str | None,
+        v2_required: dict[str, Any] | None,
+        ours: bool,
+    ) -> tuple[str, str, dict[str, Any]]:
+        """(header name, value, the signed payload). A payintent paywall's (``ours``) and a v2 server's payment
+        carries a payment-identifier (a plain v1 server may refuse fields it does not know)."""
         payload = sign_authorization(
             self.account, requirement, now=int(self._clock()), valid_for=self._validity(requirement)
         )
@@ -450,16 +409,18 @@ class PayingAgent:
                 "payload": _nested(payload),
                 "accepted": accepted,
                 "resource": v2_required.get("resource"),
+                "extensions": _payment_identifier(),
             }
-            named = x402.intent_id_of({"accepted": accepted})
-            return x402.V2_PAYMENT, x402.encode_header(body), payload, named
+            return x402.V2_PAYMENT, x402.encode_header(body), payload
         body = {"x402Version": 1, "scheme": "exact", "network": requirement["network"], "payload": payload}
         if intent_id:
             body["intent_id"] = intent_id
-        else:  # a plain x402 v1 server: its own network names and the spec's nested payload
+        if ours:
+            body["extensions"] = _payment_identifier()
+        elif not intent_id:  # a plain x402 v1 server: its own network names and the spec's nested payload
             body["network"] = x402.v1_network(requirement["network"])
             body["payload"] = _nested(payload)
-        return x402.PAYMENT, x402.encode_header(body), payload, intent_id
+        return x402.PAYMENT, x402.encode_header(body), payload
 
 
 def _same_requirement(entry: Mapping[str, Any], requirement: Mapping[str, Any]) -> bool:
@@ -498,20 +459,29 @@ def _nested(payload: Mapping[str, str]) -> dict[str, Any]:
     return {"authorization": {k: v for k, v in payload.items() if k != "signature"}, "signature": payload["signature"]}
 
 
-def _challenge_of(response: requests.Response) -> tuple[int, list[dict[str, Any]], str | None, dict[str, Any] | None]:
-    """(version, requirements in our shape, intent id, the v2 object) from a 402, in order of preference."""
+def _payment_identifier() -> dict[str, Any]:
+    """The x402 ``payment-identifier`` extension with a fresh random id (one per payment)."""
+    return {"payment-identifier": {"info": {"id": f"pay_{secrets.token_urlsafe(24)}"}}}
+
+
+def _challenge_of(
+    response: requests.Response,
+) -> tuple[int, list[dict[str, Any]], str | None, dict[str, Any] | None, bool]:
+    """(version, requirements in our shape, intent id, the v2 object, whether the 402 is a payintent paywall's)
+    from a 402, in order of preference."""
     try:
         ours = response.headers.get(x402.PAYMENT_REQUIRED)
         if ours:
             decoded = x402.decode_header(ours)
-            return 1, [dict(r) for r in decoded.get("accepts") or []], decoded.get("intent_id"), None
+            intent_id = decoded.get("intent_id")
+            return 1, [dict(r) for r in decoded.get("accepts") or []], intent_id, None, True
         v2 = response.headers.get(x402.V2_PAYMENT_REQUIRED)
         if v2:
             decoded = x402.decode_header(v2)
-            return 2, [x402.from_v2_accepts(a) for a in decoded.get("accepts") or []], None, decoded
+            return 2, [x402.from_v2_accepts(a) for a in decoded.get("accepts") or []], None, decoded, False
         body = jsonlimits.loads(response.content)  # depth-capped: a hostile server cannot crash us
         accepts = [{**a, "network": x402.caip2_network(str(a["network"]))} for a in body.get("accepts") or []]
-        return 1, accepts, body.get("intent_id"), None
+        return 1, accepts, body.get("intent_id"), None, False
     except (x402.HeaderError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise PaymentRequiredError(f"the 402 carries no readable payment requirements ({exc})", response) from None
 

@@ -213,6 +213,23 @@ class PayIntentClient:
         timeout: float | None = None,
     ) -> dict[str, Any]:
         """One API call: the envelope's ``data`` (an object on every endpoint), or :class:`PayIntentError`."""
+        response, decoded = self._send(method, path, body=body, params=params, headers=headers, timeout=timeout)
+        data = decoded.get("data") if isinstance(decoded, dict) and decoded.get("success") is True else None
+        if isinstance(data, dict) and response.ok:
+            return data
+        raise _refusal(method, path, response, decoded)
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> tuple[requests.Response, Any]:
+        """One HTTP exchange: the answer and its decoded JSON (None when it is not JSON)."""
         sent_headers = dict(headers or {})
         data = None
         if body is not None:
@@ -233,18 +250,7 @@ class PayIntentClient:
             decoded = None if exceeds_depth(response.content) else simplejson.loads(response.text, use_decimal=True)
         except ValueError:
             decoded = None
-        data = decoded.get("data") if isinstance(decoded, dict) and decoded.get("success") is True else None
-        if isinstance(data, dict) and response.ok:
-            return data
-        error = decoded.get("error") if isinstance(decoded, dict) else None
-        if isinstance(error, dict) and error.get("code"):
-            raise PayIntentError(response.status_code, str(error["code"]), str(error.get("message", "")), decoded)
-        raise PayIntentError(
-            response.status_code,
-            f"HTTP_{response.status_code}",
-            f"{method} {path}: unexpected answer {response.text[:200]!r}",
-            decoded if decoded is not None else response.text,
-        )
+        return response, decoded
 
     # --- intents ---------------------------------------------------------------------------------
 
@@ -366,6 +372,46 @@ class PayIntentClient:
         body = {"intent_id": intent_id, "payment_signature": dict(payment_signature)}
         return self._request("POST", "/x402/pay", body=body, timeout=self.pay_timeout)
 
+    # --- the x402 facilitator API (what resource servers call: our paywall, the official middlewares) ----------
+
+    def facilitator_supported(self) -> dict[str, Any]:
+        """``GET /x402/facilitator/supported``: the kinds (network, x402 version) this merchant is paid with; each
+        kind's ``extra`` holds the requirement's fields that do not depend on the resource (``payTo``, ``asset``)."""
+        return self._facilitator("GET", "/supported")
+
+    def facilitator_verify(
+        self, payment_payload: Mapping[str, Any], payment_requirements: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """``POST /x402/facilitator/verify``: the spec's answer (``isValid``, ``invalidReason``, ``payer``)."""
+        return self._facilitator("POST", "/verify", payment_payload, payment_requirements)
+
+    def facilitator_settle(
+        self, payment_payload: Mapping[str, Any], payment_requirements: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """``POST /x402/facilitator/settle``: the spec's answer (``success``, ``transaction``, ``errorReason``)."""
+        return self._facilitator("POST", "/settle", payment_payload, payment_requirements, timeout=self.pay_timeout)
+
+    def _facilitator(
+        self,
+        method: str,
+        path: str,
+        payload: Mapping[str, Any] | None = None,
+        requirements: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """A facilitator call: its spec body (a refusal included: 200, 400 or 409 with ``isValid``/``success``
+        false), or :class:`PayIntentError` for anything else (401, 429, 5xx, no answer)."""
+        body = None
+        if payload is not None:
+            version = payload.get("x402Version")
+            body = {"x402Version": version, "paymentPayload": dict(payload), "paymentRequirements": requirements}
+        response, decoded = self._send(method, f"/x402/facilitator{path}", body=body, timeout=timeout)
+        spec = isinstance(decoded, dict) and ("kinds" in decoded or "isValid" in decoded or "success" in decoded)
+        if spec and response.status_code in (200, 400, 409) and "data" not in decoded:
+            return dict(decoded)
+        raise _refusal(method, path, response, decoded)
+
     def _sign_solana(
         self, intent_id: str, requirement: Mapping[str, Any], keypair: Any, max_rent_lamports: int | None = None
     ) -> tuple[dict[str, Any], int]:
@@ -429,6 +475,19 @@ def _solana_keypair(account: Any) -> Any:
     except ImportError:  # pragma: no cover - solders is a dependency
         return None
     return account if isinstance(account, Keypair) else None
+
+
+def _refusal(method: str, path: str, response: requests.Response, decoded: Any) -> PayIntentError:
+    """The error of an answer that is not the one asked for: the API's code, or ``HTTP_<status>``."""
+    error = decoded.get("error") if isinstance(decoded, dict) else None
+    if isinstance(error, dict) and error.get("code"):
+        return PayIntentError(response.status_code, str(error["code"]), str(error.get("message", "")), decoded)
+    return PayIntentError(
+        response.status_code,
+        f"HTTP_{response.status_code}",
+        f"{method} {path}: unexpected answer {response.text[:200]!r}",
+        decoded if decoded is not None else response.text,
+    )
 
 
 def _not_payable(intent: Mapping[str, Any]) -> PayIntentError:

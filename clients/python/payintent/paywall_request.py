@@ -1,16 +1,15 @@
 """What a paywalled request is: its method, route, path and query in one canonical form, and the keys naming it.
 
-The paywall and the paying agent must compute the same text for one request (a proof signs it), and
-the paywall must never let a header choose what a token or an intent is for. So:
+The paywall must never let a header choose what a token is for. So:
 
 - The **host is never part of a key.** A WSGI server pastes the raw ``Host`` header into any URL it
   rebuilds (``wsgiref.util.request_uri``); a ``Host: x/premium?id=1#`` would then name another
   resource. Keys are made from the method, the route and the path and query as the application
   sees them (``SCRIPT_NAME`` + ``PATH_INFO``, ``QUERY_STRING``), each passed separately.
 - **Percent-encoded, both sides.** WSGI gives the path decoded (bytes as latin-1 text), the query
-  still encoded; a client sends both encoded. :func:`canonical_path` encodes the decoded path,
-  :func:`canonical_query` normalises the encoded query, and the agent decodes its URL's path first,
-  so ``/r/€?q=café`` reads ``/r/%E2%82%AC?q=caf%C3%A9`` on both sides.
+  still encoded; a client sends both encoded. :func:`canonical_path` encodes the decoded path and
+  :func:`canonical_query` normalises the encoded query, so ``/r/€?q=café`` reads
+  ``/r/%E2%82%AC?q=caf%C3%A9`` however it was spelled.
 - **HEAD is GET** (a WSGI app answers HEAD with GET's view): one price, one key.
 - :func:`route_path` is the form the middleware matches its configured routes in (no empty or dot
   segments, no trailing slash), so ``/report/`` and ``//report`` are charged like ``/report``.
@@ -23,7 +22,7 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
-from urllib.parse import quote, unquote_to_bytes, urlsplit
+from urllib.parse import quote, urlsplit
 
 __all__ = [
     "PaidRequest",
@@ -34,7 +33,6 @@ __all__ = [
     "digest",
     "display_url",
     "price_text",
-    "resource_label",
     "route_path",
 ]
 
@@ -101,16 +99,8 @@ def canonical_origin(url: str) -> str:
     return f"{split.scheme.lower()}://{host}"
 
 
-def resource_label(method: str, url: str) -> str:
-    """What a proof names for a request to ``url`` (the agent's side): ``GET /path?query``, canonical."""
-    split = urlsplit(url)
-    target = canonical_path(unquote_to_bytes(split.path or "/"))
-    query = canonical_query(split.query)
-    return f"{canonical_method(method)} {target}" + (f"?{query}" if query else "")
-
-
 def digest(*parts: str) -> str:
-    """A short digest naming something by its parts (intent metadata values are capped at 500 characters)."""
+    """A short digest naming something by its parts."""
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]
 
 
@@ -141,9 +131,7 @@ class PaidRequest:
     - ``key``: the resource a token, a claim and a challenge are for: the paywall's ``audience``, the
       method, the ``route`` and ``target`` (path and query; for the middleware, the configured route's
       path), never the host;
-    - ``route_key``: the shared intent's slot (audience, method, route): one per route, whatever the
-      path parameters and queries;
-    - ``label``: what a proof signs, the request as the client sent it (``GET /r/%E2%82%AC?q=1``).
+    - ``label``: the request as the client sent it (``GET /r/%E2%82%AC?q=1``), for logs.
     """
 
     method: str
@@ -172,7 +160,7 @@ class PaidRequest:
         client: str = "",
     ) -> PaidRequest:
         """``path`` decoded (WSGI), ``query`` as sent; ``route_target`` replaces the path in the key
-        (the middleware's configured route); ``route`` names the shared intent (default: the path)."""
+        (the middleware's configured route); ``route`` is the route template (default: the path)."""
         canonical_verb = canonical_method(method)
         asked = canonical_path(path)
         query_text = canonical_query(query)
@@ -194,7 +182,3 @@ class PaidRequest:
     @property
     def key(self) -> str:
         return digest("resource", self.audience, self.method, self.route, self.target)
-
-    @property
-    def route_key(self) -> str:
-        return digest("route", self.audience, self.method, self.route)

@@ -1,8 +1,8 @@
-"""The paywall's memory, all of it bounded: the shared intents, what it sold, and its request budget.
+"""The paywall's memory, all of it bounded: the merchant's catalog, the tokens it issued, and its request budget.
 
 - :class:`Bounded`: a thread-safe map holding at most ``size`` entries (least recently used go first).
-- :class:`SharedIntents`: the pending intent each (route, price) shows in its 402s, made once and
-  reused; and the intents this paywall issued (a payment may name only those without an API call).
+- :class:`Catalog`: the merchant's networks, wallets and tokens, read from the facilitator's ``/supported``
+  once a few minutes: what a 402's requirements are built from.
 - :class:`Budget`: token buckets in front of the API calls made on a request's behalf, one per client
   (IPv6 by /64) and one for the whole paywall, so that nobody spends the merchant's API quota for it.
 """
@@ -11,27 +11,20 @@ from __future__ import annotations
 
 import ipaddress
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from datetime import datetime
-from decimal import Decimal
 from typing import Any, Generic, TypeVar
 
 from payintent.client import PayIntentClient, PayIntentError
 from payintent.paywall_request import PaidRequest
 
-__all__ = ["Bounded", "Budget", "Issued", "SharedIntents", "client_key"]
+__all__ = ["Bounded", "Budget", "Catalog", "client_key"]
 
 K = TypeVar("K")
 V = TypeVar("V")
 
-RESOURCE_KEY = "paywall_resource"  # intent metadata: the route's digest (audience, method, route)
-PATH_KEY = "paywall_path"  # intent metadata: the route, for people reading the dashboard
-MAX_ROUTES = 1024  # shared intents held (one per route and price in use)
-MAX_ISSUED = 8192  # intents this paywall issued and still recognises in a payment
-LOCK_STRIPES = 64
+RETRY_SECONDS = 30.0  # after a failed read of the catalog, the next try
+ATOMIC_PER_USDC = 1_000_000  # USDC has 6 decimals on every network the facilitator settles
 
 
 class Bounded(Generic[K, V]):
@@ -79,84 +72,78 @@ class Bounded(Generic[K, V]):
             self._items.popitem(last=False)
 
 
-def parse_timestamp(text: Any) -> float | None:
-    try:
-        return datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
-    except (TypeError, ValueError):
-        return None
+class Catalog:
+    """What this merchant is paid with (``GET /x402/facilitator/supported``), read once and every ``ttl`` seconds:
+    a 402 is built from it without an API call, and no intent or row exists for a request nobody paid.
 
+    Only EVM networks (the facilitator's kinds): a Solana transaction carries the intent it pays in its memo,
+    which a paywall that makes no intent per 402 cannot name. When a refresh fails, the last catalog is used
+    (stale by at most ``stale`` seconds); with none, the error is raised (the paywall answers 503)."""
 
-@dataclass(frozen=True)
-class Issued:
-    """An intent this paywall showed in a 402: for which route and price, with which requirements."""
-
-    route_key: str
-    price: Decimal
-    requirements: tuple[Mapping[str, Any], ...]
-
-
-class SharedIntents:
-    """The pending intent each (route, price) shows in its 402s, created once and reused."""
-
-    def __init__(self, client: PayIntentClient, clock: Callable[[], float], margin: float, recheck: float) -> None:
+    def __init__(self, client: PayIntentClient, clock: Callable[[], float], ttl: float, stale: float) -> None:
         self.client = client
         self.clock = clock
-        self.margin = margin
-        self.recheck = recheck
-        self._stripes = tuple(threading.Lock() for _ in range(LOCK_STRIPES))  # concurrent 402s make one intent
-        self._intents: Bounded[tuple[str, Decimal], tuple[dict[str, Any], float]] = Bounded(MAX_ROUTES)
-        self.issued: Bounded[str, Issued] = Bounded(MAX_ISSUED)
+        self.ttl = ttl
+        self.stale = stale
+        self._lock = threading.Lock()
+        self._templates: dict[str, dict[str, Any]] = {}  # CAIP-2 network -> the requirement's fixed fields
+        self._read_at: float | None = None
+        self._retry_at = 0.0
 
-    def current(self, request: PaidRequest) -> dict[str, Any]:
-        slot = (request.route_key, request.price)
-        with self._stripes[zlib.crc32(request.route_key.encode()) % LOCK_STRIPES]:
-            cached = self._intents.get(slot)
+    def requirements(self, request: PaidRequest) -> list[dict[str, Any]]:
+        """One ``exact`` requirement per network for ``request`` (its price, URL and description)."""
+        atomic = request.price * ATOMIC_PER_USDC
+        if atomic <= 0 or atomic != atomic.to_integral_value():
+            raise ValueError(f"a price must be above 0 USDC with at most 6 decimals, not {request.price}")
+        amount = str(int(atomic))
+        return [
+            {
+                **template,  # first: the catalog never overrides the price, the network or the resource
+                "scheme": "exact",
+                "network": network,
+                "maxAmountRequired": amount,
+                "resource": request.url,
+                "description": request.description[:500],
+                "mimeType": "application/json",
+            }
+            for network, template in self._current().items()
+        ]
+
+    def _current(self) -> dict[str, dict[str, Any]]:
+        with self._lock:  # one refresh at a time: concurrent 402s make one API call
             now = self.clock()
-            if cached is not None and self._usable(cached[0], now):
-                intent, read_at = cached
-                if now - read_at < self.recheck:
-                    return intent
-                try:
-                    fresh = self.client.get_intent(str(intent["intent_id"]))
-                except PayIntentError as err:
-                    if not (err.transient or err.status == 429):
-                        raise
-                    return intent  # the API is busy or the key's quota used up: show the intent we have
-                if fresh.get("status") == "pending":
-                    self._intents.put(slot, (fresh, now))
-                    return fresh
-            intent = self.client.create_intent(
-                request.price,
-                description=request.description[:500],
-                metadata={RESOURCE_KEY: request.route_key, PATH_KEY: request.route[:500]},
-            )
-            self._intents.put(slot, (intent, now))
-            requirements = tuple(dict(r) for r in intent.get("payment_requirements") or ())
-            self.issued.put(str(intent["intent_id"]), Issued(request.route_key, request.price, requirements))
-            return intent
-
-    def shown(self, request: PaidRequest) -> dict[str, Any] | None:
-        """The intent this route shows now, if it has one (no API call)."""
-        cached = self._intents.get((request.route_key, request.price))
-        return cached[0] if cached is not None else None
-
-    def known(self, intent_id: str, request: PaidRequest) -> Issued | None:
-        """What this paywall issued ``intent_id`` for, if it issued it for this route at this price."""
-        issued = self.issued.get(intent_id)
-        if issued is None or issued.route_key != request.route_key or issued.price != request.price:
-            return None
-        return issued
-
-    def _usable(self, intent: Mapping[str, Any], now: float) -> bool:
-        expires = parse_timestamp(intent.get("expires_at"))
-        return intent.get("status") == "pending" and expires is not None and expires - now > self.margin
-
-    def drop(self, request: PaidRequest, intent_id: str) -> None:
-        """Stop showing ``intent_id`` (paid, being settled or closed); the next 402 gets a new one."""
-        slot = (request.route_key, request.price)
-        cached = self._intents.get(slot)
-        if cached is not None and str(cached[0]["intent_id"]) == intent_id:
-            self._intents.pop(slot, cached)
+            if self._read_at is not None and now - self._read_at < self.ttl:
+                return self._templates
+            if now < self._retry_at:  # a read failed moments ago: not again for every request
+                if self._read_at is not None and now - self._read_at < self.ttl + self.stale:
+                    return self._templates
+                raise PayIntentError(None, "NETWORK_ERROR", "the merchant's catalog cannot be read now")
+            try:
+                supported = self.client.facilitator_supported()
+            except PayIntentError:
+                self._retry_at = now + RETRY_SECONDS
+                if self._read_at is not None and now - self._read_at < self.ttl + self.stale:
+                    return self._templates
+                raise
+            templates: dict[str, dict[str, Any]] = {}
+            for kind in supported.get("kinds") or ():
+                extra = kind.get("extra") if isinstance(kind, Mapping) else None
+                network = kind.get("network") if isinstance(kind, Mapping) else None
+                if not isinstance(extra, Mapping) or not isinstance(network, str) or kind.get("x402Version") != 2:
+                    continue
+                fields_ok = all(isinstance(extra.get(k), str) for k in ("payTo", "asset"))
+                if (
+                    fields_ok
+                    and isinstance(extra.get("maxTimeoutSeconds"), int)
+                    and isinstance(extra.get("extra"), dict)
+                ):
+                    templates[network] = dict(extra)
+            if not templates:
+                raise PayIntentError(
+                    None, "NO_NETWORK", "the merchant has no wallet on a network the facilitator settles"
+                )
+            self._templates, self._read_at = templates, now
+            return templates
 
 
 def client_key(address: str | None) -> str:

@@ -3,9 +3,9 @@
 A forged payment header must be refused here, for free: the network must be one the requirement
 offers, the amount, ``payTo`` and asset must be the requirement's (an x402 v2 ``accepted`` too), an
 EVM authorization must be signed by its ``from`` under the requirement's EIP-712 domain (checked
-with :mod:`payintent.eip3009`, as the API does) and still valid; a Solana transaction must pass
-:func:`payintent.solana_tx.check_payment` (the buyer's signature, the amount, the merchant's
-account, the memo naming an intent). What only the chain knows (balance, nonce) is left to ``/pay``.
+with :mod:`payintent.eip3009`, as the API does) and still valid. What only the chain knows (balance,
+nonce) is left to the facilitator's ``verify``. The paywall sells on EVM networks only (the
+facilitator's: a Solana transaction names its intent in its memo).
 """
 
 from __future__ import annotations
@@ -33,13 +33,11 @@ class Refused(ValueError):
 
 @dataclass(frozen=True)
 class Checked:
-    """A payment that passed the offline checks: who pays, on which network; EVM: its nonce; Solana:
-    the intent its memo names."""
+    """A payment that passed the offline checks: who pays, on which network, with which nonce."""
 
     network: str
     payer: str
-    nonce: str | None = None
-    memo_intent: str | None = None
+    nonce: str
 
 
 def _network_of(payment: Mapping[str, Any]) -> str | None:
@@ -102,27 +100,8 @@ def _check_evm(payload: Mapping[str, Any], requirement: Mapping[str, Any], now: 
     return Checked(network=str(requirement["network"]), payer=auth["from"], nonce=auth["nonce"].lower())
 
 
-def _check_solana(payload: Mapping[str, Any], requirement: Mapping[str, Any], named: str | None) -> Checked:
-    from payintent import solana_tx
-
-    try:
-        tx = solana_tx.decode(payload.get("transaction"))
-        instructions = list(tx.message.instructions)
-        memo = bytes(instructions[-1].data).decode() if instructions else ""
-        extra = requirement.get("extra") or {}
-        checked = solana_tx.check_payment(tx, dict(requirement), named or memo, str(extra.get("feePayer") or ""))
-    except solana_tx.SolanaTransactionError as exc:
-        raise Refused(f"the Solana transaction is refused: {exc}") from None
-    except (UnicodeDecodeError, ValueError, TypeError):
-        raise Refused("the Solana transaction is refused: it is malformed") from None
-    return Checked(network=str(requirement["network"]), payer=checked.payer, memo_intent=named or memo)
-
-
-def check_payment(
-    payment: Mapping[str, Any], requirements: Iterable[Mapping[str, Any]], now: float, named: str | None = None
-) -> Checked:
-    """Check ``payment`` (a decoded payment header) against the requirements of the intent it would
-    settle; ``named`` is the intent the header names (a Solana memo must name the same)."""
+def check_payment(payment: Mapping[str, Any], requirements: Iterable[Mapping[str, Any]], now: float) -> Checked:
+    """Check ``payment`` (a decoded payment header) against the requirements of the resource it pays."""
     network = _network_of(payment)
     if network is None:
         raise Refused("the payment names no network")
@@ -139,6 +118,4 @@ def check_payment(
         raise Refused("the payment has no payload")
     if network.startswith("eip155:"):
         return _check_evm(payload, requirement, now)
-    if network.startswith("solana:"):
-        return _check_solana(payload, requirement, named)
     raise Refused(f"this paywall cannot check a payment on {network}")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from payintent.paywall_request import canonical_method, canonical_path, route_path
 
 if TYPE_CHECKING:
-    from payintent.paywall import Paywall
+    from payintent.paywall import Outcome, Paywall
 
 __all__ = ["PaywallMiddleware"]
 
@@ -20,7 +20,8 @@ class PaywallMiddleware:
 
     A route is matched on the decoded ``PATH_INFO`` without empty or dot segments and trailing slash
     (``/report/``, ``//report`` and ``/x/../report`` are ``/report``), HEAD as GET; its price and its
-    key are the configured route's, whatever the request's Host or spelling."""
+    key are the configured route's, whatever the request's Host or spelling. A paid request's answer is held
+    back until the payment settled (only a 2xx answer is paid for), so it is buffered in memory."""
 
     def __init__(
         self, app: Callable[..., Iterable[bytes]], paywall: Paywall, routes: Mapping[str, Decimal | str | int]
@@ -42,15 +43,50 @@ class PaywallMiddleware:
             return self.app(environ, start_response)
         outcome = self.paywall.check_environ(environ, price, route=path, route_target=path)
         if not outcome.paid:
-            body = outcome.body_bytes()
-            reason = f"{outcome.status} {HTTPStatus(outcome.status).phrase}"
-            start_response(
-                reason,
-                [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *outcome.headers.items()],
-            )
-            return [body]
+            return _answer(outcome, start_response)
+
+        if outcome.settlement is not None:
+            return self._serve_then_settle(environ, start_response, outcome)
 
         def start_paid(status: str, response_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
             return start_response(status, [*response_headers, *outcome.headers.items()], exc_info)
 
         return self.app(environ, start_paid)
+
+    def _serve_then_settle(
+        self, environ: dict[str, Any], start_response: Callable[..., Any], outcome: Outcome
+    ) -> Iterable[bytes]:
+        """Run the application with its answer held back; settle only when it answered 2xx, then send its answer
+        with the receipt (or, when the settlement failed, the paywall's answer instead of it)."""
+        started: list[Any] = []
+        chunks: list[bytes] = []
+
+        def start_held(status: str, response_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            started[:] = [status, list(response_headers)]
+            return chunks.append  # the legacy write() callable: held too
+
+        result = self.app(environ, start_held)
+        try:
+            chunks.extend(result)
+        finally:
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()
+        status, response_headers = started
+        if str(status)[:1] != "2":  # a failed view is not paid for: the authorization stays unused
+            start_response(status, response_headers)
+            return chunks
+        done = self.paywall.settle(outcome)
+        if not done.paid:
+            return _answer(done, start_response)
+        start_response(status, [*response_headers, *done.headers.items()])
+        return chunks
+
+
+def _answer(outcome: Outcome, start_response: Callable[..., Any]) -> Iterable[bytes]:
+    body = outcome.body_bytes()
+    reason = f"{outcome.status} {HTTPStatus(outcome.status).phrase}"
+    start_response(
+        reason, [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *outcome.headers.items()]
+    )
+    return [body]

@@ -4,19 +4,18 @@ One place for what travels in headers between a resource server (``payintent.pay
 an agent (``payintent.agent``), and for how our requirements look to the public x402 clients:
 
 - **Our form** (what ``payintent.agent`` reads first): the ``X-Payment-Required`` header, base64
-  JSON ``{x402Version: 1, intent_id, accepts: [requirement as the API returns it]}``; the agent
-  answers with ``X-Payment``: base64 JSON of the spec's ``payment_signature`` plus ``intent_id``.
+  JSON ``{x402Version: 1, accepts: [requirement as the API returns it]}`` (and ``intent_id`` when the
+  402 names an intent); the agent answers with ``X-Payment``: base64 JSON of the spec's
+  ``payment_signature`` (plus ``intent_id`` when named, and a ``payment-identifier`` extension).
 - **x402 v1** (the 402 JSON body): ``{x402Version: 1, error, accepts}`` with v1 network names
-  (``base-sepolia``) where one exists; clients answer with ``X-PAYMENT`` (no intent id).
+  (``base-sepolia``) where one exists; clients answer with ``X-PAYMENT``.
 - **x402 v2** (the ``PAYMENT-REQUIRED`` header): ``{x402Version: 2, error, resource, accepts}``
-  with CAIP-2 networks and ``amount``; ``extra.intentId`` names the intent and comes back in the
-  ``accepted`` entry of the ``PAYMENT-SIGNATURE`` header.
+  with CAIP-2 networks and ``amount``; clients answer with ``PAYMENT-SIGNATURE``.
 
 The answer to a paid request carries ``X-Payment-Response`` and ``PAYMENT-RESPONSE`` (the same
-base64 JSON): ``{success, transaction, network, payer, intent_id}``, and ``X-Payment-Access``: an
-access token (see :mod:`payintent.access`) the buyer presents again in ``X-Payment-Access`` until
-``X-Payment-Access-Expires``. Every 402 carries ``X-Payment-Access-Challenge``, which a buyer who lost
-its token signs into ``X-Payment-Proof`` to show it holds the payer's key.
+base64 JSON): ``{success, transaction, network, payer}``, and ``X-Payment-Access``: an access token
+(see :mod:`payintent.access`) the buyer presents again in ``X-Payment-Access`` until
+``X-Payment-Access-Expires``.
 Header names are case-insensitive: ``X-Payment`` and ``X-PAYMENT`` are the same header.
 """
 
@@ -25,7 +24,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from payintent import jsonlimits
@@ -39,8 +38,6 @@ V2_PAYMENT = "PAYMENT-SIGNATURE"
 V2_PAYMENT_RESPONSE = "PAYMENT-RESPONSE"
 PAYMENT_ACCESS = "X-Payment-Access"  # ours: the access token, in answers and in requests
 PAYMENT_ACCESS_EXPIRES = "X-Payment-Access-Expires"  # ours: the token's expiry, unix seconds
-PAYMENT_ACCESS_CHALLENGE = "X-Payment-Access-Challenge"  # ours: in every 402, for a proof
-PAYMENT_PROOF = "X-Payment-Proof"  # ours: base64 JSON of a payer's signed proof of payment
 MAX_HEADER_BYTES = 16 * 1024
 
 # x402 v1 clients name networks instead of using CAIP-2 ids: the names the public x402 libraries
@@ -113,16 +110,17 @@ def caip2_network(network: str) -> str:
     return CAIP2_BY_V1_NAME.get(network, network)
 
 
-def v1_accepts(requirements: list[Mapping[str, Any]], resource_url: str) -> list[dict[str, Any]]:
+def v1_accepts(requirements: Sequence[Mapping[str, Any]], resource_url: str) -> list[dict[str, Any]]:
     """Our requirements as x402 v1 ``accepts`` entries: v1 network names where one exists, and the
     paid resource's URL as ``resource`` (the API's requirements name the checkout page)."""
     return [{**r, "network": v1_network(str(r["network"])), "resource": resource_url} for r in requirements]
 
 
 def v2_payment_required(
-    requirements: list[Mapping[str, Any]], intent_id: str, resource_url: str, description: str, error: str
+    requirements: Sequence[Mapping[str, Any]], intent_id: str | None, resource_url: str, description: str, error: str
 ) -> dict[str, Any]:
-    """The x402 v2 ``PaymentRequired`` object for our requirements (``extra.intentId`` names the intent)."""
+    """The x402 v2 ``PaymentRequired`` object for our requirements (``extra.intentId`` names the intent, if any)."""
+    named = {"intentId": intent_id} if intent_id else {}
     return {
         "x402Version": 2,
         "error": error,
@@ -135,7 +133,7 @@ def v2_payment_required(
                 "asset": r["asset"],
                 "payTo": r["payTo"],
                 "maxTimeoutSeconds": r["maxTimeoutSeconds"],
-                "extra": {**(r.get("extra") or {}), "intentId": intent_id},
+                "extra": {**(r.get("extra") or {}), **named},
             }
             for r in requirements
         ],
@@ -148,51 +146,3 @@ def from_v2_accepts(entry: Mapping[str, Any]) -> dict[str, Any]:
     requirement["maxAmountRequired"] = str(entry["amount"])
     requirement["network"] = caip2_network(str(entry["network"]))
     return requirement
-
-
-def payer_of(payment: Mapping[str, Any]) -> str | None:
-    """Who signed an EVM payment, in any accepted form (flat ``from``, or ``authorization.from``)."""
-    payload = payment.get("payload")
-    if not isinstance(payload, Mapping):
-        return None
-    authorization = payload.get("authorization")
-    source = authorization if isinstance(authorization, Mapping) else payload
-    payer = source.get("from")
-    return str(payer) if isinstance(payer, str) else None
-
-
-def authorization_of(payment: Mapping[str, Any]) -> tuple[str, str] | None:
-    """``(payer, nonce)`` of an EVM authorization in any accepted form (None for Solana or junk).
-
-    An authorization names no intent, so the paywall may settle it on another intent of the same
-    resource when the one it named was taken by another buyer."""
-    payload = payment.get("payload")
-    if not isinstance(payload, Mapping):
-        return None
-    authorization = payload.get("authorization")
-    source = authorization if isinstance(authorization, Mapping) else payload
-    payer, nonce = source.get("from"), source.get("nonce")
-    if isinstance(payer, str) and payer.startswith("0x") and isinstance(nonce, str) and nonce:
-        return payer, nonce
-    return None
-
-
-def intent_id_of(payment: Mapping[str, Any]) -> str | None:
-    """The intent a payment header names: ours (``intent_id``) or v2 (``accepted.extra.intentId``)."""
-    intent_id = payment.get("intent_id")
-    if intent_id is None:
-        accepted = payment.get("accepted")
-        extra = accepted.get("extra") if isinstance(accepted, Mapping) else None
-        intent_id = extra.get("intentId") if isinstance(extra, Mapping) else None
-    return str(intent_id) if isinstance(intent_id, str) and intent_id else None
-
-
-def payment_response(result: Mapping[str, Any]) -> dict[str, Any]:
-    """What ``X-Payment-Response`` / ``PAYMENT-RESPONSE`` carry after a settlement."""
-    return {
-        "success": True,
-        "transaction": result.get("tx_hash"),
-        "network": result.get("network"),
-        "payer": result.get("buyer_address"),
-        "intent_id": result.get("intent_id"),
-    }
