@@ -17,13 +17,15 @@ from backend.config import Settings
 from backend.dashboard import init_app as init_dashboard
 from backend.errors import DomainError
 from backend.extensions import api, connect_args, db
+from backend.facilitator.schemas import facilitator_components
 from backend.facilitator.views import blp as facilitator_blp
 from backend.http import JSONRequest
 from backend.http_errors import register_error_handlers
 from backend.intents.views import blp as intents_blp
 from backend.jsonio import ExactJSONProvider, dumps, stored_loads
 from backend.observability.hooks import init_app as init_observability
-from backend.schemas import FlatMetadata, HttpUrl, UsdcAmount
+from backend.schemas import JSON_VALUE, JSON_VALUE_SCHEMA, FlatMetadata, HttpUrl, UsdcAmount, openapi_override
+from backend.settlement.schemas import x402_components
 from backend.settlement.views import blp as payments_blp
 from backend.webhooks.tasks import init_app as init_webhooks
 from backend.webhooks.views import WEBHOOK_ID_PATTERN, WebhookIdConverter
@@ -145,9 +147,14 @@ def create_app(
     api.init_app(app)
     api.spec.components.security_scheme("bearerAuth", {"type": "http", "scheme": "bearer"})
     api.register_field(UsdcAmount, "number", None)
-    api.register_field(HttpUrl, "string", "uri")
+    api.register_field(HttpUrl, "string", None)  # its pattern says which URLs (IRIs too: not format uri)
     api.register_field(FlatMetadata, "object", None)
     api.register_converter(WebhookIdConverter, lambda _: {"type": "string", "pattern": f"^{WEBHOOK_ID_PATTERN}$"})
+    api.ma_plugin.converter.add_attribute_function(openapi_override)  # a field's metadata["openapi"], last
+    # Hand-written components (the x402 forms, for the configured networks), referenced by the schemas' fields.
+    components = {JSON_VALUE: JSON_VALUE_SCHEMA, **x402_components(appstate.chains(app))}
+    for name, component in {**components, **facilitator_components(appstate.chains(app))}.items():
+        api.spec.components.schema(name, component)
 
     api.register_blueprint(intents_blp)
     api.register_blueprint(payments_blp)

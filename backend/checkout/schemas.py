@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from marshmallow import fields, validate
 
+from backend.chains.addresses import EVM_ADDRESS_PATTERN, EVM_ZERO_ADDRESS, SOLANA_ADDRESS_PATTERN
 from backend.intents.schemas import PaymentRequirementSchema
 from backend.rails.registry import RAILS
-from backend.schemas import StrictSchema, envelope
-from backend.settlement.schemas import PaymentSignatureSchema
+from backend.schemas import StrictSchema, envelope, ref
+from backend.settlement.schemas import PaymentSignatureField
 
 
 class NativeCurrencySchema(StrictSchema):
@@ -53,14 +54,20 @@ class CheckoutIntentSchema(StrictSchema):
 
 
 class BalanceQuerySchema(StrictSchema):
-    network = fields.String(required=True, validate=validate.Length(max=64), metadata={"example": "eip155:84532"})
+    network = fields.String(
+        required=True,
+        validate=validate.Length(max=64),
+        metadata={"description": "One of the intent's networks (CAIP-2)", "openapi": ref("Network")},
+    )
     address = fields.String(
         required=True,
         validate=validate.Length(min=32, max=44),
         metadata={
-            "description": "The buyer's address on the network: EVM 0x and 40 hex characters, Solana base58",
-            # EVM's exact form; Solana's base58 (a 32-byte key: not every 32-44 character base58 string is one).
-            "pattern": "^(0x[0-9a-fA-F]{40}|[1-9A-HJ-NP-Za-km-z]{32,44})$",
+            "description": "The buyer's address on the network: EVM 0x and 40 hex characters (not the zero address; "
+            "mixed case only with a valid EIP-55 checksum), Solana base58 of a 32-byte key (not the all-zero key)",
+            # EVM's exact form (but the checksum), or a base58 string that decodes to 32 bytes.
+            "pattern": f"^(?:{EVM_ADDRESS_PATTERN[1:-1]}|{SOLANA_ADDRESS_PATTERN[1:-1]})$",
+            "openapi": {"not": {"enum": [EVM_ZERO_ADDRESS]}},
         },
     )
 
@@ -74,7 +81,7 @@ class BalanceSchema(StrictSchema):
 
 
 class CheckoutPaySchema(StrictSchema):
-    payment_signature = fields.Nested(PaymentSignatureSchema, required=True)
+    payment_signature = PaymentSignatureField(required=True)
 
 
 CheckoutIntentEnvelope = envelope(CheckoutIntentSchema, "CheckoutIntentResponse")

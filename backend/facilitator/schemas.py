@@ -1,38 +1,68 @@
 """The facilitator API's bodies as the x402 facilitator spec gives them, for the OpenAPI document. The views read
-the request themselves (``services.check``), so that every malformed body gets the spec's answer, not ours."""
+the request themselves (``services.check``), so that every malformed body gets the spec's answer, not ours; the
+request is documented by hand-written components (``facilitator_components``, over settlement's x402 ones)."""
 
 from __future__ import annotations
 
-from marshmallow import INCLUDE, Schema, fields
+from typing import Any
+
+from marshmallow import Schema, fields
+
+from backend.chains.addresses import EVM_ADDRESS_PATTERN
+from backend.chains.registry import ChainRegistry
+from backend.schemas import JSON_VALUE_REF, NO_NUL, ref, text
+from backend.settlement.schemas import UINT256, x402_network_names
 
 
-class FacilitatorRequestSchema(Schema):
-    """``POST /verify`` and ``POST /settle``: what the resource server's buyer sent and what it asked for."""
-
-    class Meta:
-        unknown = INCLUDE
-
-    x402Version = fields.Raw(
-        metadata={
-            "description": "1 or 2 (default: paymentPayload's); another value is answered 200 with the spec's "
-            "invalid_x402_version, as every refusal of the payment is"
-        }
-    )
-    paymentPayload = fields.Dict(
-        required=True,
-        metadata={
-            "description": "The buyer's PaymentPayload as its X-PAYMENT / PAYMENT-SIGNATURE header carried it (v1: "
-            "scheme, network, payload; v2: accepted, payload, resource, extensions). EVM exact only"
+def facilitator_components(registry: ChainRegistry) -> dict[str, dict[str, Any]]:
+    """``POST /verify`` and ``POST /settle``'s body, as the spec gives it and as ``services.check`` reads it: EVM exact
+    only. A body that is an object whose paymentPayload and paymentRequirements are objects is read (400 otherwise);
+    anything else this document rules out is refused in the spec's way, 200 with isValid or success false."""
+    networks = x402_network_names(registry, "evm")
+    atomic = {**UINT256, "description": "Atomic units (6 decimals): above 0, at most MAX_AMOUNT_USDC"}
+    return {
+        "X402PaymentRequirements": {
+            "type": "object",
+            "description": "The requirement the resource server published (x402 v1 or v2): scheme exact, an EVM "
+            "network of this facilitator (GET /supported), its USDC as asset, a wallet of the calling merchant on "
+            "that network as payTo, and the amount (amount in v2, maxAmountRequired in v1; either is read)",
+            "required": ["scheme", "network", "asset", "payTo"],
+            "anyOf": [{"required": ["amount"]}, {"required": ["maxAmountRequired"]}],
+            "properties": {
+                "scheme": {"type": "string", "enum": ["exact"]},
+                "network": {"type": "string", "enum": networks, "description": "A CAIP-2 id or an x402 v1 name"},
+                "amount": atomic,
+                "maxAmountRequired": atomic,
+                "asset": {"type": "string", "pattern": EVM_ADDRESS_PATTERN},
+                "payTo": {"type": "string", "pattern": EVM_ADDRESS_PATTERN},
+                "resource": text(type="string", description="v1: the resource's URL (recorded, 2048 characters)"),
+                "description": text(type="string", description="v1: recorded as the intent's (500 characters)"),
+                "mimeType": text(type="string"),
+                "maxTimeoutSeconds": {"type": "integer", "minimum": 0},
+                "extra": {"type": "object", "propertyNames": text(), "additionalProperties": JSON_VALUE_REF},
+            },
+            "propertyNames": {"pattern": NO_NUL},
+            "additionalProperties": JSON_VALUE_REF,
         },
-    )
-    paymentRequirements = fields.Dict(
-        required=True,
-        metadata={
-            "description": "The requirement the resource server published: scheme exact, network (CAIP-2 or v1 "
-            "name), amount (v2) or maxAmountRequired (v1) in atomic units, asset (the network's USDC), payTo (a "
-            "wallet of the calling merchant on that network), maxTimeoutSeconds, extra"
+        "X402FacilitatorRequest": {
+            "type": "object",
+            "description": "What the resource server's buyer sent (paymentPayload, as its X-PAYMENT or "
+            "PAYMENT-SIGNATURE header carried it) and what it asked for (paymentRequirements)",
+            "required": ["paymentPayload", "paymentRequirements"],
+            "properties": {
+                "x402Version": {
+                    "type": "integer",
+                    "enum": [1, 2],
+                    "description": "paymentPayload's (the default); another value is refused with the spec's "
+                    "invalid_x402_version",
+                },
+                "paymentPayload": {"oneOf": [ref("X402PaymentV1Evm"), ref("X402PaymentV2Evm")]},
+                "paymentRequirements": ref("X402PaymentRequirements"),
+            },
+            "propertyNames": {"pattern": NO_NUL},
+            "additionalProperties": JSON_VALUE_REF,
         },
-    )
+    }
 
 
 class SupportedKindSchema(Schema):

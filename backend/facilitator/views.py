@@ -15,15 +15,11 @@ from backend import appstate, clock
 from backend.errors import DomainError
 from backend.extensions import release_autocommit_connection
 from backend.facilitator import services
-from backend.facilitator.schemas import (
-    FacilitatorRequestSchema,
-    SettleResponseSchema,
-    SupportedSchema,
-    VerifyResponseSchema,
-)
+from backend.facilitator.schemas import SettleResponseSchema, SupportedSchema, VerifyResponseSchema
 from backend.http import ApiBlueprint, json_response, parse_json_body
 from backend.intents.services import key_and_wallets
 from backend.merchants.auth import api_key_reading, current_merchant_id, read_with_key
+from backend.schemas import ref
 from backend.settlement.api import api_redis
 
 blp = ApiBlueprint(
@@ -32,6 +28,9 @@ blp = ApiBlueprint(
     url_prefix="/api/v1/x402/facilitator",
     description="The x402 facilitator API (supported, verify, settle) for the official x402 middlewares",
 )
+
+
+REQUEST_BODY = {"content": {"application/json": {"schema": ref("X402FacilitatorRequest")}}, "required": True}
 
 
 def _body() -> Any:
@@ -88,7 +87,7 @@ class Supported(MethodView):
 class Verify(MethodView):
     decorators = [api_key_reading(key_and_wallets)]
 
-    @blp.doc(requestBody={"content": {"application/json": {"schema": FacilitatorRequestSchema}}, "required": True})
+    @blp.doc(requestBody=REQUEST_BODY)
     @blp.alt_response(200, schema=VerifyResponseSchema, description="isValid, or the reason it is not")
     @blp.alt_response(400, schema=VerifyResponseSchema, description="The body cannot be read (invalid_payload)")
     @blp.errors(401, 429, 503)
@@ -113,7 +112,7 @@ class Verify(MethodView):
 class Settle(MethodView):
     decorators = [api_key_reading(key_and_wallets)]
 
-    @blp.doc(requestBody={"content": {"application/json": {"schema": FacilitatorRequestSchema}}, "required": True})
+    @blp.doc(requestBody=REQUEST_BODY)
     @blp.alt_response(200, schema=SettleResponseSchema, description="Settled (the transaction), or why not")
     @blp.alt_response(400, schema=SettleResponseSchema, description="The body cannot be read (invalid_payload)")
     @blp.errors(401, 429, 503)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from marshmallow import fields, validate
 
 from backend.intents.models import STATUSES
-from backend.schemas import FlatMetadata, HttpUrl, PageQuerySchema, StrictSchema, UsdcAmount, envelope, page_of
+from backend.schemas import FlatMetadata, HttpUrl, PageQuerySchema, StrictSchema, UsdcAmount, envelope, page_of, text
 
 
 class CreateIntentSchema(StrictSchema):
@@ -27,10 +27,10 @@ class CreateIntentSchema(StrictSchema):
     )
     cancel_url = HttpUrl(allow_none=True, metadata={"description": "Where hosted checkout's cancel link goes"})
     description = fields.String(
-        allow_none=True, validate=validate.Length(max=500), metadata={"description": "Label on the checkout page"}
+        allow_none=True, validate=validate.Length(max=500), metadata=text(description="Label on the checkout page")
     )
     order_id = fields.String(
-        allow_none=True, validate=validate.Length(min=1, max=128), metadata={"description": "Your order reference"}
+        allow_none=True, validate=validate.Length(min=1, max=128), metadata=text(description="Your order reference")
     )
     metadata = FlatMetadata(
         allow_none=True,
@@ -43,7 +43,7 @@ class CreateIntentSchema(StrictSchema):
 
 class ListIntentsQuerySchema(PageQuerySchema):
     status = fields.String(validate=validate.OneOf(STATUSES), metadata={"description": "Filter by status"})
-    order_id = fields.String(validate=validate.Length(min=1, max=128), metadata={"description": "Filter by order"})
+    order_id = fields.String(validate=validate.Length(min=1, max=128), metadata=text(description="Filter by order"))
 
 
 class PaymentRequirementSchema(StrictSchema):

@@ -32,7 +32,8 @@ _IDEMPOTENCY_HEADER = {
     "Idempotency-Key": {
         "description": "Optional. A retry with the same key and body returns the first response "
         "(with header Idempotent-Replayed: true); the same key with another body is 422. Kept 24 hours.",
-        "schema": {"type": "string", "maxLength": 255},
+        # Printable ASCII, no space at either end (one sent is dropped, as HTTP does).
+        "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[!-~](?:[ -~]*[!-~])?$"},
     }
 }
 

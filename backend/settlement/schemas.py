@@ -1,10 +1,190 @@
+"""Schemas of /pay and the Solana transaction, and the hand-written components of the OpenAPI document that describe
+the x402 payment payloads (``x402_components``): marshmallow reads the body's outline, ``settlement.x402`` and the
+rails its forms; the document says all of it (each form, each network's kind, the fields' patterns)."""
+
 from __future__ import annotations
 
 from typing import Any
 
 from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
 
-from backend.schemas import StrictSchema, envelope
+from backend.chains.addresses import EVM_ADDRESS_PATTERN, SOLANA_ADDRESS_PATTERN
+from backend.chains.registry import DEFAULT_X402_V1_NAMES, ChainRegistry
+from backend.rails.evm.terms import MAX_TIMESTAMP
+from backend.schemas import JSON_VALUE_REF, NO_NUL, StrictSchema, envelope, ref, text
+from payintent.solana_tx import MAX_TRANSACTION_BYTES
+
+# Decimal strings, the x402 form. (A JSON integer is read too, but JSON Schema cannot tell 5 from 5.0, which is not.)
+UINT256 = {"type": "string", "pattern": "^[0-9]{1,77}$", "description": "An unsigned integer below 2**256, in decimal"}
+UNIX_TIME = {
+    "type": "string",
+    "pattern": "^[0-9]{1,18}$",
+    "description": f"Unix time in seconds, in decimal (at most {MAX_TIMESTAMP})",
+}
+_EVM_ADDRESS = {"type": "string", "pattern": EVM_ADDRESS_PATTERN}
+_SOLANA_ADDRESS = {"type": "string", "pattern": SOLANA_ADDRESS_PATTERN, "description": "base58 of a 32-byte key"}
+_SIGNATURE = {"type": "string", "pattern": "^0x[0-9a-fA-F]{130}$", "description": "65 bytes, 0x-hex"}
+_AUTHORIZATION = {
+    "from": {**_EVM_ADDRESS, "description": "The payer"},
+    "to": {**_EVM_ADDRESS, "description": "The requirement's payTo"},
+    "value": UINT256,
+    "validAfter": UNIX_TIME,
+    "validBefore": UNIX_TIME,
+    "nonce": {"type": "string", "pattern": "^0x[0-9a-fA-F]{64}$", "description": "32 random bytes, 0x-hex"},
+}
+_BASE64 = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+_TRANSACTION_CHARS = (MAX_TRANSACTION_BYTES + 2) // 3 * 4
+# Unknown fields are ignored wherever the x402 forms have them (x402 clients add their own): any JSON value.
+_OPEN = {"propertyNames": {"pattern": NO_NUL}, "additionalProperties": JSON_VALUE_REF}
+_OPEN_OBJECT = {"type": "object", **_OPEN}
+
+
+def _payload_components() -> dict[str, dict[str, Any]]:
+    nested_fields = [*_AUTHORIZATION, "transaction"]
+    return {
+        "X402EvmPayload": {
+            "description": "The buyer's EIP-3009 TransferWithAuthorization: flat, or as the x402 libraries send it",
+            "oneOf": [ref("X402EvmPayloadFlat"), ref("X402EvmPayloadNested")],
+        },
+        "X402EvmPayloadFlat": {
+            "type": "object",
+            "required": [*_AUTHORIZATION, "signature"],
+            "properties": {**_AUTHORIZATION, "signature": _SIGNATURE},
+            "not": {"required": ["authorization"]},
+            **_OPEN,
+        },
+        "X402EvmPayloadNested": {
+            "type": "object",
+            "required": ["signature", "authorization"],
+            "properties": {
+                "signature": _SIGNATURE,
+                "authorization": {"type": "object", "required": list(_AUTHORIZATION), "properties": _AUTHORIZATION}
+                | _OPEN,
+            },
+            "description": "Not mixed with the flat form: no top-level " + ", ".join(nested_fields),
+            "not": {"anyOf": [{"required": [name]} for name in nested_fields]},
+            **_OPEN,
+        },
+        "X402SolanaPayload": {
+            "type": "object",
+            "required": ["transaction"],
+            "properties": {
+                "transaction": {
+                    "type": "string",
+                    "minLength": 4,
+                    "maxLength": _TRANSACTION_CHARS,
+                    "pattern": _BASE64,
+                    "description": "The base64 version-0 transaction from /intents/{id}/solana-transaction, signed by "
+                    "the buyer",
+                }
+            },
+            "not": {"required": ["authorization"]},
+            **_OPEN,
+        },
+    }
+
+
+def x402_network_names(registry: ChainRegistry, kind: str) -> list[str]:
+    """Every name a payment may give a configured network of this kind: its CAIP-2 id and its x402 v1 names."""
+    names = {network.network for network in registry} | set(DEFAULT_X402_V1_NAMES.values())
+    names |= {network.x402_v1_name for network in registry if network.x402_v1_name}
+    found = []
+    for name in sorted(names):
+        network = registry.get(registry.resolve_network(name))
+        if network is not None and network.kind == kind:
+            found.append(name)
+    return found
+
+
+def _accepted(kind: str, networks: list[str]) -> dict[str, Any]:
+    address = _EVM_ADDRESS if kind == "evm" else _SOLANA_ADDRESS
+    return {
+        "type": "object",
+        "description": "The payment requirement the payload was signed for: scheme, network, amount, asset and payTo "
+        "must be the intent's requirement's (amount = maxAmountRequired); other fields are ignored",
+        "required": ["scheme", "network", "amount", "asset", "payTo"],
+        "properties": {
+            "scheme": {"type": "string", "enum": ["exact"]},
+            "network": {"type": "string", "enum": networks},
+            "amount": UINT256,
+            "maxAmountRequired": {**UINT256, "description": "If sent, equal to amount"},
+            "asset": address,
+            "payTo": address,
+            "maxTimeoutSeconds": {"type": "integer", "minimum": 0},
+            "extra": _OPEN_OBJECT,
+        },
+        **_OPEN,
+    }
+
+
+def _payment(version: int, kind: str, networks: list[str]) -> dict[str, Any]:
+    payload = ref("X402EvmPayload" if kind == "evm" else "X402SolanaPayload")
+    ignored = {"resource": JSON_VALUE_REF, "extensions": JSON_VALUE_REF}
+    if version == 1:
+        return {
+            "type": "object",
+            "required": ["x402Version", "scheme", "network", "payload"],
+            "properties": {
+                "x402Version": {"type": "integer", "enum": [1]},
+                "scheme": {"type": "string", "enum": ["exact"]},
+                "network": {"type": "string", "enum": networks, "description": "A CAIP-2 id or an x402 v1 name"},
+                "payload": payload,
+                "accepted": {**_OPEN_OBJECT, "description": "Ignored in x402Version 1"},
+                **ignored,
+            },
+            **_OPEN,
+        }
+    return {
+        "type": "object",
+        "description": "x402Version 2: scheme and network come from accepted (a top-level scheme must be it)",
+        "required": ["x402Version", "accepted", "payload"],
+        "properties": {
+            "x402Version": {"type": "integer", "enum": [2]},
+            "accepted": _accepted(kind, networks),
+            "payload": payload,
+            "scheme": {"type": "string", "enum": ["exact"]},
+            **ignored,
+        },
+        "not": {"required": ["network"]},
+        **_OPEN,
+    }
+
+
+def x402_components(registry: ChainRegistry) -> dict[str, dict[str, Any]]:
+    """The x402 payment payloads (``payment_signature``) as this server reads them, for its configured networks."""
+    components = _payload_components()
+    forms = []
+    for kind in ("evm", "solana"):
+        networks = x402_network_names(registry, kind)
+        if not networks:
+            continue
+        for version in (1, 2):
+            name = f"X402PaymentV{version}{kind.capitalize()}"
+            components[name] = _payment(version, kind, networks)
+            forms.append(ref(name))
+    components["X402PaymentPayload"] = {
+        "description": "An x402 PaymentPayload, as x402 clients send it: x402Version 1 (scheme and network at the top "
+        "level) or 2 (the requirement in accepted); the payload's form is the network's kind's",
+        "oneOf": forms,
+    }
+    caip2 = sorted(network.network for network in registry)
+    solana = sorted(network.network for network in registry if network.kind == "solana")
+    components["Network"] = {"type": "string", "enum": caip2, "description": "A configured network's CAIP-2 id"}
+    components["SolanaNetwork"] = {"type": "string", "enum": solana, "description": "A Solana network's CAIP-2 id"}
+    return components
+
+
+class PaymentSignatureField(fields.Field[dict[str, Any]]):
+    """``payment_signature``: read with PaymentSignatureSchema (its messages nested under the field, as a Nested
+    field's), documented as the X402PaymentPayload component."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        metadata = {"openapi": ref("X402PaymentPayload"), **kwargs.pop("metadata", {})}
+        super().__init__(metadata=metadata, **kwargs)
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> dict[str, Any]:
+        loaded: dict[str, Any] = PaymentSignatureSchema().load(value)
+        return loaded
 
 
 class PaymentSignatureSchema(Schema):
@@ -65,8 +245,8 @@ class PaymentSignatureSchema(Schema):
 
 
 class PaySchema(StrictSchema):
-    intent_id = fields.String(required=True, validate=validate.Length(max=64))
-    payment_signature = fields.Nested(PaymentSignatureSchema, required=True)
+    intent_id = fields.String(required=True, validate=validate.Length(max=64), metadata=text())
+    payment_signature = PaymentSignatureField(required=True)
 
 
 class PaymentResultSchema(StrictSchema):
@@ -87,13 +267,14 @@ class SolanaTransactionRequestSchema(StrictSchema):
         validate=validate.Length(min=32, max=44),
         metadata={
             "description": "The buyer's Solana address (base58 of a 32-byte key): owner of the USDC account paying",
-            "pattern": "^[1-9A-HJ-NP-Za-km-z]{32,44}$",
+            "pattern": SOLANA_ADDRESS_PATTERN,
         },
     )
     network = fields.String(
         validate=validate.Length(max=64),
         metadata={
-            "description": "A solana:<genesis> network of the intent's requirements (default: its only Solana one)"
+            "description": "A solana:<genesis> network of the intent's requirements (default: its only Solana one)",
+            "openapi": ref("SolanaNetwork"),
         },
     )
 

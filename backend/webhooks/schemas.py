@@ -5,7 +5,7 @@ from __future__ import annotations
 from marshmallow import fields, validate
 
 from backend.events.services import EVENT_TYPES
-from backend.schemas import HttpUrl, PageQuerySchema, StrictSchema, envelope, page_of
+from backend.schemas import HttpUrl, PageQuerySchema, StrictSchema, envelope, http_url_pattern, page_of, text
 from backend.webhooks.models import DELIVERY_STATUSES
 
 _EVENT_TYPE = fields.String(
@@ -14,7 +14,14 @@ _EVENT_TYPE = fields.String(
 
 
 class CreateWebhookSchema(StrictSchema):
-    url = HttpUrl(required=True, metadata={"description": "Receiver address (http or https)"})
+    url = HttpUrl(
+        required=True,
+        metadata={
+            "description": "Receiver address (http or https, no credentials; unless the server allows private "
+            "targets, no loopback or private address)",
+            "pattern": http_url_pattern(userinfo=False),
+        },
+    )
     events = fields.List(
         _EVENT_TYPE,
         required=True,
@@ -27,7 +34,7 @@ class CreateWebhookSchema(StrictSchema):
 
 
 class TestEventSchema(StrictSchema):
-    webhook_id = fields.String(required=True, validate=validate.Length(min=1, max=64))
+    webhook_id = fields.String(required=True, validate=validate.Length(min=1, max=64), metadata=text())
     event = fields.String(
         required=True,
         validate=validate.OneOf(EVENT_TYPES, error="must be one of: {choices}"),
@@ -36,8 +43,8 @@ class TestEventSchema(StrictSchema):
 
 
 class ListDeliveriesQuerySchema(PageQuerySchema):
-    webhook_id = fields.String(validate=validate.Length(min=1, max=64), metadata={"description": "One endpoint's"})
-    event_id = fields.String(validate=validate.Length(min=1, max=64), metadata={"description": "One event's"})
+    webhook_id = fields.String(validate=validate.Length(min=1, max=64), metadata=text(description="One endpoint's"))
+    event_id = fields.String(validate=validate.Length(min=1, max=64), metadata=text(description="One event's"))
     status = fields.String(validate=validate.OneOf(DELIVERY_STATUSES), metadata={"description": "Filter by status"})
 
 
