@@ -91,6 +91,16 @@ def recording(session: requests.Session) -> list[requests.PreparedRequest]:
     return sent
 
 
+def signed_v1(url: str, buyer: Any) -> dict[str, str]:
+    """An x402 v1 payment header (no payment-identifier, as a plain client sends it) for the 402 of ``url``, signed
+    by ``buyer`` on Ethereum Sepolia."""
+    ours = x402.decode_header(requests.get(url, timeout=10).headers["X-Payment-Required"])
+    requirement = next(r for r in ours["accepts"] if r["network"] == "eip155:11155111")
+    payment = {"x402Version": 1, "scheme": "exact", "network": requirement["network"],
+               "payload": sign_authorization(buyer, requirement)}  # fmt: skip
+    return {"X-Payment": x402.encode_header(payment)}
+
+
 def intent_count(client: PayIntentClient) -> int:
     return int(client.list_intents(limit=1)["total"])
 
@@ -158,13 +168,9 @@ def test_a_view_that_fails_is_not_paid_for(merchant_client, devnet, shop):
 
     for base in serve(app):
         buyer = funded_account(devnet)
-        challenge = requests.get(f"{base}/broken", timeout=10)
-        ours = x402.decode_header(challenge.headers["X-Payment-Required"])
-        requirement = next(r for r in ours["accepts"] if r["network"] == "eip155:11155111")
-        payment = {"x402Version": 1, "scheme": "exact", "network": requirement["network"],
-                   "payload": sign_authorization(buyer, requirement)}  # fmt: skip
+        header = signed_v1(f"{base}/broken", buyer)
         before = payout(devnet, shop)
-        response = requests.get(f"{base}/broken", headers={"X-Payment": x402.encode_header(payment)}, timeout=60)
+        response = requests.get(f"{base}/broken", headers=header, timeout=60)
         assert response.status_code == 500 and served == ["broken"]  # verified, served, and not settled
         assert "PAYMENT-RESPONSE" not in response.headers and "X-Payment-Access" not in response.headers
         assert payout(devnet, shop) == before and devnet.balance("eip155:11155111", buyer.address) == 5_000_000
@@ -213,12 +219,7 @@ def test_one_payment_sent_twice_at_once_is_served_once_and_charged_once(merchant
         return jsonify({"report": "paid content"})
 
     for base in serve(app):
-        buyer = funded_account(devnet)
-        ours = x402.decode_header(requests.get(f"{base}/report", timeout=10).headers["X-Payment-Required"])
-        requirement = next(r for r in ours["accepts"] if r["network"] == "eip155:11155111")
-        payment = {"x402Version": 1, "scheme": "exact", "network": requirement["network"],
-                   "payload": sign_authorization(buyer, requirement)}  # fmt: skip
-        header = {"X-Payment": x402.encode_header(payment)}  # no payment-identifier: a plain x402 v1 client's
+        header = signed_v1(f"{base}/report", funded_account(devnet))  # no payment-identifier: a plain v1 client's
         before = payout(devnet, shop)
         send = partial(requests.get, f"{base}/report", headers=header, timeout=90)
         with ThreadPoolExecutor(2) as pool:
@@ -229,14 +230,9 @@ def test_one_payment_sent_twice_at_once_is_served_once_and_charged_once(merchant
 
 
 def test_a_payment_for_a_cheaper_resource_cannot_buy_a_dearer_one(shop_url, devnet, shop):
-    buyer = funded_account(devnet)
-    challenge = requests.get(f"{shop_url}/report", timeout=10)  # 0.25 USDC
-    ours = x402.decode_header(challenge.headers["X-Payment-Required"])
-    requirement = next(r for r in ours["accepts"] if r["network"] == "eip155:11155111")
-    payment = {"x402Version": 1, "scheme": "exact", "network": requirement["network"],
-               "payload": sign_authorization(buyer, requirement)}  # fmt: skip
+    header = signed_v1(f"{shop_url}/report", funded_account(devnet))  # 0.25 USDC
     before = payout(devnet, shop)
-    response = requests.get(f"{shop_url}/premium", headers={"X-Payment": x402.encode_header(payment)}, timeout=30)
+    response = requests.get(f"{shop_url}/premium", headers=header, timeout=30)
     assert response.status_code == 402 and "value must be 1000000" in response.json()["error"]  # /premium: 1 USDC
     assert payout(devnet, shop) == before
 
