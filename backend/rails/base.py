@@ -268,6 +268,9 @@ class Rail(Protocol):
     # The buyer signs a transaction the service prepares (``settlement.solana.prepare_transaction``, the
     # /solana-transaction endpoints) rather than typed data its wallet builds itself.
     prepares_transaction: bool
+    # The OpenAPI document's view of this kind: an address (JSON Schema) and the x402 payload's component's name.
+    openapi_address: dict[str, Any]
+    payload_component: str
     # The settlement columns only this rail's terms fill (NULL on other rails' rows; a CHECK says so).
     columns: tuple[str, ...]
 

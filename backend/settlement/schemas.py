@@ -11,6 +11,7 @@ from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, vali
 from backend.chains.addresses import EVM_ADDRESS_PATTERN, SOLANA_ADDRESS_PATTERN
 from backend.chains.registry import DEFAULT_X402_V1_NAMES, ChainRegistry
 from backend.rails.evm.terms import MAX_TIMESTAMP
+from backend.rails.registry import rail_for, rail_of_kind
 from backend.schemas import JSON_VALUE_REF, NO_NUL, StrictSchema, envelope, ref, text
 from payintent.solana_tx import MAX_TRANSACTION_BYTES
 
@@ -22,7 +23,6 @@ UNIX_TIME = {
     "description": f"Unix time in seconds, in decimal (at most {MAX_TIMESTAMP})",
 }
 _EVM_ADDRESS = {"type": "string", "pattern": EVM_ADDRESS_PATTERN}
-_SOLANA_ADDRESS = {"type": "string", "pattern": SOLANA_ADDRESS_PATTERN, "description": "base58 of a 32-byte key"}
 _SIGNATURE = {"type": "string", "pattern": "^0x[0-9a-fA-F]{130}$", "description": "65 bytes, 0x-hex"}
 _AUTHORIZATION = {
     "from": {**_EVM_ADDRESS, "description": "The payer"},
@@ -97,7 +97,7 @@ def x402_network_names(registry: ChainRegistry, kind: str) -> list[str]:
 
 
 def _accepted(kind: str, networks: list[str]) -> dict[str, Any]:
-    address = _EVM_ADDRESS if kind == "evm" else _SOLANA_ADDRESS
+    address = rail_of_kind(kind).openapi_address
     return {
         "type": "object",
         "description": "The payment requirement the payload was signed for: scheme, network, amount, asset and payTo "
@@ -118,7 +118,7 @@ def _accepted(kind: str, networks: list[str]) -> dict[str, Any]:
 
 
 def _payment(version: int, kind: str, networks: list[str]) -> dict[str, Any]:
-    payload = ref("X402EvmPayload" if kind == "evm" else "X402SolanaPayload")
+    payload = ref(rail_of_kind(kind).payload_component)
     ignored = {"resource": JSON_VALUE_REF, "extensions": JSON_VALUE_REF}
     if version == 1:
         return {
@@ -168,7 +168,7 @@ def x402_components(registry: ChainRegistry) -> dict[str, dict[str, Any]]:
         "oneOf": forms,
     }
     caip2 = sorted(network.network for network in registry)
-    solana = sorted(network.network for network in registry if network.kind == "solana")
+    solana = sorted(network.network for network in registry if rail_for(network).prepares_transaction)
     components["Network"] = {"type": "string", "enum": caip2, "description": "A configured network's CAIP-2 id"}
     components["SolanaNetwork"] = {"type": "string", "enum": solana, "description": "A Solana network's CAIP-2 id"}
     return components

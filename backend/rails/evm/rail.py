@@ -15,7 +15,7 @@ from eth_utils import function_signature_to_4byte_selector
 from redis import Redis
 from web3 import Web3
 
-from backend.chains.addresses import normalize_evm_address
+from backend.chains.addresses import EVM_ADDRESS_PATTERN, normalize_evm_address
 from backend.chains.evm import domain_name, evm_chain
 from backend.chains.registry import Network
 from backend.config import Settings
@@ -206,6 +206,8 @@ class EvmRail:
     address_hint = "0x followed by 40 hex characters"
     example_address = "0x70997970C51812dc3A010C7d01b50e0d17dc79C8"  # Anvil's test account 1
     prepares_transaction = False  # the buyer's wallet signs EIP-712 typed data (checkout-ui/src/evm.ts)
+    openapi_address: dict[str, Any] = {"type": "string", "pattern": EVM_ADDRESS_PATTERN}
+    payload_component = "X402EvmPayload"
     resends_same_transaction = False  # each send is a new transaction (its own relay nonce)
     # The EIP-3009 window (unix times) and the buyer's signature (0x-hex, 65 bytes).
     columns: tuple[str, ...] = ("valid_after", "valid_before", "signature")

@@ -19,7 +19,7 @@ from typing import Any
 from redis import Redis
 from solders.pubkey import Pubkey
 
-from backend.chains.addresses import normalize_solana_address
+from backend.chains.addresses import SOLANA_ADDRESS_PATTERN, normalize_solana_address
 from backend.chains.registry import Network
 from backend.chains.solana import SolanaChain, SolanaRpcError, solana_chain
 from backend.config import Settings
@@ -119,6 +119,12 @@ class SolanaRail:
     address_hint = "A base58 public key"
     example_address = "9WzDXwBbmkg8ZTbNMqUxvQRAyrZzDsGYdLVL9zYtAWWM"  # the example key of Solana's documentation
     prepares_transaction = True  # settlement.solana.prepare_transaction: the buyer's wallet signs it as is
+    openapi_address: dict[str, Any] = {
+        "type": "string",
+        "pattern": SOLANA_ADDRESS_PATTERN,
+        "description": "base58 of a 32-byte key",
+    }
+    payload_component = "X402SolanaPayload"
     resends_same_transaction = True  # the relay's signature over the same message is the transaction id
     # The buyer-signed transaction (base64) and the block height its blockhash surely expired by.
     columns: tuple[str, ...] = ("last_valid_block_height", "signed_transaction")
