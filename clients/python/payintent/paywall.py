@@ -235,7 +235,8 @@ class Paywall:
             return self._challenge(request, f"Invalid payment: {exc}")
         requirement = next(r for r in requirements if r["network"] == checked.network)
         try:
-            payload, sent_requirement = _for_facilitator(payment, requirement, self._settlement_id(request, payment))
+            buyer_id = _payment_id(payment)
+            payload, sent_requirement = _for_facilitator(payment, requirement, self._settlement_id(request, buyer_id))
         except Refused as exc:
             return self._challenge(request, f"Invalid payment: {exc}")
         denied = self._admit(request)
@@ -245,7 +246,7 @@ class Paywall:
         settlement = Settlement(request, payload, sent_requirement, checked.payer)
         if answer.get("isValid") is not True:
             reason = str(answer.get("invalidReason") or "invalid_payload")
-            if reason in _SETTLED_BEFORE and _payment_id(payment) is not None:
+            if reason in _SETTLED_BEFORE and buyer_id is not None:
                 # The buyer's retry of a payment settled before (its answer lost): the facilitator answers the
                 # first result for the same payment-identifier and payment, and refuses anything else.
                 return self.settle(Outcome(True, settlement=settlement))
@@ -254,12 +255,11 @@ class Paywall:
             return self._challenge(request, f"{reason}: {_message(answer, 'invalidMessage')}")
         return Outcome(True, settlement=settlement)
 
-    def _settlement_id(self, request: PaidRequest, payment: Mapping[str, Any]) -> str:
+    def _settlement_id(self, request: PaidRequest, buyer_id: str | None) -> str:
         """The payment-identifier the facilitator sees: derived (HMAC under this paywall's secret) from the buyer's
         own id and this resource and price, so a buyer's retry of one resource gets its first result and the same
         header at another resource (or paywall) is a new settlement that the spent nonce refuses. No buyer id: a
         random one, known to nobody, so no copy of the payment is answered success."""
-        buyer_id = _payment_id(payment)
         if buyer_id is None:
             return secrets.token_urlsafe(24)
         return self.keys.derive("payment-identifier", buyer_id, request.key, price_text(request.price))
