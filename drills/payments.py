@@ -15,6 +15,7 @@ event of the drill received by both webhook receivers (lost when one never arriv
 
 from __future__ import annotations
 
+import http.client
 import random
 import threading
 import time
@@ -79,7 +80,7 @@ class Buyer(threading.Thread):
     def call(self, method: str, path: str, body: Any = None, **kwargs: Any) -> tuple[int, Any]:
         try:
             status, answer = self.stack.api(method, path, body, **kwargs)
-        except OSError as exc:  # the API is down or died mid-request
+        except (OSError, http.client.HTTPException) as exc:  # the API is down, or died mid-request (IncompleteRead)
             self.p.answers[f"connection {type(exc).__name__}"] += 1
             return 0, None
         if status != 200 or method != "GET":
