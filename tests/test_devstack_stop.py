@@ -62,7 +62,8 @@ class DevRun:
         return self.output.read_text(errors="replace")
 
     def sample(self) -> None:
-        """Remember every descendant (processes in their own session included: they are still children)."""
+        """Remember every descendant (processes in their own session included: they are still children). A sampling
+        thread may add to ``seen`` while the test reads it: readers take a snapshot (``_seen``)."""
         try:
             for child in psutil.Process(self.proc.pid).children(recursive=True):
                 self.seen.setdefault(child.pid, child)
@@ -76,10 +77,13 @@ class DevRun:
 
         threading.Thread(target=loop, daemon=True).start()
 
+    def _seen(self) -> tuple[psutil.Process, ...]:
+        return tuple(self.seen.values())  # one C call: no other thread's insert can land in the middle
+
     def ours(self) -> list[psutil.Process]:
         """Live processes of this run: descendants seen, and any process whose environment or command line
         names our var dir (redis-server rewrites the memory /proc shows as its environment: its socket path)."""
-        found = {p.pid: p for p in self.seen.values()}
+        found = {p.pid: p for p in self._seen()}
         for proc in psutil.process_iter():
             try:
                 if proc.environ().get("PAYINTENT_VAR_DIR") == str(self.var_dir) or any(
@@ -109,7 +113,7 @@ class DevRun:
 
     def has_child(self, needle: str) -> bool:
         self.sample()
-        return any(needle in " ".join(_cmdline(p)) for p in self.seen.values())
+        return any(needle in " ".join(_cmdline(p)) for p in self._seen())
 
     def stop_and_check(self, sig: signal.Signals, *, group: bool = True) -> float:
         """Send ``sig`` (to the process group, or to the `payintent dev` process alone); assert that within
