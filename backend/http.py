@@ -25,6 +25,7 @@ _ERROR_DESCRIPTIONS = {
     503: "A chain, the settlement queue or the database is unavailable (CHAIN_UNAVAILABLE, SERVICE_UNAVAILABLE): retry",
     504: "Accepted but still settling (SETTLEMENT_PENDING): read the intent",
     422: "Idempotency-Key reused with a different request (IDEMPOTENCY_KEY_REUSED)",
+    429: "Too many requests (RATE_LIMITED, or a settlement limit): retry after Retry-After seconds",
 }
 TOO_DEEP_MESSAGE = f"The request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
 
@@ -81,7 +82,10 @@ class ApiBlueprint(flask_smorest.Blueprint):
     ARGUMENTS_PARSER = StrictJSONParser()
 
     def errors(self, *statuses: int) -> Any:
-        """Document error responses with the shared error envelope."""
+        """Document error responses with the shared error envelope. An operation that authenticates (401) is also
+        rate-limited (429: the client IP's and the key's requests, and the IP's failed authentications)."""
+        if 401 in statuses and 429 not in statuses:
+            statuses = (*statuses, 429)
 
         def decorator(func: Any) -> Any:
             for status in statuses:
