@@ -14,11 +14,13 @@ from sqlalchemy import select
 
 from backend import clock
 from backend.chains.registry import ChainRegistry, Network
+from backend.dashboard.chart import Chart, volume_chart
 from backend.dashboard.forms import Form, sentence
 from backend.errors import not_found
 from backend.extensions import db
 from backend.intents import services as intents
 from backend.intents.models import STATUSES
+from backend.intents.volume import daily_volume
 from backend.merchants import services as merchants
 from backend.merchants.models import ApiKey, Merchant, Wallet
 from backend.money import from_atomic
@@ -28,6 +30,8 @@ from backend.settlement import services as settlement
 from backend.webhooks import services as webhooks
 
 # Which form field a merchant-service error belongs to.
+VOLUME_DAYS = 30  # the overview's chart
+
 _SIGNUP_FIELDS = {
     "INVALID_EMAIL": "email",
     "EMAIL_TAKEN": "email",
@@ -79,6 +83,7 @@ class Overview:
     webhooks: int
     intent_counts: dict[str, int]
     recent_intents: list[dict[str, Any]]
+    volume: Chart  # settled volume per day and chain, the last VOLUME_DAYS days
 
 
 def overview(merchant_id: str, registry: ChainRegistry, checkout_host: str) -> Overview:
@@ -98,6 +103,9 @@ def overview(merchant_id: str, registry: ChainRegistry, checkout_host: str) -> O
         webhooks=endpoint_total,
         intent_counts=counts,
         recent_intents=[intents.intent_to_dict(row, checkout_host, now) for row in recent],
+        volume=volume_chart(
+            daily_volume(merchant_id, now, VOLUME_DAYS, order=registry.ids()), {n.network: n.name for n in registry}
+        ),
     )
 
 
