@@ -299,10 +299,10 @@ class _DevStack:
         _stopper.check()
         from backend.migrate import upgrade
 
+        demo_file = workdir / "demo.json"
         with _stopper.deferred():
             upgrade(Settings.from_env().database_url)
-            demo = seed_demo_merchant()
-        demo_file = workdir / "demo.json"
+            demo = seed_demo_merchant(_previous_merchant_wallets(demo_file))
         demo_file.touch(mode=0o600)
         saved = {**demo, "base_url": base_url}
         if devnet_info is not None:
@@ -340,6 +340,15 @@ class _DevStack:
         _stopper.cleaning = True
         print("payintent: a process of the stack exited; stopping the rest", file=sys.stderr)
         sys.exit(1)
+
+
+def _previous_merchant_wallets(demo_file: Path) -> dict[str, Any] | None:
+    """The demo merchant's wallets (address and key per network) written by the last start, if readable."""
+    try:
+        wallets = json.loads(demo_file.read_text()).get("merchant_wallets")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return wallets if isinstance(wallets, dict) else None
 
 
 def _start_devnet() -> tuple[dict[str, Any], bool]:

@@ -36,9 +36,14 @@ def set_wallets(env: dict[str, str], merchant_id: str, networks: Iterable[str], 
         payintent(env, "wallet", "set", "--merchant", merchant_id, "--network", network, "--address", address)
 
 
-def seed_demo_merchant() -> dict[str, Any]:
+def seed_demo_merchant(previous_wallets: dict[str, Any] | None = None) -> dict[str, Any]:
     """Create (once) the demo merchant with a wallet on every configured network; issue a new key. In this
-    process, with the app of this environment (``payintent dev``)."""
+    process, with the app of this environment (``payintent dev``).
+
+    Its payout wallets are accounts whose keys are returned under ``merchant_wallets`` ({network: {address,
+    private_key}}), so that a developer can sign as the merchant (a refund). ``previous_wallets``: that map from
+    the last start (var/demo.json); a network's wallet is kept when its address is still a valid one of its kind,
+    so payments made before a restart stay signable; a network without one gets a new random account."""
     from sqlalchemy import select
 
     from backend import appstate
@@ -56,9 +61,33 @@ def seed_demo_merchant() -> dict[str, Any]:
             merchant, issued = services.create_merchant(DEMO_EMAIL, DEMO_PASSWORD, "Demo Shop")
         else:
             issued = services.create_api_key(merchant.id)
+        wallets: dict[str, dict[str, str]] = {}
         for network in registry:
-            services.set_wallet(merchant.id, network.network, rail_for(network).example_address, registry)
-        return {"merchant_id": merchant.id, "email": DEMO_EMAIL, "password": DEMO_PASSWORD, "api_key": issued.secret}
+            wallets[network.network] = _demo_wallet(rail_for(network), (previous_wallets or {}).get(network.network))
+            services.set_wallet(merchant.id, network.network, wallets[network.network]["address"], registry)
+        return {
+            "merchant_id": merchant.id,
+            "email": DEMO_EMAIL,
+            "password": DEMO_PASSWORD,
+            "api_key": issued.secret,
+            "merchant_wallets": wallets,
+        }
+
+
+def _demo_wallet(rail: Any, previous: Any) -> dict[str, str]:
+    """The previous start's wallet of a network if it is still a valid one of the rail's kind, else a new one."""
+    from backend.chains.addresses import AddressError
+
+    if isinstance(previous, dict) and isinstance(previous.get("private_key"), str):
+        try:
+            return {
+                "address": rail.normalize_address(str(previous.get("address"))),
+                "private_key": previous["private_key"],
+            }
+        except AddressError:
+            pass
+    address, private_key = rail.new_wallet()
+    return {"address": address, "private_key": private_key}
 
 
 def create_demo_intent(base_url: str, api_key: str) -> str:

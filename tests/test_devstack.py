@@ -12,6 +12,8 @@ from pathlib import Path
 
 import psutil
 import requests
+from eth_account import Account
+from solders.keypair import Keypair
 from web3 import Web3
 
 from devnet import free_port_base
@@ -63,6 +65,14 @@ def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
         assert response.status_code == 201
         requirements = response.json()["data"]["payment_requirements"]
         assert len(requirements) == len(chains) == 4  # three EVM chains and Solana devnet (local)
+        # The demo merchant is paid to accounts whose keys var/demo.json lists (a developer can sign as it).
+        wallets = demo["merchant_wallets"]
+        assert {r["network"]: r["payTo"] for r in requirements} == {n: w["address"] for n, w in wallets.items()}
+        for network, wallet in wallets.items():
+            if network.startswith("eip155:"):
+                assert Account.from_key(wallet["private_key"]).address == wallet["address"]
+            else:
+                assert str(Keypair.from_base58_string(wallet["private_key"]).pubkey()) == wallet["address"]
         assert {r["asset"] for r in requirements} == {c["usdc_address"] for c in chains}
 
         # A merchant's local webhook receiver (make run allows private targets).

@@ -17,6 +17,8 @@ import psutil
 import pytest
 import requests
 
+from backend.rails.evm.rail import EvmRail
+from backend.rails.solana.rail import SolanaRail
 from harness.errors import HarnessError
 from harness.ports import free_port
 from harness.processes import ProcessSet, process_tree
@@ -247,3 +249,17 @@ def test_start_redis_returns_once_the_server_listens_not_once_its_socket_file_ex
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_demo_merchants_wallets_are_kept_across_starts_and_replaced_when_unusable():
+    """payintent dev passes the last start's merchant_wallets (var/demo.json): a valid one is kept, so payments made
+    before a restart stay signable; a missing or broken one becomes a new random account of the network's kind."""
+    from harness.bootstrap import _demo_wallet
+
+    for rail in (EvmRail(), SolanaRail()):
+        fresh = _demo_wallet(rail, None)
+        assert rail.normalize_address(fresh["address"]) == fresh["address"] and fresh["private_key"]
+        assert _demo_wallet(rail, fresh) == fresh
+        assert _demo_wallet(rail, {"address": "nonsense", "private_key": "k"})["address"] != "nonsense"
+        assert _demo_wallet(rail, {"address": fresh["address"]}) != fresh  # no key: a new account
+        assert _demo_wallet(rail, None) != fresh  # random

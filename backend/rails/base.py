@@ -278,6 +278,10 @@ class Rail(Protocol):
     def normalize_address(self, address: str) -> str:
         """The canonical form of ``address``; raises ``chains.addresses.AddressError`` (message safe to show)."""
 
+    def new_wallet(self) -> tuple[str, str]:
+        """A new random account of this kind: (address, private key in the form its wallets import). For the dev
+        stack's demo merchant (``harness.bootstrap``), whose keys ``var/demo.json`` lists."""
+
     def same_address(self, a: str, b: str) -> bool:
         """Whether two addresses of this kind name the same account (EVM: hex letters in any case; Solana: exact)."""
 

@@ -212,6 +212,12 @@ class EvmRail:
     # The EIP-3009 window (unix times) and the buyer's signature (0x-hex, 65 bytes).
     columns: tuple[str, ...] = ("valid_after", "valid_before", "signature")
 
+    def new_wallet(self) -> tuple[str, str]:
+        from eth_account import Account
+
+        account = Account.create()
+        return account.address, "0x" + bytes(account.key).hex()
+
     def normalize_address(self, address: str) -> str:
         return normalize_evm_address(address)
 

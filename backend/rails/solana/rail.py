@@ -129,6 +129,12 @@ class SolanaRail:
     # The buyer-signed transaction (base64) and the block height its blockhash surely expired by.
     columns: tuple[str, ...] = ("last_valid_block_height", "signed_transaction")
 
+    def new_wallet(self) -> tuple[str, str]:
+        from solders.keypair import Keypair
+
+        keypair = Keypair()
+        return str(keypair.pubkey()), str(keypair)  # base58 of the 64-byte secret, as Phantom and Solflare import it
+
     def normalize_address(self, address: str) -> str:
         return normalize_solana_address(address)
 
