@@ -24,7 +24,8 @@ class ErrorKind(NamedTuple):
     status: int  # the HTTP status the REST API answers with (the dashboard and the CLI use its class too)
     description: str  # what it means; the message when a raise site gives none
     # "api": a REST API answer, listed in README's error tables; "http": the API's code for a plain HTTP error
-    # Flask/Werkzeug raises (no service raises it; not listed); "admin": dashboard and CLI only (not listed).
+    # Flask/Werkzeug raises (no service raises it; not listed); "admin": dashboard, CLI and public pages only (not
+    # listed).
     where: Where = "api"
 
 
@@ -58,6 +59,9 @@ CATALOG: dict[str, ErrorKind] = {
     "NO_PAYOUT_WALLET": ErrorKind(409, "The merchant has no wallet on a configured network"),
     "WEBHOOK_LIMIT_REACHED": ErrorKind(409, "The merchant has the most webhook endpoints allowed"),
     "WEBHOOK_DELETED": ErrorKind(409, "The delivery's webhook endpoint was deleted"),
+    # A payment link's public page (not the API: the API shows the link with active false)
+    "PAYMENT_LINK_INACTIVE": ErrorKind(410, "The payment link was deactivated", "admin"),
+    "PAYMENT_LINK_UNPAYABLE": ErrorKind(409, "The payment link's amount is over MAX_AMOUNT_USDC", "admin"),
     "TOO_MANY_PENDING_DELIVERIES": ErrorKind(409, "Too many test or replayed deliveries to the endpoint are pending"),
     # Payments (/pay, the Solana transaction, the checkout balance)
     **_kinds(400, "A payment field is malformed; error.field names it", "INVALID_PAYLOAD"),

@@ -5,6 +5,7 @@ from backend.events.models import Event
 from backend.idempotency.models import IdempotencyRecord
 from backend.intents.models import Intent
 from backend.merchants.models import ApiKey, Merchant, Wallet
+from backend.paymentlinks.models import PaymentLink
 from backend.relaybudget.models import RelaySpend
 from backend.settlement.models import PayeeAccount, Settlement
 from backend.webhooks.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint
@@ -16,6 +17,7 @@ __all__ = [
     "Intent",
     "Merchant",
     "PayeeAccount",
+    "PaymentLink",
     "PendingReveal",
     "RelaySpend",
     "Settlement",

@@ -25,9 +25,10 @@ IPV6_CLIENT_PREFIX = 64
 _warned_about_forwarded_for = False
 
 
-def client_key(address: str | None = None) -> str:
+def client_key(address: str | None = None, ipv6_prefix: int = IPV6_CLIENT_PREFIX) -> str:
     """The client a per-IP limit counts: an IPv4 address as is (an IPv4-mapped IPv6 one too), an IPv6
-    address as its /64 network, anything else as given. ``address``: the request's ``remote_addr``."""
+    address as its network of ``ipv6_prefix`` bits (a /64: one subscriber's LAN; a /48, for what an anonymous
+    client can do that writes: one site), anything else as given. ``address``: the request's ``remote_addr``."""
     if address is None:
         address = request.remote_addr
         _warn_if_proxied_unconfigured()
@@ -41,7 +42,7 @@ def client_key(address: str | None = None) -> str:
         if ip.ipv4_mapped is not None:
             return str(ip.ipv4_mapped)
         unscoped = ipaddress.IPv6Address(int(ip))  # fe80::1%eth0: the zone is not part of the network
-        return str(ipaddress.IPv6Network((unscoped, IPV6_CLIENT_PREFIX), strict=False))
+        return str(ipaddress.IPv6Network((unscoped, ipv6_prefix), strict=False))
     return str(ip)
 
 

@@ -129,6 +129,8 @@ def test_every_page_on_a_desktop_and_a_phone(page: Page, stack: Stack, receiver:
         for n in range(3)
     ]
     stack.api("DELETE", f"/x402/intents/{intents[0]['intent_id']}", key=merchant.first_key)
+    link = {"amount_usdc": 9.99, "description": "A poster of the Emporium, printed on heavy matte paper, A2"}
+    assert stack.api("POST", "/payment_links", key=merchant.first_key, json=link).status_code == 201
     page.goto("/dashboard/keys")
     revoke = page.get_by_role("link", name=re.compile("^Revoke")).first.get_attribute("href")
     assert revoke
@@ -149,6 +151,7 @@ def test_every_page_on_a_desktop_and_a_phone(page: Page, stack: Stack, receiver:
             "intents-filtered": "/dashboard/intents?status=nonsense",
             "intent": f"/dashboard/intents/{intents[1]['intent_id']}",
             "not-found": "/dashboard/intents/nope",
+            "links": "/dashboard/links",
         },
         logged_in=True,
     )

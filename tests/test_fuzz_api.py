@@ -13,7 +13,7 @@ method gets 405 with an ``Allow`` that lists the path's documented methods; cred
 The only deviations are by design, each named in ``BY_DESIGN`` with its reason.
 
 Generated ids and payloads rarely get past the first check, so hooks mix in real ones (the
-merchant's intents, webhook and delivery; correctly signed x402 payloads, v1 and v2, flat and
+merchant's intents, webhook, delivery and payment link; correctly signed x402 payloads, v1 and v2, flat and
 nested, EVM and Solana). A second test sends every single edit of those valid requests (a field
 removed, retyped, or its string with a trailing newline, a space, a case change...) through the
 same checks: a strict parser refuses each with a 4xx, never a 500.
@@ -116,10 +116,13 @@ def known(app: Any, client: Any, merchant: Any, monkeypatch: pytest.MonkeyPatch)
     other = create(client, create_merchant(app, "other@example.com"))["intent_id"]
     webhook = register(client, merchant, "http://127.0.0.1:9/hook")["webhook_id"]
     delivery = send_test(client, merchant, webhook)["delivery_id"]
+    link = {"amount_usdc": 3, "description": "fuzz"}
+    link_id = client.post("/api/v1/payment_links", json=link, headers=merchant.headers).get_json()["data"]["link_id"]
     _KNOWN.update(
         intent_id=[pending, paid, cancelled, other],
         webhook_id=[webhook],
         delivery_id=[delivery],
+        link_id=[link_id],
         payment_signature=valid_payment_signatures(pending, intent["payment_requirements"]),
         address=[BUYER.address, str(SOLANA_BUYER.pubkey())],
         network=[r["network"] for r in intent["payment_requirements"]],
@@ -265,6 +268,10 @@ def _refused_in_the_spec_way(case: Any, error: dict[str, Any]) -> bool:
     return error.get("refused") is True
 
 
+def _range_ends_before_it_starts(case: Any, error: dict[str, Any]) -> bool:
+    return error.get("fields") == {"created_from": ["must not be after created_to"]}
+
+
 # What a payment's values must be for its intent, its time and its signature (the document gives their forms).
 PAYMENT_CONTENT_CODES = frozenset(
     {
@@ -330,6 +337,16 @@ BY_DESIGN = [
         frozenset({"VALIDATION_ERROR"}),
         "a mixed-case EVM address must carry its EIP-55 checksum (a keccak hash: no pattern)",
         _mixed_case_checksum,
+    ),
+    ByDesign(
+        "export-range",
+        "positive_data_acceptance",
+        r"^GET /api/v1/x402/intents/export\.csv$",
+        400,
+        frozenset({"VALIDATION_ERROR"}),
+        "created_from must not be after created_to: two query parameters no schema ties together (each one's "
+        "form is documented)",
+        _range_ends_before_it_starts,
     ),
     ByDesign(
         "facilitator-refusals",

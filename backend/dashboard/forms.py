@@ -2,14 +2,16 @@
 
 Each parser returns a :class:`Form`: the submitted values (to re-render the form with) and a
 message per bad field. Rules that belong to a domain are not restated here: webhook URLs and
-event lists go through the API's own schema, intent filters through the API's query schema; the
+event lists and payment links go through the API's own schemas, intent filters through the API's query schema; the
 merchant services decide emails, addresses and networks.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 from marshmallow import ValidationError
@@ -17,6 +19,7 @@ from werkzeug.datastructures import MultiDict
 
 from backend.events.services import EVENT_TYPES
 from backend.intents.schemas import ListIntentsQuerySchema
+from backend.paymentlinks.schemas import CreateLinkSchema
 from backend.webhooks.schemas import CreateWebhookSchema
 
 # The dashboard asks more of a new password than the service's floor.
@@ -106,6 +109,31 @@ def webhook_form(data: MultiDict[str, str]) -> Form:
         except ValidationError as exc:
             for name, messages in exc.normalized_messages().items():
                 form.error(name if name in ("url", "events") else "url", sentence(_first_message(messages)))
+        else:
+            form.values.update(loaded)
+    return form
+
+
+_AMOUNT_TEXT = re.compile(r"^[0-9]{1,7}(\.[0-9]{1,6})?$")
+
+
+def link_form(data: Mapping[str, str]) -> Form:
+    """A payment link's amount (USDC, as typed), description and optional redirect URL, checked by the payment
+    links API's own schema; values then hold what ``paymentlinks.services.NewLink`` takes."""
+    form = Form({"amount_usdc": _text(data, "amount_usdc"), "description": _text(data, "description"),
+                 "redirect_url": _text(data, "redirect_url")})  # fmt: skip
+    if not _AMOUNT_TEXT.match(form.values["amount_usdc"]):
+        form.error("amount_usdc", "Enter an amount in USDC, such as 12.50 (at most 6 decimals).")
+    if not form.values["description"]:
+        form.error("description", "Enter what the buyer pays for.")
+    if form.ok:
+        body = {"amount_usdc": Decimal(form.values["amount_usdc"]), "description": form.values["description"],
+                "redirect_url": form.values["redirect_url"] or None}  # fmt: skip
+        try:
+            loaded = CreateLinkSchema().load(body)
+        except ValidationError as exc:
+            for name, messages in exc.normalized_messages().items():
+                form.error(name if name in form.values else "description", sentence(_first_message(messages)))
         else:
             form.values.update(loaded)
     return form

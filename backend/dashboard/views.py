@@ -29,7 +29,7 @@ from flask import (
 )
 from werkzeug.exceptions import HTTPException, NotFound
 
-from backend import appstate, passwords, ratelimit
+from backend import appstate, clock, passwords, ratelimit
 from backend.chains.registry import ChainRegistry
 from backend.config import Settings
 from backend.dashboard import display, forms, reveals, security, services
@@ -37,6 +37,7 @@ from backend.dashboard.forms import Form
 from backend.errors import DomainError, database_unavailable
 from backend.events.services import EVENT_TYPES
 from backend.extensions import db
+from backend.intents import export
 from backend.intents.models import STATUSES
 from backend.merchants import services as merchants
 from backend.merchants.models import Merchant
@@ -543,6 +544,18 @@ def intent_list() -> Any:
     rows, total = services.intent_page(_merchant_id(), form, _checkout_host())
     pager = display.Pager(form.values["page"], forms.PAGE_SIZE, total)
     return render("intents.html", form=form, intents=rows, pager=pager, statuses=STATUSES)
+
+
+@bp.get("/intents/export.csv")
+@login_required
+def intent_export() -> Any:
+    """The intents page's filters (status, order_id; not its page) as a CSV download (backend.intents.export)."""
+    form = forms.intents_filter({name: request.args.get(name, "") for name in ("status", "order_id")})
+    if not form.ok:
+        return render("intents.html", 400, form=form, intents=[], pager=None, statuses=STATUSES)
+    filters = export.ExportFilters(status=form.values["status"] or None, order_id=form.values["order_id"] or None)
+    now = clock.now()
+    return export.download(export.export_csv(_merchant_id(), filters, now), now)
 
 
 @bp.get("/intents/<intent_id>")

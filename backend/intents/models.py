@@ -21,6 +21,7 @@ class Intent(Model):
         Index("ix_intents_merchant_created", "merchant_id", "created_at"),
         Index("ix_intents_merchant_order", "merchant_id", "order_id"),
         Index("ix_intents_status_expires", "status", "expires_at"),
+        Index("ix_intents_payment_link", "payment_link_id"),
     )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
@@ -47,3 +48,6 @@ class Intent(Model):
     # While set, cancel and expiry leave the intent alone: a settlement in flight always wins.
     settlement_id: Mapped[str | None] = mapped_column(String(40))
     expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # The payment link whose visit made this intent (backend.paymentlinks), if one did. Not a foreign key: links are
+    # never deleted, and SQLite could add one only by rebuilding this table.
+    payment_link_id: Mapped[str | None] = mapped_column(String(40))

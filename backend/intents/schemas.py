@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from marshmallow import fields, validate
+from datetime import datetime
+from typing import Any
 
+from marshmallow import ValidationError, fields, validate
+
+from backend.intents.export import TIME_BOUND_PATTERN, parse_time_bound
 from backend.intents.models import STATUSES
 from backend.schemas import FlatMetadata, HttpUrl, PageQuerySchema, StrictSchema, UsdcAmount, envelope, page_of, text
 
@@ -46,6 +50,34 @@ class ListIntentsQuerySchema(PageQuerySchema):
     order_id = fields.String(validate=validate.Length(min=1, max=128), metadata=text(description="Filter by order"))
 
 
+class TimeBound(fields.Field[datetime]):
+    """An ISO 8601 date or date-time query parameter, read as a UTC datetime (``export.parse_time_bound``)."""
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> datetime:
+        try:
+            return parse_time_bound(value if isinstance(value, str) else "")
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from None
+
+
+def _time_bound_doc(description: str) -> dict[str, str]:
+    return text(
+        type="string",
+        pattern=TIME_BOUND_PATTERN,
+        description=f"{description}: an ISO 8601 date (2026-11-22 is its 00:00 UTC) or date-time "
+        "(2026-11-22T12:00:00Z; seconds, up to 6 decimals and the offset optional, none meaning UTC)",
+    )
+
+
+class ExportIntentsQuerySchema(StrictSchema):
+    """The list's filters (no paging: the export is every matching intent) and a creation-time range."""
+
+    status = fields.String(validate=validate.OneOf(STATUSES), metadata={"description": "Filter by status"})
+    order_id = fields.String(validate=validate.Length(min=1, max=128), metadata=text(description="Filter by order"))
+    created_from = TimeBound(metadata=_time_bound_doc("Created at or after this time (inclusive)"))
+    created_to = TimeBound(metadata=_time_bound_doc("Created before this time (exclusive; not before created_from)"))
+
+
 class PaymentRequirementSchema(StrictSchema):
     scheme = fields.String(required=True, metadata={"enum": ["exact"]})
     network = fields.String(required=True, metadata={"description": "CAIP-2 network id, e.g. eip155:84532"})
@@ -80,6 +112,9 @@ class IntentSchema(StrictSchema):
     buyer_address = fields.String(required=True, allow_none=True, metadata={"description": "Set once paid"})
     chain = fields.String(required=True, allow_none=True, metadata={"description": "CAIP-2 id; set once paid"})
     paid_at = fields.String(required=True, allow_none=True, metadata={"format": "date-time"})
+    payment_link_id = fields.String(
+        required=True, allow_none=True, metadata={"description": "The payment link whose visit created the intent"}
+    )
 
 
 class CancelledIntentSchema(StrictSchema):

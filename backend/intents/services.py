@@ -39,7 +39,7 @@ _COLUMNS = (
     _intents.c.id, _intents.c.status, _intents.c.amount_atomic, _intents.c.order_id, _intents.c.description,
     _intents.c.metadata, _intents.c.redirect_url, _intents.c.cancel_url, _intents.c.payment_requirements,
     _intents.c.created_at, _intents.c.expires_at, _intents.c.tx_hash, _intents.c.buyer_address, _intents.c.chain,
-    _intents.c.paid_at, _intents.c.settlement_id,
+    _intents.c.paid_at, _intents.c.settlement_id, _intents.c.payment_link_id,
 )  # fmt: skip
 _INSERT = insert(_intents)
 _GET = select(*_COLUMNS).where(
@@ -72,6 +72,7 @@ class NewIntent:
     description: str | None = None
     order_id: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    payment_link_id: str | None = None  # set by a payment link's visit (backend.paymentlinks), never by the API
 
 
 def checkout_url(checkout_host: str, intent_id: str) -> str:
@@ -203,6 +204,7 @@ def new_intent(
         "chain": None,
         "paid_at": None,
         "settlement_id": None,
+        "payment_link_id": params.payment_link_id,
     }
     return row
 
@@ -389,4 +391,5 @@ def intent_to_dict(row: Mapping[Any, Any], checkout_host: str, now: datetime | N
         "buyer_address": row["buyer_address"],
         "chain": row["chain"],
         "paid_at": isoformat(row["paid_at"]),
+        "payment_link_id": row["payment_link_id"],
     }

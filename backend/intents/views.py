@@ -7,6 +7,7 @@ from typing import Any
 from flask import request
 from flask.views import MethodView
 from sqlalchemy.exc import IntegrityError
+from werkzeug.routing import BaseConverter
 
 from backend import appstate, clock
 from backend.config import Settings
@@ -14,10 +15,11 @@ from backend.errors import not_found
 from backend.extensions import db, release_autocommit_connection
 from backend.http import ApiBlueprint, ok, raw_json_response
 from backend.idempotency import services as idempotency
-from backend.intents import services
+from backend.intents import export, services
 from backend.intents.schemas import (
     CancelledEnvelope,
     CreateIntentSchema,
+    ExportIntentsQuerySchema,
     IntentEnvelope,
     IntentPageEnvelope,
     ListIntentsQuerySchema,
@@ -28,6 +30,17 @@ from backend.merchants.auth import api_key_reading, api_key_required, authentica
 blp = ApiBlueprint(
     "intents", __name__, url_prefix="/api/v1/x402/intents", description="Create, read, list and cancel intents"
 )
+
+
+class IntentIdConverter(BaseConverter):
+    """An intent's id in a path: any segment (a malformed id is the intent's 404), but ``export.csv``, so that the
+    export's path is never taken for an intent's (its OPTIONS answered an Allow with the item's DELETE, and a DELETE
+    reached the cancel). Documented as the string converter was: OpenAPI matches a concrete path (the export's)
+    before a templated one."""
+
+    regex = r"(?!export\.csv\Z)[^/]+"  # registered as ``intent_id`` by the app factory
+
+
 _IDEMPOTENCY_HEADER = {
     "Idempotency-Key": {
         "description": "Optional. A retry with the same key and body returns the first response "
@@ -116,7 +129,48 @@ class IntentCollection(MethodView):
         )
 
 
-@blp.route("/<string:intent_id>")
+_CSV_DOC: dict[str, Any] = {
+    "type": "string",
+    "description": "CSV (RFC 4180, UTF-8, CRLF line ends): a header row, then one row per intent, newest first",
+}
+_CSV_EXAMPLE = (
+    ",".join(export.HEADER) + "\r\n"
+    "0b7c3f9e-5d2a-4e8b-9c1f-2a6d4e8b0c3f,paid,10.5,eip155:84532,0x5e1f…,0x1111…,2026-11-22T12:00:00.000Z,"
+    '2026-11-22T12:01:30.000Z,2026-11-22T12:30:00.000Z,order-1001,Two mugs,,"{""customer"":""c_42""}",0\r\n'
+)
+_ATTACHMENT_HEADER = {
+    "Content-Disposition": {
+        "description": "The file name: intents-<UTC date>.csv",
+        "schema": {"type": "string", "pattern": '^attachment; filename="intents-[0-9]{4}-[0-9]{2}-[0-9]{2}\\.csv"$'},
+    }
+}
+
+
+@blp.route("/export.csv")
+class IntentExport(MethodView):
+    @api_key_required
+    @blp.arguments(ExportIntentsQuerySchema(), location="query")
+    @blp.alt_response(
+        200, schema=_CSV_DOC, content_type=export.CSV, example=_CSV_EXAMPLE, headers=_ATTACHMENT_HEADER, success=True,
+        description="The matching intents as a CSV file, streamed",
+    )  # fmt: skip
+    @blp.errors(400, 401)
+    def get(self, args: dict[str, Any]) -> Any:
+        """Export this merchant's intents as CSV
+
+        The list's filters (status, order_id) and a creation-time range: created_from (inclusive) to created_to
+        (exclusive), each an ISO 8601 date (its 00:00 UTC) or date-time; created_from after created_to is
+        VALIDATION_ERROR (400). Columns: intent_id, status, amount_usdc (a decimal string), chain, tx_hash,
+        buyer_address, created_at, paid_at, expires_at, order_id, description, payment_link_id, metadata (compact
+        JSON), refunded_usdc (0: refunds do not exist yet). A text cell that starts with = + - @, a tab or a
+        carriage return gets a leading ' (a spreadsheet would read it as a formula).
+        """
+        now = clock.now()
+        chunks = export.export_csv(current_merchant_id(), export.ExportFilters(**args), now)
+        return export.download(chunks, now)
+
+
+@blp.route("/<intent_id:intent_id>")
 class IntentItem(MethodView):
     @blp.alt_response(200, schema=IntentEnvelope, success=True, description="The intent")
     @blp.errors(401, 404)

@@ -43,7 +43,7 @@ disable_created_metrics()  # no *_created series: Prometheus does not need them,
 
 REQUEST_DURATION = Histogram(
     "payintent_http_request_duration_seconds",
-    "Time the api took to answer, by method, route (the URL rule, e.g. /api/v1/x402/intents/<string:intent_id>; "
+    "Time the api took to answer, by method, route (the URL rule, e.g. /api/v1/x402/intents/<intent_id:intent_id>; "
     "'unmatched' for unknown paths) and status code",
     ["method", "route", "status"],
     # /pay waits for the chain up to PAY_WAIT_SECONDS (30 s by default).

@@ -59,7 +59,7 @@ def test_metrics_are_off_without_a_token_and_need_it_when_set(app):
 
 def test_request_latency_is_counted_by_method_route_and_status(app, client, merchant):
     with_metrics_token(app)
-    route = "/api/v1/x402/intents/<string:intent_id>"
+    route = "/api/v1/x402/intents/<intent_id:intent_id>"
 
     def count(samples, method, rule, status):
         return value(samples, f"{LATENCY}_count", method=method, route=rule, status=status) or 0
