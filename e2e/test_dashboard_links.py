@@ -1,6 +1,7 @@
 """Payment links in a real browser, against `payintent dev`: a merchant creates a link in the dashboard, a buyer
-opening it lands on a fresh intent's checkout (a second visit, another intent), and once the merchant deactivates
-it the link shows a page saying so and makes no intent."""
+opening it lands on a fresh intent's checkout (a second visit, another intent), a link previewer gets the link's
+page without an intent (its "Continue to payment" button makes one), and once the merchant deactivates it the link
+shows a page saying so and makes no intent."""
 
 from __future__ import annotations
 
@@ -44,9 +45,22 @@ def test_a_payment_link_is_created_opened_twice_and_deactivated(page: Page, stac
         checkouts.append(buyer.url)
         buyer.close()
     assert checkouts[0] != checkouts[1]  # each visit, its own intent
+
+    # A link previewer's view (by its User-Agent): the link's page, no intent; its button makes one.
+    preview = page.context.browser.new_context(user_agent="Slackbot-LinkExpanding 1.0 (+https://api.slack.com/robots)")
+    previewed = preview.new_page()
+    previewed.goto(url)
+    expect(previewed.get_by_role("heading", level=1)).to_have_text("Poster, A2")
+    expect(previewed.get_by_text("4.2 USDC")).to_be_visible()
+    shot(previewed, "link-page")
+    assert stack.api("GET", "/x402/intents", key=merchant.first_key).json()["data"]["total"] == 2
+    previewed.get_by_role("button", name="Continue to payment").click()
+    expect(previewed).to_have_url(re.compile(r"/pay/[0-9a-f-]{36}$"))
+    expect(previewed.get_by_test_id("amount")).to_have_text("4.20")
+    preview.close()
     listed = stack.api("GET", "/x402/intents", key=merchant.first_key).json()["data"]
     link_id = url.rsplit("/", 1)[1]
-    assert [i["payment_link_id"] for i in listed["intents"]] == [link_id, link_id]
+    assert [i["payment_link_id"] for i in listed["intents"]] == [link_id] * 3
 
     row.get_by_role("button", name="Deactivate Poster, A2").click()
     expect(_flash(page)).to_contain_text("makes no more intents")
@@ -57,4 +71,4 @@ def test_a_payment_link_is_created_opened_twice_and_deactivated(page: Page, stac
     expect(buyer.get_by_role("heading", level=1)).to_have_text("Payment link no longer active")
     shot(buyer, "deactivated")
     buyer.close()
-    assert stack.api("GET", "/x402/intents", key=merchant.first_key).json()["data"]["total"] == 2
+    assert stack.api("GET", "/x402/intents", key=merchant.first_key).json()["data"]["total"] == 3
