@@ -32,6 +32,7 @@ from backend.extensions import db
 from backend.intents.services import _COLUMNS, _intents, _status_condition, effective_status
 from backend.jsonio import dumps
 from backend.money import from_atomic
+from backend.ratelimit import enforce
 
 CSV = "text/csv"
 BATCH_SIZE = 500  # rows per query and per chunk written (read at each export: tests lower it)
@@ -47,8 +48,13 @@ NOT_REFUNDED = "0"
 # What the export reads: the list's columns but the wide ones it does not show (the requirements, the URLs).
 _EXPORT_COLUMNS = tuple(c for c in _COLUMNS if c.name not in {"payment_requirements", "redirect_url", "cancel_url"})
 
-# OWASP, "CSV Injection": a cell starting with one of these is a formula (or becomes one) to a spreadsheet.
+# OWASP, "CSV Injection": a cell starting with one of these is a formula (or becomes one) to a spreadsheet; so is
+# one starting with spaces then one of them, or with a full-width form. A cell starting with ' is escaped too, so
+# that removing exactly one leading ' always gives the stored value back.
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+_FORMULA_AFTER_SPACES = frozenset("=+-@\uff1d\uff0b\uff0d\uff20")
+# Exports a minute per merchant: each reads every matching row (a limit on the work one key can start).
+EXPORTS_PER_MINUTE = 6
 
 # created_from / created_to: an ISO 8601 date (2026-11-22: 00:00 UTC) or date-time (2026-11-22T12:00, seconds and
 # up to 6 decimals optional; Z or an offset +HH:MM/-HH:MM, none meaning UTC). The pattern is exactly what is read
@@ -112,9 +118,11 @@ def download(chunks: Iterator[str], now: datetime) -> Response:
 
 def export_csv(merchant_id: str, filters: ExportFilters, now: datetime | None = None) -> Iterator[str]:
     """The merchant's intents matching ``filters`` as CSV text in chunks (the header row, then one chunk per
-    batch), newest first. The range is checked and the first batch read before this returns: a bad range (400)
-    or a database that cannot be reached (503) is answered before the first byte of the file is sent."""
+    batch), newest first. The range is checked, the merchant's EXPORTS_PER_MINUTE counted and the first batch read
+    before this returns: a bad range (400), too many exports (429) or a database that cannot be reached (503) is
+    answered before the first byte of the file is sent."""
     check_range(filters)
+    enforce(f"export:{merchant_id}", EXPORTS_PER_MINUTE)
     now = now or clock.now()
     batches = _batches(merchant_id, filters, now)
     first = next(batches)
@@ -189,7 +197,11 @@ def csv_row(row: Mapping[Any, Any], now: datetime) -> list[str]:
 
 
 def text_cell(value: str | None) -> str:
-    """A text cell: empty for None; a leading ``'`` when a spreadsheet would read it as a formula (OWASP)."""
+    """A text cell: empty for None; a leading ``'`` when a spreadsheet would read it as a formula (OWASP), or when
+    it starts with ``'`` itself (so one leading ``'`` removed is always the stored value)."""
     if value is None:
         return ""
-    return f"'{value}" if value.startswith(FORMULA_STARTS) else value
+    stripped = value.lstrip()
+    if value.startswith((*FORMULA_STARTS, "'")) or stripped[:1] in _FORMULA_AFTER_SPACES:
+        return f"'{value}"
+    return value

@@ -14,3 +14,11 @@ def dashboard(client: Any, merchant: MerchantHandle) -> Any:
     response = log_in(client, "shop@example.com")
     assert response.status_code == 302, response.data
     return client
+
+
+@pytest.fixture(autouse=True)
+def _exports_unlimited(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests here export many times a minute (the limit's own test: tests/intents/test_export.py)."""
+    from backend.intents import export
+
+    monkeypatch.setattr(export, "EXPORTS_PER_MINUTE", 0)

@@ -316,9 +316,25 @@ def test_a_cell_that_would_be_a_formula_gets_a_quote(client, merchant, first):
 def test_text_cells():
     for first in export.FORMULA_STARTS:
         assert export.text_cell(f"{first}1") == f"'{first}1"
-    for safe in ("1+1", "a=b", "'=already", " =x", "\n=x", "order-1", ""):
+    # Spaces before a trigger, full-width triggers, and a leading ' (so one ' removed is always the stored value).
+    for risky in (" =x", "\n=x", "\u3000+1", "\uff1d1+1", "\uff20SUM(A1)", "'=already", "'plain"):
+        assert export.text_cell(risky) == "'" + risky, risky
+    for safe in ("1+1", "a=b", "order-1", "Mugs = 2", ""):
         assert export.text_cell(safe) == safe
     assert export.text_cell(None) == ""
+
+
+def test_exports_are_limited_per_merchant(client, merchant, other_merchant, monkeypatch):
+    monkeypatch.setattr(export, "EXPORTS_PER_MINUTE", 2)
+    codes = []
+    for _ in range(3):
+        answer = client.get(EXPORT, headers=merchant.headers)
+        answer.close()
+        codes.append(answer.status_code)
+    assert codes == [200, 200, 429]
+    other = client.get(EXPORT, headers=other_merchant.headers)
+    other.close()
+    assert other.status_code == 200  # each merchant its own count
 
 
 def test_commas_quotes_and_line_breaks_survive(client, merchant):
