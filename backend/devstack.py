@@ -167,7 +167,7 @@ Pay in a browser (a 5 USDC demo intent, open for 30 minutes):
 payintent is running
   API            {base_url}/api/v1   (docs: {base_url}/api/v1/docs)
   dashboard      {base_url}/dashboard   (log in as {demo["email"]} / {demo["password"]})
-  demo merchant  {demo["merchant_id"]}
+  demo merchant  {demo["merchant_id"]}   (its payout wallets' keys: merchant_wallets in {demo_file.name})
   demo API key   {key}
   relayer        {relayer}
   health         {base_url}/healthz (up)   {base_url}/readyz (database, Redis, chains)
