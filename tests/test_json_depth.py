@@ -155,6 +155,7 @@ JSON_ROUTES = {
     ("/api/v1/x402/intents/<string:intent_id>/solana-transaction", "POST", True),
     ("/api/v1/webhooks", "POST", True),
     ("/api/v1/webhooks/test", "POST", True),
+    ("/api/v1/payment_links", "POST", True),
     ("/api/v1/checkout/intents/<string:intent_id>/solana-transaction", "POST", False),
     ("/api/v1/checkout/intents/<string:intent_id>/pay", "POST", False),
 }
