@@ -547,9 +547,8 @@ CONFIG = schemathesis.Config.from_dict(
 )
 # The document is the same for every app. Loaded as a plain document (no app attached), its cases go over HTTP to
 # the base URL given to each call: the test's app, served live.
-schema = schemathesis.openapi.from_dict(
-    _document_source().test_client().get("/api/v1/openapi.json").get_json(), config=CONFIG
-)
+DOCUMENT = _document_source().test_client().get("/api/v1/openapi.json").get_json()
+schema = schemathesis.openapi.from_dict(DOCUMENT, config=CONFIG)
 
 
 @schema.hook

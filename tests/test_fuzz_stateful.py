@@ -10,13 +10,11 @@ from typing import Any
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from tests.test_fuzz_api import CHECKS, CONFIG, _document_source, api_url, app, chains, known  # noqa: F401 - fixtures
+from tests.test_fuzz_api import CHECKS, CONFIG, DOCUMENT, api_url, app, chains, known  # noqa: F401 - fixtures
 
 # Its own schema object: without test_fuzz_api's hooks, which put fixed real ids into requests; here the ids come
 # from earlier answers, through the links.
-schema = schemathesis.openapi.from_dict(
-    _document_source().test_client().get("/api/v1/openapi.json").get_json(), config=CONFIG
-)
+schema = schemathesis.openapi.from_dict(DOCUMENT, config=CONFIG)
 
 STEPS = 10
 SEQUENCES = 150

@@ -155,12 +155,10 @@ def link_page(link_id: str) -> dict[str, Any]:
 
 
 def _pending_of(link_id: str, now: datetime) -> int:
+    """The link's intents whose effective status is pending (the list filter's own rule)."""
+    pending = intents._status_condition(PENDING, now)
     return (
-        db.session.scalar(
-            select(func.count())
-            .select_from(Intent)
-            .where(Intent.payment_link_id == link_id, Intent.status == PENDING, Intent.expires_at > now)
-        )
+        db.session.scalar(select(func.count()).select_from(Intent).where(Intent.payment_link_id == link_id, pending))
         or 0
     )
 
