@@ -21,6 +21,7 @@ from backend.facilitator.schemas import facilitator_components
 from backend.facilitator.views import blp as facilitator_blp
 from backend.http import JSONRequest
 from backend.http_errors import register_error_handlers
+from backend.intents.models import REFUND_ID_PATTERN
 from backend.intents.views import IntentIdConverter
 from backend.intents.views import blp as intents_blp
 from backend.jsonio import ExactJSONProvider, dumps, stored_loads
@@ -30,6 +31,8 @@ from backend.paymentlinks.services import LINK_ID_PATTERN
 from backend.paymentlinks.views import LinkIdConverter
 from backend.paymentlinks.views import blp as payment_links_blp
 from backend.schemas import JSON_VALUE, JSON_VALUE_SCHEMA, FlatMetadata, HttpUrl, UsdcAmount, openapi_override
+from backend.settlement.refund_views import RefundIdConverter
+from backend.settlement.refund_views import blp as refunds_blp
 from backend.settlement.schemas import x402_components
 from backend.settlement.views import blp as payments_blp
 from backend.webhooks.tasks import init_app as init_webhooks
@@ -151,6 +154,7 @@ def create_app(
     app.url_map.converters["webhook_id"] = WebhookIdConverter  # before the blueprints' rules are bound
     app.url_map.converters["link_id"] = LinkIdConverter
     app.url_map.converters["intent_id"] = IntentIdConverter
+    app.url_map.converters["refund_id"] = RefundIdConverter
     api.init_app(app)
     api.spec.components.security_scheme("bearerAuth", {"type": "http", "scheme": "bearer"})
     api.register_field(UsdcAmount, "number", None)
@@ -159,6 +163,7 @@ def create_app(
     api.register_converter(WebhookIdConverter, lambda _: {"type": "string", "pattern": f"^{WEBHOOK_ID_PATTERN}$"})
     api.register_converter(LinkIdConverter, lambda _: {"type": "string", "pattern": f"^{LINK_ID_PATTERN}$"})
     api.register_converter(IntentIdConverter, lambda _: {"type": "string", "minLength": 1})
+    api.register_converter(RefundIdConverter, lambda _: {"type": "string", "pattern": f"^{REFUND_ID_PATTERN}$"})
     api.ma_plugin.converter.add_attribute_function(openapi_override)  # a field's metadata["openapi"], last
     # Hand-written components (the x402 forms, for the configured networks), referenced by the schemas' fields.
     components = {JSON_VALUE: JSON_VALUE_SCHEMA, **x402_components(appstate.chains(app))}
@@ -170,6 +175,7 @@ def create_app(
     api.register_blueprint(facilitator_blp)
     api.register_blueprint(webhooks_blp)
     api.register_blueprint(payment_links_blp)
+    api.register_blueprint(refunds_blp)
     api.register_blueprint(checkout_blp)
     register_error_handlers(app)
 

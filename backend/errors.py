@@ -63,6 +63,12 @@ CATALOG: dict[str, ErrorKind] = {
     "PAYMENT_LINK_INACTIVE": ErrorKind(410, "The payment link was deactivated", "admin"),
     "PAYMENT_LINK_UNPAYABLE": ErrorKind(409, "The payment link's amount is over MAX_AMOUNT_USDC", "admin"),
     "TOO_MANY_PENDING_DELIVERIES": ErrorKind(409, "Too many test or replayed deliveries to the endpoint are pending"),
+    # Refunds (backend.intents.refunds, backend.settlement.refunds)
+    **_kinds(409, "Only a paid intent can be refunded; error.status", "INTENT_NOT_REFUNDABLE"),
+    **_kinds(409, "The refund exceeds what is left to refund; error.refundable_usdc", "REFUND_EXCEEDS_PAYMENT"),
+    **_kinds(409, "The refund was already signed and sent (or failed); error.status", "REFUND_NOT_PAYABLE"),
+    **_kinds(400, "The refund is not signed by the intent's payout wallet (its payTo); error.pay_from",
+             "REFUND_SIGNER_MISMATCH"),
     # Payments (/pay, the Solana transaction, the checkout balance)
     **_kinds(400, "A payment field is malformed; error.field names it", "INVALID_PAYLOAD"),
     **_kinds(400, "Not one of the intent's networks", "UNSUPPORTED_NETWORK"),

@@ -256,7 +256,13 @@ def _settle(settlement_id: str, redis: Redis) -> str:
         # Seen, not landed, on a rail whose send repeats the very same transaction (Solana: one signature): it is
         # sent again below, as a dropped broadcast would otherwise just expire (our sends ask for no retries).
     intent = db.session.get(Intent, settlement.intent_id, populate_existing=True)
-    paid_by_another = intent is not None and intent.status == PAID and intent.settlement_id != settlement_id
+    # A refund's settlement pays the buyer of an intent that is paid by design: never "paid by another".
+    paid_by_another = (
+        settlement.refund_id is None
+        and intent is not None
+        and intent.status == PAID
+        and intent.settlement_id != settlement_id
+    )
     db.session.rollback()  # the send's checks (RPCs) hold no connection; mark_submitted writes in a new transaction
     if paid_by_another:
         if _may_land_unwatched(rail, claim):

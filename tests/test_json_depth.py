@@ -156,14 +156,20 @@ JSON_ROUTES = {
     ("/api/v1/webhooks", "POST", True),
     ("/api/v1/webhooks/test", "POST", True),
     ("/api/v1/payment_links", "POST", True),
+    ("/api/v1/x402/intents/<intent_id:intent_id>/refunds", "POST", True),
+    ("/api/v1/refunds/<refund_id:refund_id>/pay", "POST", True),
     ("/api/v1/checkout/intents/<string:intent_id>/solana-transaction", "POST", False),
     ("/api/v1/checkout/intents/<string:intent_id>/pay", "POST", False),
 }
 
 
+SOME_REFUND_ID = "re_" + "0" * 32  # what the refund_id converter matches
+
+
 def url_of(rule: str) -> str:
     parts = rule.replace("<", ">").split(">")
-    return "".join(SOME_ID if n % 2 else part for n, part in enumerate(parts))
+    ids = [SOME_REFUND_ID if part.startswith("refund_id") else SOME_ID for part in parts]
+    return "".join(ids[n] if n % 2 else part for n, part in enumerate(parts))
 
 
 @pytest.mark.parametrize(("rule", "method", "keyed"), sorted(JSON_ROUTES))

@@ -41,9 +41,6 @@ HEADER = (
     "intent_id", "status", "amount_usdc", "chain", "tx_hash", "buyer_address", "created_at", "paid_at",
     "expires_at", "order_id", "description", "payment_link_id", "metadata", "refunded_usdc",
 )  # fmt: skip
-# Refunds do not exist yet: every intent has refunded nothing. The column is there so that files exported now and
-# after refunds exist have the same columns.
-NOT_REFUNDED = "0"
 
 # What the export reads: the list's columns but the wide ones it does not show (the requirements, the URLs).
 _EXPORT_COLUMNS = tuple(c for c in _COLUMNS if c.name not in {"payment_requirements", "redirect_url", "cancel_url"})
@@ -192,7 +189,7 @@ def csv_row(row: Mapping[Any, Any], now: datetime) -> list[str]:
         text_cell(row["description"]),
         text_cell(row["payment_link_id"]),
         text_cell(dumps(row["metadata"] or {})),
-        NOT_REFUNDED,
+        format(from_atomic(row["refunded_atomic"] or 0), "f"),
     ]
 
 

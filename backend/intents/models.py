@@ -3,7 +3,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, ForeignKey, Index, String
+from sqlalchemy import BigInteger, ForeignKey, Index, String, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from backend.extensions import JSONType, Model, UTCDateTime
@@ -51,3 +51,43 @@ class Intent(Model):
     # The payment link whose visit made this intent (backend.paymentlinks), if one did. Not a foreign key: links are
     # never deleted, and SQLite could add one only by rebuilding this table.
     payment_link_id: Mapped[str | None] = mapped_column(String(40))
+    # What the intent's refunds paid back (atomic units; backend.intents.refunds): raised with each refund.issued.
+    refunded_atomic: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+
+
+# A refund's statuses (backend.intents.refunds).
+REQUIRES_SIGNATURE = "requires_signature"
+PROCESSING = "processing"
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+REFUND_STATUSES = (REQUIRES_SIGNATURE, PROCESSING, SUCCEEDED, FAILED)
+REFUND_ID_PATTERN = r"re_[0-9a-f]{32}"
+
+
+class Refund(Model):
+    __tablename__ = "refunds"
+    __table_args__ = (
+        Index("ix_refunds_intent", "intent_id"),
+        Index("ix_refunds_merchant_created", "merchant_id", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    # RESTRICT: the record of money that moved is never deleted with its intent or merchant.
+    intent_id: Mapped[str] = mapped_column(ForeignKey("intents.id", ondelete="RESTRICT"))
+    merchant_id: Mapped[str] = mapped_column(ForeignKey("merchants.id", ondelete="RESTRICT"))
+    network: Mapped[str] = mapped_column(String(64))
+    amount_atomic: Mapped[int] = mapped_column(BigInteger)
+    # The merchant's wallet the payment landed in (the intent's payTo on ``network``): the only signer accepted.
+    pay_from: Mapped[str] = mapped_column(String(64))
+    pay_to: Mapped[str] = mapped_column(String(64))  # the buyer (the intent's buyer_address)
+    # The x402 ``exact`` requirement the merchant's wallet signs (the intent's, with payTo the buyer).
+    requirement: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    reason: Mapped[str | None] = mapped_column(String(500))
+    status: Mapped[str] = mapped_column(String(24))
+    settlement_id: Mapped[str | None] = mapped_column(String(40))
+    tx_hash: Mapped[str | None] = mapped_column(String(128))
+    failure_code: Mapped[str | None] = mapped_column(String(64))
+    failure_reason: Mapped[str | None] = mapped_column(String(500))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    succeeded_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

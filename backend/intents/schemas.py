@@ -8,7 +8,7 @@ from typing import Any
 from marshmallow import ValidationError, fields, validate
 
 from backend.intents.export import TIME_BOUND_PATTERN, parse_time_bound
-from backend.intents.models import STATUSES
+from backend.intents.models import REFUND_ID_PATTERN, REFUND_STATUSES, STATUSES
 from backend.schemas import FlatMetadata, HttpUrl, PageQuerySchema, StrictSchema, UsdcAmount, envelope, page_of, text
 
 
@@ -95,6 +95,38 @@ class PaymentRequirementSchema(StrictSchema):
     )
 
 
+class RefundSchema(StrictSchema):
+    refund_id = fields.String(required=True, metadata={"pattern": f"^{REFUND_ID_PATTERN}$"})
+    intent_id = fields.UUID(required=True)
+    amount_usdc = fields.Decimal(required=True, metadata={"type": "number"})
+    status = fields.String(
+        required=True,
+        metadata={
+            "enum": list(REFUND_STATUSES),
+            "description": "requires_signature (sign payment_requirements[0] with pay_from, then POST .../pay), "
+            "processing (sent), succeeded (executed on chain: tx_hash), failed (nothing moved; create another)",
+        },
+    )
+    network = fields.String(required=True, metadata={"description": "CAIP-2 id: the network the intent was paid on"})
+    pay_from = fields.String(
+        required=True, metadata={"description": "The merchant's wallet the payment landed in: the one that signs"}
+    )
+    pay_to = fields.String(required=True, metadata={"description": "The buyer's address (the intent's)"})
+    reason = fields.String(required=True, allow_none=True)
+    tx_hash = fields.String(required=True, allow_none=True, metadata={"description": "Set once succeeded"})
+    created_at = fields.String(required=True, metadata={"format": "date-time"})
+    succeeded_at = fields.String(required=True, allow_none=True, metadata={"format": "date-time"})
+    failure_code = fields.String(required=True, allow_none=True)
+    failure_reason = fields.String(required=True, allow_none=True)
+    payment_requirements = fields.List(
+        fields.Nested(PaymentRequirementSchema),
+        metadata={
+            "description": "While requires_signature: the one x402 exact requirement pay_from signs (payTo the "
+            "buyer, maxAmountRequired the refund's amount)"
+        },
+    )
+
+
 class IntentSchema(StrictSchema):
     intent_id = fields.UUID(required=True)
     status = fields.String(required=True, metadata={"enum": list(STATUSES)})
@@ -115,6 +147,24 @@ class IntentSchema(StrictSchema):
     payment_link_id = fields.String(
         required=True, allow_none=True, metadata={"description": "The payment link whose visit created the intent"}
     )
+    refunded_usdc = fields.Decimal(
+        required=True, metadata={"type": "number", "description": "What the intent's refunds paid back (succeeded)"}
+    )
+    refunds = fields.List(
+        fields.Nested(RefundSchema),
+        metadata={"description": "The intent's refunds, oldest first (when one intent is read)"},
+    )
+
+
+class CreateRefundSchema(StrictSchema):
+    amount_usdc = UsdcAmount(
+        metadata={"description": "At most what is left to refund (default: all of it); up to 6 decimals"}
+    )
+    reason = fields.String(validate=validate.Length(max=500), allow_none=True, metadata=text())
+
+
+class ListRefundsQuerySchema(PageQuerySchema):
+    intent_id = fields.String(validate=validate.Length(max=64), metadata=text(description="Only this intent's refunds"))
 
 
 class CancelledIntentSchema(StrictSchema):
@@ -125,3 +175,5 @@ class CancelledIntentSchema(StrictSchema):
 IntentEnvelope = envelope(IntentSchema, "IntentResponse")
 IntentPageEnvelope = envelope(page_of(IntentSchema, "intents", "IntentPage"), "IntentPageResponse")
 CancelledEnvelope = envelope(CancelledIntentSchema, "CancelledIntentResponse")
+RefundEnvelope = envelope(RefundSchema, "RefundResponse")
+RefundPageEnvelope = envelope(page_of(RefundSchema, "refunds", "RefundPage"), "RefundPageResponse")

@@ -39,7 +39,7 @@ _COLUMNS = (
     _intents.c.id, _intents.c.status, _intents.c.amount_atomic, _intents.c.order_id, _intents.c.description,
     _intents.c.metadata, _intents.c.redirect_url, _intents.c.cancel_url, _intents.c.payment_requirements,
     _intents.c.created_at, _intents.c.expires_at, _intents.c.tx_hash, _intents.c.buyer_address, _intents.c.chain,
-    _intents.c.paid_at, _intents.c.settlement_id, _intents.c.payment_link_id,
+    _intents.c.paid_at, _intents.c.settlement_id, _intents.c.payment_link_id, _intents.c.refunded_atomic,
 )  # fmt: skip
 _INSERT = insert(_intents)
 _GET = select(*_COLUMNS).where(
@@ -205,6 +205,7 @@ def new_intent(
         "paid_at": None,
         "settlement_id": None,
         "payment_link_id": params.payment_link_id,
+        "refunded_atomic": 0,
     }
     return row
 
@@ -392,4 +393,5 @@ def intent_to_dict(row: Mapping[Any, Any], checkout_host: str, now: datetime | N
         "chain": row["chain"],
         "paid_at": isoformat(row["paid_at"]),
         "payment_link_id": row["payment_link_id"],
+        "refunded_usdc": from_atomic(row["refunded_atomic"] or 0),
     }

@@ -15,7 +15,7 @@ from backend.errors import not_found
 from backend.extensions import db, release_autocommit_connection
 from backend.http import ApiBlueprint, ok, raw_json_response
 from backend.idempotency import services as idempotency
-from backend.intents import export, services
+from backend.intents import export, refunds, services
 from backend.intents.schemas import (
     CancelledEnvelope,
     CreateIntentSchema,
@@ -162,8 +162,8 @@ class IntentExport(MethodView):
         (exclusive), each an ISO 8601 date (its 00:00 UTC) or date-time; created_from after created_to is
         VALIDATION_ERROR (400). Columns: intent_id, status, amount_usdc (a decimal string), chain, tx_hash,
         buyer_address, created_at, paid_at, expires_at, order_id, description, payment_link_id, metadata (compact
-        JSON), refunded_usdc (0: refunds do not exist yet). A text cell that starts with = + - @, a tab or a
-        carriage return gets a leading ' (a spreadsheet would read it as a formula).
+        JSON), refunded_usdc (what its refunds paid back, a decimal string). A text cell that starts with = + - @, a
+        tab or a carriage return gets a leading ' (a spreadsheet would read it as a formula).
         """
         now = clock.now()
         chunks = export.export_csv(current_merchant_id(), export.ExportFilters(**args), now)
@@ -180,7 +180,10 @@ class IntentItem(MethodView):
         intent = authenticated(lambda secret: services.key_and_intent(secret, intent_id))
         if intent is None:
             raise not_found("Intent")
-        return ok(services.intent_to_dict(intent, _settings().checkout_host))
+        answer = services.intent_to_dict(intent, _settings().checkout_host)
+        if intent["status"] == "paid":  # only a paid intent has refunds
+            answer["refunds"] = [refunds.refund_to_dict(refund) for refund in refunds.refunds_of(intent["id"])]
+        return ok(answer)
 
     @api_key_required
     @blp.alt_response(200, schema=CancelledEnvelope, success=True, description="The intent is cancelled")

@@ -4,7 +4,7 @@ Order: the intent's state first (so a retry of a settled payment gets ALREADY_PA
 spec's error table asks, whatever it carries), then the payment payload is read in any form
 x402 clients send (``settlement.x402``), matched to the intent's requirement and its signature
 verified (offline) and the chain asked (the rail: ``backend.rails``), then the
-intent is claimed (if the merchant's relay budget and open settlements leave room: ``_budget``)
+intent is claimed (if the merchant's relay budget and open settlements leave room: ``relay_admission``)
 and the relayer is asked to submit. The answer waits for the relayer
 up to ``wait_seconds``; after that the reconciler finishes the job in the background.
 """
@@ -123,9 +123,9 @@ def submit_payment(
         claimed_id, merchant = intent.id, intent.merchant_id
         db.session.rollback()
         with step("check_on_chain"):
-            checked = rail.check_on_chain(network, requirement, terms, _ReadThenRelease())
+            checked = rail.check_on_chain(network, requirement, terms, ReadThenRelease())
         with step("budget"):
-            admit = _budget(merchant, network, checked.terms, settings)
+            admit = relay_admission(merchant, network, checked.terms, settings)
         with step("claim"):
             settlement_id = services.claim(
                 claimed_id,
@@ -154,7 +154,7 @@ def submit_payment(
         return settlement_result(settlement_id)
 
 
-class _ReadThenRelease(PayeeLedger):
+class ReadThenRelease(PayeeLedger):
     """The ledger for the checks before the claim: each read ends its transaction, so the RPC calls after it (a
     Solana simulation) hold no database connection. Only there: elsewhere (the relayer) a read may sit inside
     a transaction that must go on."""
@@ -200,7 +200,7 @@ def wait_settled(redis: Redis, settlement_id: str, wait_seconds: float) -> bool:
     return False
 
 
-def _budget(merchant_id: str, network: Network, terms: Terms, settings: Settings) -> Callable[[int], None]:
+def relay_admission(merchant_id: str, network: Network, terms: Terms, settings: Settings) -> Callable[[int], None]:
     """What the claim asks before it commits the relay to this settlement: the merchant's relay budget on
     the network must hold what it spent, what its open settlements may still cost, and this one's most
     (Solana: its exact fee; EVM: ``relaybudget.max_settlement_cost``). Costs are worked out here, before

@@ -48,6 +48,7 @@ class Settlement(Model):
         CheckConstraint(_terms_of_its_rail(), name="terms_of_rail"),
         Index("ix_settlements_status_updated", "status", "updated_at"),
         Index("ix_settlements_watched_at", "watched_at"),
+        Index("ix_settlements_refund", "refund_id"),
         # One open settlement per (account, nonce): the record is fenced even when two processes believe they own
         # the account (a lease lost unseen); a replacement of a settlement's own transaction keeps its row.
         Index(
@@ -103,6 +104,9 @@ class Settlement(Model):
     watched_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     # When the watch found the chain had decided (executed and recorded, or it can never execute).
     watch_done_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # A refund's settlement (backend.settlement.refunds): the merchant's wallet pays the intent's buyer back. It
+    # never holds or pays its intent (already paid); its confirmation finishes the refund. None: a payment.
+    refund_id: Mapped[str | None] = mapped_column(String(40))
 
 
 def settlement_terms(settlement: Settlement) -> Terms:

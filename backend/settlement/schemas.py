@@ -249,6 +249,10 @@ class PaySchema(StrictSchema):
     payment_signature = PaymentSignatureField(required=True)
 
 
+class RefundPaySchema(StrictSchema):
+    payment_signature = PaymentSignatureField(required=True)
+
+
 class PaymentResultSchema(StrictSchema):
     tx_hash = fields.String(required=True)
     settled_at = fields.String(required=True, metadata={"format": "date-time"})

@@ -27,6 +27,7 @@ from backend.events.models import Event
 from backend.events.services import record_event
 from backend.extensions import UTCDateTime, db, rowcount
 from backend.ids import prefixed_id
+from backend.intents import refunds
 from backend.intents.models import PAID, PENDING, Intent
 from backend.intents.services import effective_status
 from backend.merchants.models import Wallet
@@ -66,19 +67,26 @@ def requirement_for(
 
     A v2 submission's ``accepted`` must also be that requirement (``x402.check_accepted``).
     """
+    return match_requirement(intent.payment_requirements, submission, registry, "intent")
+
+
+def match_requirement(
+    requirements: list[dict[str, Any]], submission: PaymentSubmission, registry: ChainRegistry | None, what: str
+) -> dict[str, Any]:
+    """The requirement among ``requirements`` (of an intent, or a refund: ``what``) that the submission answers."""
     if submission.x402_version not in X402_VERSIONS:
         raise DomainError("UNSUPPORTED_X402_VERSION", f"x402Version must be one of {list(X402_VERSIONS)}")
     if submission.scheme != "exact":
         raise DomainError("UNSUPPORTED_SCHEME", "Only the 'exact' scheme is supported")
-    for requirement in intent.payment_requirements:
+    for requirement in requirements:
         if requirement["network"] == submission.network:
             if submission.accepted is not None:
                 check_accepted(submission.accepted, requirement, registry)
             return requirement
-    offered = [r["network"] for r in intent.payment_requirements]
+    offered = [r["network"] for r in requirements]
     raise DomainError(
         "UNSUPPORTED_NETWORK",
-        f"This intent cannot be paid on {submission.network!r}; it offers {', '.join(offered)}",
+        f"This {what} cannot be paid on {submission.network!r}; it offers {', '.join(offered)}",
         networks=offered,
     )
 
@@ -199,7 +207,7 @@ def record_failed_attempt(intent: Intent, reason: str, code: str) -> bool:
 _CLAIM_LOCK_CLASS = 0x5354
 
 
-def _claim_locks(intent_id: str, locks: list[tuple[int, str]]) -> None:
+def claim_locks(intent_id: str, locks: list[tuple[int, str]]) -> None:
     """Until this transaction ends, no other claim holding any of ``locks`` ((lock class, key), taken in their
     order) passes this point."""
     if not locks:
@@ -213,7 +221,13 @@ def _claim_locks(intent_id: str, locks: list[tuple[int, str]]) -> None:
         db.session.execute(_TOUCH_INTENT, {"intent_id": intent_id})
 
 
-def _merchant_network_lock(merchant_id: str, network_id: str) -> tuple[int, str]:
+def lock_intent_row(intent_id: str) -> None:
+    """Until this transaction ends, no other transaction writes the intent (PostgreSQL: its row lock; SQLite: the
+    database's write lock): a refund's claim counts the intent's refunds under it."""
+    db.session.execute(_TOUCH_INTENT, {"intent_id": intent_id})
+
+
+def merchant_network_lock(merchant_id: str, network_id: str) -> tuple[int, str]:
     """No other claim of the merchant on the network passes while this is held."""
     return _CLAIM_LOCK_CLASS, f"{merchant_id}|{network_id}"
 
@@ -224,7 +238,7 @@ _PAYER_LOCK_CLASS = 0x5350
 PAYER_RETRY_SECONDS = 30
 
 
-def _payer_lock(payer: str) -> tuple[int, str]:
+def payer_lock(payer: str) -> tuple[int, str]:
     """No other claim by the payer passes while this is held (taken after the (merchant, network) lock, never
     before it: no two claims wait on each other in opposite order)."""
     return _PAYER_LOCK_CLASS, payer
@@ -235,7 +249,7 @@ def count_open_of_payer(payer: str) -> int:
     return int(db.session.scalar(_OPEN_OF_PAYER, {"payer": payer}) or 0)
 
 
-def _refuse_busy_payer(payer: str, open_of_payer: int) -> DomainError:
+def refuse_busy_payer(payer: str, open_of_payer: int) -> DomainError:
     log.warning("payer %s: %d payments open (the cap)", payer, open_of_payer)
     return DomainError(
         "PAYER_TOO_MANY_OPEN_PAYMENTS",
@@ -282,10 +296,10 @@ def claim(
     except DomainError:
         db.session.rollback()
         raise
-    locks = [_merchant_network_lock(merchant_id, network.network)] if admit is not None else []
+    locks = [merchant_network_lock(merchant_id, network.network)] if admit is not None else []
     if max_open_per_payer:
-        locks.append(_payer_lock(terms.payer))
-    _claim_locks(intent_id, locks)
+        locks.append(payer_lock(terms.payer))
+    claim_locks(intent_id, locks)
     # Counted once every lock is held (one statement when both are wanted).
     if admit is not None and max_open_per_payer:
         counted = db.session.execute(
@@ -325,7 +339,7 @@ def claim(
         raise DomainError("PAYMENT_IN_PROGRESS", "A payment for this intent is being settled; read the intent")
     if max_open_per_payer and open_of_payer >= max_open_per_payer:
         db.session.rollback()  # after the claim: a payment already in progress is told so first
-        raise _refuse_busy_payer(terms.payer, open_of_payer)
+        raise refuse_busy_payer(terms.payer, open_of_payer)
     if admit is not None:
         try:
             admit(open_settlements)  # after the claim: a payment already in progress is told so first
@@ -442,14 +456,19 @@ def complete_settlement(settlement_id: str, tx_hash: str) -> bool:
         .where(Settlement.id == settlement_id, Settlement.status != st.CONFIRMED)
         .values(status=st.CONFIRMED, tx_hash=tx_hash, finished_at=now, updated_at=now,
                 failure_code=None, failure_reason=None)
-        .returning(Settlement.intent_id, Settlement.payer, Settlement.network, Settlement.amount_atomic)
+        .returning(Settlement.intent_id, Settlement.payer, Settlement.network, Settlement.amount_atomic,
+                   Settlement.refund_id)
         .execution_options(synchronize_session=False)  # no object of the session is told (none is read here)
     ).first()  # fmt: skip
     if done is None:  # no such settlement, or another process completed it in the meantime (and wrote its event)
         exists = db.session.scalar(select(Settlement.id).where(Settlement.id == settlement_id)) is not None
         db.session.rollback()
         return exists
-    intent_id, payer, network, settled_atomic = done
+    intent_id, payer, network, settled_atomic, refund_id = done
+    if refund_id is not None:  # a refund's authorization executed: the refund succeeded (its intent stays paid)
+        refunds.mark_succeeded(refund_id, tx_hash, now)
+        db.session.commit()
+        return True
     paid = db.session.execute(
         update(Intent)
         .where(Intent.id == intent_id, Intent.status != PAID)
@@ -542,6 +561,10 @@ def fail_settlement(settlement_id: str, code: str, reason: str) -> bool:
     if rowcount(done) != 1:
         db.session.rollback()
         return False
+    if settlement.refund_id is not None:  # a refund's: it never held its intent, and no payment failed
+        refunds.mark_failed(settlement.refund_id, code, reason, now)
+        db.session.commit()
+        return True
     db.session.execute(
         update(Intent)
         .where(Intent.id == settlement.intent_id, Intent.settlement_id == settlement_id, Intent.status == PENDING)

@@ -81,29 +81,37 @@ def prepare_transaction(
     """
     services.check_payable(intent, clock.now())
     requirement, network = solana_requirement(intent, registry, network_id)
+    return prepare_for(network, requirement, payer, intent.id, intent.merchant_id, settings)
+
+
+def prepare_for(
+    network: Network, requirement: dict[str, Any], payer: str, memo: str, merchant_id: str, settings: Settings
+) -> dict[str, Any]:
+    """The base64 transaction ``payer`` signs to pay ``requirement`` (an intent's, or a refund's: the merchant's
+    wallet pays the buyer back), with ``memo`` (the intent's or the refund's id); see ``prepare_transaction``.
+    Commits nothing, and ends the session's transaction before the chain's reads."""
     try:
         payer = normalize_solana_address(payer)
     except AddressError as exc:
         raise DomainError("VALIDATION_ERROR", f"payer: {exc}", fields={"payer": [str(exc)]}) from None
     fee_payer = relay(network)
     if payer == requirement["payTo"]:
-        raise DomainError("PAYER_IS_RECIPIENT", "The payer is the merchant's own wallet")
+        raise DomainError("PAYER_IS_RECIPIENT", "The payer is the recipient's own wallet")
     if payer == fee_payer:
         raise DomainError("VALIDATION_ERROR", "payer: the relay cannot pay", fields={"payer": ["is the relay"]})
     # Before any RPC (a refused merchant costs nothing), and with the least this transaction costs the relay:
     # advisory (no lock; /pay decides), it never refuses what /pay would admit.
     least = 2 * stx.LAMPORTS_PER_SIGNATURE + stx.priority_fee(stx.COMPUTE_UNIT_LIMIT, stx.COMPUTE_UNIT_PRICE)
     relaybudget.admit(
-        intent.merchant_id,
+        merchant_id,
         network,
         settings,
         cost=least,
-        open_settlements=services.count_open(intent.merchant_id, network.network),
-        open_cost=relaybudget.max_settlement_cost(network, settings, intent.merchant_id),
+        open_settlements=services.count_open(merchant_id, network.network),
+        open_cost=relaybudget.max_settlement_cost(network, settings, merchant_id),
         endpoint=relaybudget.PREPARE,
     )
     # Read-only so far: the transaction ends before the RPC calls, which hold no database connection.
-    intent_id = intent.id
     db.session.rollback()
     chain = solana_chain(network)
     amount = int(requirement["maxAmountRequired"])
@@ -117,7 +125,7 @@ def prepare_transaction(
     if (balance or 0) < amount:
         raise DomainError(
             "SETTLEMENT_FAILED",
-            "The buyer's USDC balance is too low for this payment",
+            "The payer's USDC balance is too low for this payment",
             reason=f"insufficient balance: {from_atomic(balance or 0)} USDC available, {from_atomic(amount)} required",
         )
     try:
@@ -146,7 +154,7 @@ def prepare_transaction(
         mint=requirement["asset"],
         pay_to=requirement["payTo"],
         amount_atomic=amount,
-        intent_id=intent_id,
+        intent_id=memo,
         recent_blockhash=blockhash.blockhash,
         create_payee_account=rent > 0,
     )

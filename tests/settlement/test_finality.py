@@ -12,7 +12,9 @@ The chain is put back as it was after each test (snapshot), so the session's oth
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -37,7 +39,7 @@ from backend.settlement.reconcile import reconcile
 from payintent.eip3009 import sign_authorization
 from relayer.faults import CRASH_EXIT_CODE
 from tests.conftest import make_settings, truncate_all
-from tests.settlement.conftest import stop_process
+from tests.settlement.conftest import start_relayer, stop_process
 from tests.settlement.test_duplicate import _execute
 from tests.settlement.test_pay import create_intent, pay, requirement
 from tests.settlement.test_payer_code import relay_addresses
@@ -99,9 +101,38 @@ class Careful(Isolated):
 
     chains: ChainRegistry
     chains_file: str
+    logs: Path  # each relayer's output, one file per process (``relayer_output``)
 
     def relayer(self, fault: str | None = None, **env: str) -> Any:
-        return super().relayer(fault, CHAINS_FILE=self.chains_file, **env)
+        """A relayer on this test's queue and chains file, its output (at INFO unless the tests' relayer log level
+        is set) kept in a file under the test's tmp_path: a failure shows it (``explained``)."""
+        level = os.environ.get("PAYINTENT_TEST_RELAYER_LOG_LEVEL", "INFO")
+        extra = {"RELAYER_QUEUE": self.queue, "CHAINS_FILE": self.chains_file, "LOG_LEVEL": level,
+                 **({"PAYINTENT_FAULT": fault} if fault else {}), **env}  # fmt: skip
+        self.logs.mkdir(exist_ok=True)
+        log_file = self.logs / f"relayer-{len(list(self.logs.iterdir()))}-{fault or 'healthy'}.log"
+        log_file.write_text(f"--- relayer {fault=} started {datetime.now(UTC).isoformat()}\n")
+        return start_relayer(self.db_url, self.redis_url, self.chains_file, log_file=log_file, **extra)
+
+    def relayer_output(self) -> str:
+        if not self.logs.is_dir():
+            return "(no relayer started)"
+        files = sorted(self.logs.iterdir(), key=lambda f: int(f.name.split("-")[1]))
+        return "\n".join(f"=== {f}\n{f.read_text(errors='replace')}" for f in files)
+
+    @contextlib.contextmanager
+    def explained(self, intent_id: str) -> Iterator[None]:
+        """A failing assertion inside says what the relayers wrote and what the settlement row holds."""
+        try:
+            yield
+        except AssertionError as exc:
+            try:
+                row, intent = self.settlement(intent_id), self.intent_row(intent_id).status
+                state = (f"settlement {row.id}: status={row.status} tx_hash={row.tx_hash} relay={row.relay_address} "
+                         f"nonce={row.relay_nonce} failure={row.failure_code}; intent {intent}")  # fmt: skip
+            except Exception as err:  # the message must not hide the failure
+                state = f"(settlement row unreadable: {err!r})"
+            raise AssertionError(f"{exc}\n{state}\nrelayer output:\n{self.relayer_output()}") from exc
 
     def reconcile_later(self, seconds: int = 60) -> dict[str, int]:
         later = datetime.now(UTC) + timedelta(seconds=seconds)
@@ -135,7 +166,7 @@ def careful(db_url: str, redis_server_url: str, devnet: Any, tmp_path: Path) -> 
     app = create_app(settings, chains=registry)
     with app.app_context():
         handle = Careful(app, queue, db_url, redis_server_url, devnet)
-        handle.chains, handle.chains_file = registry, str(chains_file)
+        handle.chains, handle.chains_file, handle.logs = registry, str(chains_file), tmp_path / "relayers"
         yield handle
         db.session.remove()
         db.engine.dispose()
@@ -190,56 +221,57 @@ def test_a_reorg_that_undoes_the_payment_is_not_paid_and_the_payment_is_sent_aga
 
     intent = create_intent(careful.client, careful.shop, 3)
     intent_id = intent["intent_id"]
-    payload = sign_authorization(careful.devnet.buyer(1).key, requirement(intent, NETWORK))
-    chain.pause()
-    crashing = careful.relayer(fault="before-finish")  # dies after it has read the receipt
-    try:
-        assert pay(careful.client, careful.shop, intent, NETWORK, payload).status_code == 504
-        tx_hash = careful.wait_settlement(intent_id, "submitted").tx_hash
-        assert tx_hash
-        chain.wait_in_pool(tx_hash)
-        fork = chain.rpc("evm_snapshot")  # the chain before the payment's block
-        chain.mine()
-        assert crashing.wait(timeout=60) == CRASH_EXIT_CODE
-    finally:
-        stop_process(crashing)
-    w3 = careful.devnet.w3(NETWORK)
-    receipt = dict(w3.eth.get_transaction_receipt(tx_hash))  # what the relayer saw before it waited
-    assert receipt["status"] == 1 and careful.devnet.balance(NETWORK, careful.payout) == 3_000_000
-    careful.reconcile_later()  # executed, not final: neither paid nor released
-    assert careful.intent_row(intent_id).status == "pending" and careful.settlement(intent_id).status == "submitted"
+    with careful.explained(intent_id):  # a failure shows the relayers' output
+        payload = sign_authorization(careful.devnet.buyer(1).key, requirement(intent, NETWORK))
+        chain.pause()
+        crashing = careful.relayer(fault="before-finish")  # dies after it has read the receipt
+        try:
+            assert pay(careful.client, careful.shop, intent, NETWORK, payload).status_code == 504
+            tx_hash = careful.wait_settlement(intent_id, "submitted").tx_hash
+            assert tx_hash
+            chain.wait_in_pool(tx_hash)
+            fork = chain.rpc("evm_snapshot")  # the chain before the payment's block
+            chain.mine()
+            assert crashing.wait(timeout=60) == CRASH_EXIT_CODE
+        finally:
+            stop_process(crashing)
+        w3 = careful.devnet.w3(NETWORK)
+        receipt = dict(w3.eth.get_transaction_receipt(tx_hash))  # what the relayer saw before it waited
+        assert receipt["status"] == 1 and careful.devnet.balance(NETWORK, careful.payout) == 3_000_000
+        careful.reconcile_later()  # executed, not final: neither paid nor released
+        assert careful.intent_row(intent_id).status == "pending" and careful.settlement(intent_id).status == "submitted"
 
-    chain.rpc("evm_revert", fork)  # a reorg: the payment's block is replaced ...
-    chain.pause()
-    chain.mine(CONFIRMATIONS)  # ... by empty blocks, deeper than the confirmations
-    assert careful.devnet.balance(NETWORK, careful.payout) == 0  # the money did not move after all
-    # The relayer, back from waiting for the receipt's confirmations, must not take the height for finality.
-    settlement = careful.settlement(intent_id)
-    network = careful.chains.get(NETWORK)
-    landed = status_of(evm_chain(network), receipt, None)  # what the relayer saw, as its rail's watch says it
-    outcome = _finish(rail_for(network), network, settlement, settlement_claim(settlement), landed)
-    row = careful.intent_row(intent_id)
-    assert row.status == "pending" and row.tx_hash is None, outcome  # not paid with money that never moved
-    assert careful.events("payment.completed", intent_id) == []
-    assert outcome == "reorged-out"
-    assert careful.settlement(intent_id).status == "submitted"  # still claimed, still valid
+        chain.rpc("evm_revert", fork)  # a reorg: the payment's block is replaced ...
+        chain.pause()
+        chain.mine(CONFIRMATIONS)  # ... by empty blocks, deeper than the confirmations
+        assert careful.devnet.balance(NETWORK, careful.payout) == 0  # the money did not move after all
+        # The relayer, back from waiting for the receipt's confirmations, must not take the height for finality.
+        settlement = careful.settlement(intent_id)
+        network = careful.chains.get(NETWORK)
+        landed = status_of(evm_chain(network), receipt, None)  # what the relayer saw, as its rail's watch says it
+        outcome = _finish(rail_for(network), network, settlement, settlement_claim(settlement), landed)
+        row = careful.intent_row(intent_id)
+        assert row.status == "pending" and row.tx_hash is None, outcome  # not paid with money that never moved
+        assert careful.events("payment.completed", intent_id) == []
+        assert outcome == "reorged-out"
+        assert careful.settlement(intent_id).status == "submitted"  # still claimed, still valid
 
-    # The reconciler finds it unused and still valid: it is sent again, and this time it stays.
-    chain.rpc("evm_setIntervalMining", 1)
-    # Its recorded nonce is unconsumed again (the reorg): sent again only at that (account, nonce), by a process
-    # that owns the account (review-evmwait M2). The crashed process's lease, as if its 30 s had passed:
-    crashed = careful.settlement(intent_id).relay_address
-    Redis.from_url(careful.redis_url).delete(LEASE_KEY.format(NETWORK, crashed))
-    healthy = careful.relayer()
-    try:
-        assert careful.reconcile_later(300)["resent"] == 1
-        row = careful.wait_paid(intent_id, timeout=90)
-    finally:
-        stop_process(healthy)
-    assert careful.devnet.balance(NETWORK, careful.payout) == 3_000_000
-    final = w3.eth.get_transaction_receipt(row.tx_hash)
-    assert final["status"] == 1 and w3.eth.block_number - final["blockNumber"] + 1 >= CONFIRMATIONS
-    assert len(careful.events("payment.completed", intent_id)) == 1
+        # The reconciler finds it unused and still valid: it is sent again, and this time it stays.
+        chain.rpc("evm_setIntervalMining", 1)
+        # Its recorded nonce is unconsumed again (the reorg): sent again only at that (account, nonce), by a process
+        # that owns the account (review-evmwait M2). The crashed process's lease, as if its 30 s had passed:
+        crashed = careful.settlement(intent_id).relay_address
+        Redis.from_url(careful.redis_url).delete(LEASE_KEY.format(NETWORK, crashed))
+        healthy = careful.relayer()
+        try:
+            assert careful.reconcile_later(300)["resent"] == 1
+            row = careful.wait_paid(intent_id, timeout=90)
+        finally:
+            stop_process(healthy)
+        assert careful.devnet.balance(NETWORK, careful.payout) == 3_000_000
+        final = w3.eth.get_transaction_receipt(row.tx_hash)
+        assert final["status"] == 1 and w3.eth.block_number - final["blockNumber"] + 1 >= CONFIRMATIONS
+        assert len(careful.events("payment.completed", intent_id)) == 1
 
 
 def test_used_with_its_log_out_of_the_search_range_is_never_released(careful, chain):
