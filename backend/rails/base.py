@@ -80,7 +80,7 @@ class Claim:
     before it was broadcast). ``settlement_id`` names it in logs only."""
 
     settlement_id: str
-    intent_id: str
+    intent_id: str  # what the payment names (Solana: its memo): the intent's id, or a refund's for a refund
     asset: str
     terms: Terms
     tx_id: str | None

@@ -121,7 +121,8 @@ def settlement_claim(settlement: Settlement) -> Claim:
     """The settlement as its rail sees it: terms and our own transaction (``rails.base.Claim``)."""
     return Claim(
         settlement_id=settlement.id,
-        intent_id=settlement.intent_id,
+        # What the payment names (Solana: its memo): the refund's id for a refund's settlement.
+        intent_id=settlement.refund_id or settlement.intent_id,
         asset=settlement.asset,
         terms=settlement_terms(settlement),
         tx_id=settlement.tx_hash,
