@@ -129,6 +129,24 @@ def test_dev_stack_serves_the_seeded_demo_merchant(tmp_path):
         ).json()["result"]["value"][0]  # fmt: skip
         assert status is not None and status["err"] is None
 
+        # The refund example refunds part of each, signed with the demo payout wallets' keys from var/demo.json.
+        for paid_summary, amount in ((summary, "0.25"), (sol_summary, "0.5")):
+            refunded = subprocess.run(
+                [sys.executable, str(EXAMPLES / "refund.py"), "--intent-id", paid_summary["intent_id"],
+                 "--amount", amount],
+                env=agent_env, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert refunded.returncode == 0, refunded.stderr
+            refund = json.loads(refunded.stdout.splitlines()[-1])
+            assert refund["status"] == "succeeded" and refund["tx_hash"], refund
+            assert refund["pay_to"] == paid_summary["buyer_address"] and str(refund["amount_usdc"]) == amount
+            intent = requests.get(
+                f"http://127.0.0.1:{port}/api/v1/x402/intents/{paid_summary['intent_id']}",
+                headers={"Authorization": f"Bearer {demo['api_key']}"},
+                timeout=10,
+            ).json()["data"]
+            assert str(intent["refunded_usdc"]) == amount and intent["refunds"][0]["tx_hash"] == refund["tx_hash"]
+
         deliveries = receiver.wait_for(2, timeout=5)  # payment.completed of both payments
         for delivered in deliveries:
             verify_signature(delivered.body, delivered.headers["Service-Signature"], hook.json()["data"]["secret"])

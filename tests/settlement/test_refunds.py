@@ -7,8 +7,8 @@ refunds of one intent never exceed what was paid, sequential or concurrent.
 from __future__ import annotations
 
 import json
-from decimal import Decimal
 from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -55,7 +55,9 @@ def pay_refund(client: Any, shop: Any, refund: dict[str, Any], payload: dict[str
 
 def refund_events() -> list[dict[str, Any]]:
     db.session.expire_all()
-    return [json.loads(e.payload)["data"] for e in db.session.scalars(select(Event).where(Event.type == "refund.issued"))]
+    return [
+        json.loads(e.payload)["data"] for e in db.session.scalars(select(Event).where(Event.type == "refund.issued"))
+    ]
 
 
 def test_a_partial_refund_lands_once_in_the_buyers_wallet_and_a_replay_moves_nothing(pay_client, wallet_shop, devnet):
@@ -69,7 +71,9 @@ def test_a_partial_refund_lands_once_in_the_buyers_wallet_and_a_replay_moves_not
     assert refund["pay_from"] == wallet and refund["pay_to"] == buyer.address and refund["network"] == NETWORK
     (req,) = refund["payment_requirements"]
     assert req["payTo"] == buyer.address and req["maxAmountRequired"] == "750000" and req["network"] == NETWORK
-    assert req["asset"] == requirement(intent, NETWORK)["asset"] and req["extra"] == requirement(intent, NETWORK)["extra"]
+    assert (
+        req["asset"] == requirement(intent, NETWORK)["asset"] and req["extra"] == requirement(intent, NETWORK)["extra"]
+    )
 
     buyer_before, wallet_before = devnet.balance(NETWORK, buyer.address), devnet.balance(NETWORK, wallet)
     assert wallet_before == 2_000_000

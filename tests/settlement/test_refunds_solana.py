@@ -17,7 +17,7 @@ def prepared(client: Any, shop: Any, refund: dict[str, Any]) -> Any:
     return client.post(f"{REFUNDS}/{refund['refund_id']}/solana-transaction", headers=shop.headers)
 
 
-def test_a_solana_refund_lands_once_in_the_buyers_account_and_the_relay_pays_the_fee(pay_client, sol_shop, devnet, sol):
+def test_a_solana_refund_lands_once_in_the_buyers_account_and_the_relay_pays_the_fee(pay_client, sol_shop, devnet, sol):  # noqa: F811
     payer = buyer(devnet, 0)
     buyer_address = str(payer.pubkey())
     intent = create_intent(pay_client, sol_shop, 2.5)

@@ -372,6 +372,48 @@ class PayIntentClient:
         body = {"intent_id": intent_id, "payment_signature": dict(payment_signature)}
         return self._request("POST", "/x402/pay", body=body, timeout=self.pay_timeout)
 
+    # --- refunds (the merchant's payout wallet pays the buyer back; the service relays) ---------------
+
+    def create_refund(
+        self, intent_id: str, amount_usdc: Decimal | str | int | None = None, *, reason: str | None = None
+    ) -> dict[str, Any]:
+        """Refund a paid intent: ``amount_usdc`` (default: all that is left to refund). The answer is the refund in
+        ``requires_signature``, with the one requirement its ``pay_from`` wallet signs (:meth:`pay_refund`)."""
+        body: dict[str, Any] = {}
+        if amount_usdc is not None:
+            body["amount_usdc"] = _exact_amount(amount_usdc)
+        if reason is not None:
+            body["reason"] = reason
+        return self._request("POST", f"/x402/intents/{quote(str(intent_id), safe='')}/refunds", body=body)
+
+    def get_refund(self, refund_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/refunds/{quote(str(refund_id), safe='')}")
+
+    def pay_refund(self, refund: Mapping[str, Any], wallet: Any) -> dict[str, Any]:
+        """Sign the refund's requirement with the merchant's payout ``wallet`` (an eth-account account or key, or a
+        solders ``Keypair`` for Solana) and send it: the refund, ``succeeded`` with its ``tx_hash`` once it
+        executed (``processing`` if the chain took longer than the service waits). Sent once, no retry: a refund
+        is paid once (``REFUND_NOT_PAYABLE`` after that)."""
+        (requirement,) = refund["payment_requirements"]
+        refund_id = quote(str(refund["refund_id"]), safe="")
+        if requirement["network"].startswith("solana:"):
+            from payintent import solana_tx
+
+            built = self._request("POST", f"/refunds/{refund_id}/solana-transaction")
+            signed = solana_tx.sign_as(solana_tx.decode(built["transaction"]), wallet)
+            fee_payer = str((requirement.get("extra") or {}).get("feePayer") or built["fee_payer"])
+            # Sign only what the refund says: exactly its amount, to the buyer, the relay paying the fee only.
+            solana_tx.check_payment(signed, dict(requirement), str(refund["refund_id"]), fee_payer)
+            payload: dict[str, Any] = {"transaction": solana_tx.encode(signed)}
+        else:
+            payload = sign_authorization(
+                wallet, requirement, now=int(self._clock()), valid_for=DEFAULT_VALIDITY_SECONDS
+            )
+        signature = {"scheme": "exact", "network": requirement["network"], "x402Version": 1, "payload": payload}
+        return self._request(
+            "POST", f"/refunds/{refund_id}/pay", body={"payment_signature": signature}, timeout=self.pay_timeout
+        )
+
     # --- the x402 facilitator API (what resource servers call: our paywall, the official middlewares) ----------
 
     def facilitator_supported(self) -> dict[str, Any]:
