@@ -18,6 +18,7 @@ from backend.dashboard.chart import Chart, volume_chart
 from backend.dashboard.forms import Form, sentence
 from backend.errors import not_found
 from backend.extensions import db
+from backend.intents import refunds as intent_refund_records
 from backend.intents import services as intents
 from backend.intents.models import STATUSES
 from backend.intents.volume import daily_volume
@@ -186,6 +187,11 @@ def intent_page(merchant_id: str, form: Form, checkout_host: str) -> tuple[list[
     )
     now = clock.now()
     return [intents.intent_to_dict(row, checkout_host, now) for row in rows], total
+
+
+def intent_refunds(intent_id: str) -> list[dict[str, Any]]:
+    """The refunds of an (already scoped) intent, oldest first, as the API shows them."""
+    return [intent_refund_records.refund_to_dict(refund) for refund in intent_refund_records.refunds_of(intent_id)]
 
 
 def duplicate_payments(intent_id: str) -> list[dict[str, Any]]:

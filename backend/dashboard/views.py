@@ -563,4 +563,6 @@ def intent_export() -> Any:
 def intent_detail(intent_id: str) -> Any:
     intent, requirements, explorer = services.intent_detail(_merchant_id(), intent_id, _registry(), _checkout_host())
     duplicates = services.duplicate_payments(str(intent["intent_id"]))
-    return render("intent.html", intent=intent, requirements=requirements, explorer_url=explorer, duplicates=duplicates)
+    refunds = services.intent_refunds(str(intent["intent_id"]))
+    return render("intent.html", intent=intent, requirements=requirements, explorer_url=explorer,
+                  duplicates=duplicates, refunds=refunds)  # fmt: skip
