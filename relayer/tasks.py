@@ -57,7 +57,7 @@ from backend.settlement import models as st
 from backend.settlement import services
 from backend.settlement.flow import notify_settled
 from backend.settlement.models import settlement_claim
-from backend.settlement.reconcile import FINISHED, LEDGER, paid, rpc_unreachable, settle_from_chain
+from backend.settlement.reconcile import FINISHED, ledger_for, paid, rpc_unreachable, settle_from_chain
 from relayer.faults import crash_point
 
 log = logging.getLogger(__name__)
@@ -273,7 +273,7 @@ def _settle(settlement_id: str, redis: Redis) -> str:
         # The rail's last checks (the payer's code and validAfter on EVM, right before the send; the blockhash's
         # height, what the relay signs and the payee account on Solana), then the send; ``_submitted`` records
         # the transaction before it is broadcast.
-        submission = rail.submit(network, claim, keys, redis, LEDGER,
+        submission = rail.submit(network, claim, keys, redis, ledger_for(claim),
                                  lambda tx, address, nonce: _submitted(settlement_id, tx, address, nonce))  # fmt: skip
     except CannotSucceed as exc:
         # Final, not retried: the chain still decides first (someone may have executed it), in _reverted.

@@ -158,7 +158,11 @@ class IntentSchema(StrictSchema):
 
 class CreateRefundSchema(StrictSchema):
     amount_usdc = UsdcAmount(
-        metadata={"description": "At most what is left to refund (default: all of it); up to 6 decimals"}
+        metadata={
+            **CreateIntentSchema().fields["amount_usdc"].metadata,
+            "description": "USDC to refund: a JSON number > 0 with at most 6 decimals, at most what is left to "
+            "refund on the intent (default: all of it)",
+        }
     )
     reason = fields.String(validate=validate.Length(max=500), allow_none=True, metadata=text())
 

@@ -88,6 +88,10 @@ class Claim:
     start_block: int | None
     # EVM: the relay nonce recorded with ``tx_id`` (a second transaction only ever goes at it while it may be mined).
     relay_nonce: int | None = None
+    # A refund's settlement: the merchant's wallet pays the buyer back. The settlement store hands such a claim a
+    # ledger of its own (``settlement.reconcile.ledger_for``): the payee-account rule spares buyers a merchant's
+    # rent, and a buyer's account is no merchant's.
+    pays_refund: bool = False
 
 
 class Outcome(Enum):

@@ -129,6 +129,7 @@ def settlement_claim(settlement: Settlement) -> Claim:
         relay_address=settlement.relay_address,
         start_block=settlement.start_block,
         relay_nonce=settlement.relay_nonce,
+        pays_refund=settlement.refund_id is not None,
     )
 
 

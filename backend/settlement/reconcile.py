@@ -52,10 +52,29 @@ FAILURE_CODES = {
 LEDGER = PayeeLedger()
 
 
+class _RefundLedger(PayeeLedger):
+    """A refund's: the buyer's account is never taken for a merchant's that was closed after payments landed (the
+    merchant's wallet pays its rent if it is missing), and a refund landing there records nothing."""
+
+    def landed_before(self, network_id: str, owner: str, mint: str, genesis_hash: str) -> bool:
+        return False
+
+    def record_landed(self, network_id: str, owner: str, mint: str, genesis_hash: str) -> None:
+        return None
+
+
+REFUND_LEDGER = _RefundLedger()
+
+
+def ledger_for(claim: Claim) -> PayeeLedger:
+    """The payee ledger the rail is handed for this claim: a refund's has no payee-account rule."""
+    return REFUND_LEDGER if claim.pays_refund else LEDGER
+
+
 def paid(rail: Rail, network: Network, claim: Claim, tx_id: str) -> bool:
     """Mark the claim's settlement paid in ``tx_id``, after what its rail records first (Solana: the payee
     account); False (left open) if that cannot be recorded now."""
-    if not rail.before_paid(network, claim, LEDGER):
+    if not rail.before_paid(network, claim, ledger_for(claim)):
         return False
     services.complete_settlement(claim.settlement_id, tx_id)
     return True

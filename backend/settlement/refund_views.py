@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import request
 from flask.views import MethodView
 from werkzeug.routing import BaseConverter
 
@@ -31,8 +30,8 @@ blp = ApiBlueprint(
 )
 
 
-def _api_host() -> str:
-    return request.host_url
+def _base_url() -> str:
+    return appstate.settings().checkout_host
 
 
 @blp.route("/x402/intents/<intent_id:intent_id>/refunds")
@@ -54,7 +53,7 @@ class IntentRefunds(MethodView):
         intent's refunds that succeeded, are sending, or failed but may still execute count).
         """
         refund = refunds.create_refund(
-            current_merchant_id(), intent_id, args.get("amount_usdc"), args.get("reason"), _api_host()
+            current_merchant_id(), intent_id, args.get("amount_usdc"), args.get("reason"), _base_url()
         )
         return ok(records.refund_to_dict(refund), 201)
 

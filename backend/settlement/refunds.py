@@ -36,8 +36,9 @@ from backend.rails.base import Terms
 from backend.rails.registry import rail_for
 from backend.settlement import models as st
 from backend.settlement import services, solana
-from backend.settlement.flow import ReadThenRelease, enqueue_settlement, relay_admission, wait_settled
+from backend.settlement.flow import enqueue_settlement, relay_admission, wait_settled
 from backend.settlement.models import Settlement
+from backend.settlement.reconcile import REFUND_LEDGER
 from backend.settlement.services import PaymentSubmission
 from backend.settlement.x402 import normalize_payment_signature
 
@@ -54,9 +55,10 @@ MAY_STILL_EXECUTE = exists(
 )
 
 
-def create_refund(merchant_id: str, intent_id: str, amount_usdc: Any, reason: str | None, api_host: str) -> Refund:
-    """A refund of the merchant's paid intent, waiting for its payout wallet's signature (``intents.refunds``)."""
-    resource = f"{api_host.rstrip('/')}/api/v1/refunds/{{refund_id}}"
+def create_refund(merchant_id: str, intent_id: str, amount_usdc: Any, reason: str | None, base_url: str) -> Refund:
+    """A refund of the merchant's paid intent, waiting for its payout wallet's signature (``intents.refunds``).
+    ``base_url``: the service's public URL (CHECKOUT_HOST: never a host the client named)."""
+    resource = f"{base_url.rstrip('/')}/api/v1/refunds/{{refund_id}}"
     return refunds.create_refund(merchant_id, intent_id, amount_usdc, reason, resource, MAY_STILL_EXECUTE)
 
 
@@ -98,15 +100,20 @@ def claim_refund(
     services.claim_locks(intent_id, locks)
     services.lock_intent_row(intent_id)
     try:
+        settlement_id = prefixed_id("stl")
+        # First the refund's own step, under the lock: a second payment of the same refund is told so (a replay),
+        # not that the refunds are used up (they count this one, from here on).
+        if not refunds.begin(refund_id, settlement_id, now):
+            raise _not_payable(db.session.get(Refund, refund_id, populate_existing=True) or refund)
         intent = db.session.get(Intent, intent_id, populate_existing=True)
         assert intent is not None
         refunds.check_refundable(intent)
-        left = refunds.refundable_atomic(intent, MAY_STILL_EXECUTE)
-        if amount > left:
-            raise refunds.exceeds(amount, left)
+        # What the intent's other refunds reserve (this one is counted from its step above).
+        others = refunds.reserved_atomic(intent_id, MAY_STILL_EXECUTE) - amount
+        if others + amount > intent.amount_atomic:
+            raise refunds.exceeds(amount, max(intent.amount_atomic - others, 0))
         open_settlements = services.count_open(merchant_id, network.network) if admit is not None else 0
         open_of_payer = services.count_open_of_payer(terms.payer) if max_open_per_payer else 0
-        settlement_id = prefixed_id("stl")
         row = {
             "id": settlement_id,
             "intent_id": intent_id,
@@ -126,8 +133,6 @@ def claim_refund(
             raise DomainError(
                 "NONCE_ALREADY_USED", "This authorization (payer and nonce) was already submitted"
             ) from None
-        if not refunds.begin(refund_id, settlement_id, now):
-            raise _not_payable(db.session.get(Refund, refund_id, populate_existing=True) or refund)
         if max_open_per_payer and open_of_payer >= max_open_per_payer:
             raise services.refuse_busy_payer(terms.payer, open_of_payer)
         if admit is not None:
@@ -179,7 +184,7 @@ def submit_refund(
         )
     refund_id, merchant = refund.id, refund.merchant_id
     db.session.rollback()  # only reads so far: no connection is held across the chain's reads
-    checked = rail.check_on_chain(network, requirement, terms, ReadThenRelease())
+    checked = rail.check_on_chain(network, requirement, terms, REFUND_LEDGER)
     admit = relay_admission(merchant, network, checked.terms, settings)
     settlement_id = claim_refund(
         refund_id,
@@ -199,7 +204,9 @@ def submit_refund(
     if refund.status == FAILED:
         raise DomainError(
             "SETTLEMENT_FAILED",
-            "The refund could not be settled on chain; nothing moved. Create a new refund to try again",
+            "The refund could not be settled on chain; nothing moved. Its signed authorization may still execute "
+            "until its validBefore (anyone holding it can submit it: the service records it if so), so its amount "
+            "stays reserved until then; create a new refund after that, or cancel the authorization on chain",
             reason=refund.failure_reason,
             refund_id=refund.id,
         )
@@ -217,7 +224,9 @@ def prepare_refund_transaction(merchant_id: str, refund_id: str, settings: Setti
         raise DomainError(
             "UNSUPPORTED_NETWORK", f"The refund is on {network.network}, where the payout wallet signs typed data"
         )
-    return solana.prepare_for(network, refund.requirement, refund.pay_from, refund.id, refund.merchant_id, settings)
+    return solana.prepare_for(
+        network, refund.requirement, refund.pay_from, refund.id, refund.merchant_id, settings, payee_rule=False
+    )
 
 
 __all__ = ["MAY_STILL_EXECUTE", "claim_refund", "create_refund", "prepare_refund_transaction", "submit_refund"]

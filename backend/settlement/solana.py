@@ -85,11 +85,19 @@ def prepare_transaction(
 
 
 def prepare_for(
-    network: Network, requirement: dict[str, Any], payer: str, memo: str, merchant_id: str, settings: Settings
+    network: Network,
+    requirement: dict[str, Any],
+    payer: str,
+    memo: str,
+    merchant_id: str,
+    settings: Settings,
+    *,
+    payee_rule: bool = True,
 ) -> dict[str, Any]:
     """The base64 transaction ``payer`` signs to pay ``requirement`` (an intent's, or a refund's: the merchant's
     wallet pays the buyer back), with ``memo`` (the intent's or the refund's id); see ``prepare_transaction``.
-    Commits nothing, and ends the session's transaction before the chain's reads."""
+    ``payee_rule`` False (a refund): a missing recipient account is opened at the payer's cost, whatever landed
+    there before. Commits nothing, and ends the session's transaction before the chain's reads."""
     try:
         payer = normalize_solana_address(payer)
     except AddressError as exc:
@@ -130,7 +138,7 @@ def prepare_for(
         )
     try:
         ready = payee_account_ready(chain, requirement)
-        if not ready:
+        if not ready and payee_rule:
             closed = payee_account_closed(chain, network.network, requirement["payTo"], requirement["asset"])
             db.session.rollback()  # its one read done: nothing held across the RPC calls below
             if closed:

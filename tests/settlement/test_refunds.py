@@ -146,6 +146,8 @@ def test_concurrent_refunds_never_exceed_what_was_paid(pay_app, wallet_shop, dev
     client = pay_app.test_client()
     buyer = devnet.buyer(2)
     intent = paid_intent(client, wallet_shop, devnet, 1, buyer, network)
+    w3, token = _token(devnet, network)  # the wallet holds more than this payment: only the refund rule refuses
+    _send_as(w3, devnet.buyer(0), token.functions.transfer(wallet_shop.wallet.address, 5_000_000))
     refunds = [create_refund(client, wallet_shop, intent["intent_id"], amount_usdc=0.6).get_json()["data"]
                for _ in range(6)]  # fmt: skip
     signed = [(r, sign_authorization(wallet_shop.wallet.key, r["payment_requirements"][0])) for r in refunds]
@@ -161,6 +163,28 @@ def test_concurrent_refunds_never_exceed_what_was_paid(pay_app, wallet_shop, dev
     assert sum(status == 200 for status, _ in results) == 1, results
     assert {code for status, code in results if status != 200} == {"REFUND_EXCEEDS_PAYMENT"}, results
     assert devnet.balance(network, buyer.address) - buyer_before == 600_000
+    assert len(refund_events()) == 1
+
+
+def test_one_refund_paid_twice_at_once_executes_once(pay_app, wallet_shop, devnet):
+    network = "eip155:11155111"
+    client = pay_app.test_client()
+    buyer = devnet.buyer(0)
+    intent = paid_intent(client, wallet_shop, devnet, 1, buyer, network)
+    refund = create_refund(client, wallet_shop, intent["intent_id"]).get_json()["data"]
+    # Two authorizations of the same refund (two nonces): both valid, only one may be claimed.
+    signed = [(refund, sign_authorization(wallet_shop.wallet.key, refund["payment_requirements"][0])) for _ in "ab"]
+    buyer_before = devnet.balance(network, buyer.address)
+
+    def attempt(item: tuple[dict[str, Any], dict[str, Any]]) -> tuple[int, str]:
+        with pay_app.test_client() as c:
+            answer = pay_refund(c, wallet_shop, *item)
+            return answer.status_code, (answer.get_json().get("error") or {}).get("code", "OK")
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = sorted(pool.map(attempt, signed))
+    assert results == [(200, "OK"), (409, "REFUND_NOT_PAYABLE")], results
+    assert devnet.balance(network, buyer.address) - buyer_before == 1_000_000
     assert len(refund_events()) == 1
 
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from solders.keypair import Keypair
+from sqlalchemy import select
 
+from backend.extensions import db
+from backend.settlement.models import PayeeAccount
 from payintent import solana_tx as stx
 from tests.settlement.test_pay import create_intent, pay
 from tests.settlement.test_pay_solana import SOLANA, buyer, lamports, signed_payment, sol, sol_shop, usdc  # noqa: F401
@@ -45,6 +48,9 @@ def test_a_solana_refund_lands_once_in_the_buyers_account_and_the_relay_pays_the
     assert usdc(sol, devnet, buyer_address) - buyer_before == 1_000_000
     assert usdc(sol, devnet, sol_shop.wallet) == 1_500_000
     assert lamports(sol, sol_shop.wallet) == wallet_sol  # the relay paid the fee
+    # A refund landing in the buyer's account records nothing: the payee-account rule is about merchants' accounts.
+    db.session.expire_all()
+    assert db.session.scalars(select(PayeeAccount).where(PayeeAccount.owner == buyer_address)).all() == []
     (event,) = refund_events()
     assert event["refund_id"] == refund["refund_id"] and event["tx_hash"] == result["tx_hash"]
     assert event["chain"] == SOLANA
