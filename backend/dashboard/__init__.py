@@ -12,7 +12,10 @@ def init_app(app: Flask) -> None:
     signed with SECRET_KEY, valid 12 hours after log-in.
     """
     # Here, not at the top: importing backend.dashboard.models (alembic, backend.models) loads no views.
-    from backend.dashboard import links  # noqa: F401 - registers the payment links pages on bp
+    from backend.dashboard import (
+        links,  # noqa: F401 - registers the payment links pages on bp
+        refunds,  # noqa: F401 - registers the refund pages on bp
+    )
     from backend.dashboard.security import SESSION_MAX_AGE, DashboardSessionInterface
     from backend.dashboard.views import bp
 

@@ -117,6 +117,11 @@ def webhook_form(data: MultiDict[str, str]) -> Form:
 _AMOUNT_TEXT = re.compile(r"^[0-9]{1,7}(\.[0-9]{1,6})?$")
 
 
+def usdc_text(text: str) -> Decimal | None:
+    """An amount of USDC as typed in a form (``12.50``, at most 6 decimals), or None if it is not one."""
+    return Decimal(text) if _AMOUNT_TEXT.match(text) else None
+
+
 def link_form(data: Mapping[str, str]) -> Form:
     """A payment link's amount (USDC, as typed), description and optional redirect URL, checked by the payment
     links API's own schema; values then hold what ``paymentlinks.services.NewLink`` takes."""

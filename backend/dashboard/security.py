@@ -68,6 +68,7 @@ from backend.ephemeral import store
 
 SESSION_MAX_AGE = timedelta(hours=12)
 CSRF_FIELD = "csrf_token"
+CSRF_HEADER = "X-CSRF-Token"  # what the dashboard's scripts send the token in
 LOGIN_MAX_FAILURES = 5  # per email and client address, and per device cookie
 LOGIN_WINDOW_SECONDS = 15 * 60
 ACCOUNT_MAX_FAILURES = 10  # per email from every address (browsers with its device cookie excepted)

@@ -27,6 +27,7 @@ from backend.merchants.models import ApiKey, Merchant, Wallet
 from backend.money import from_atomic
 from backend.rails.base import Rail
 from backend.rails.registry import rail_for
+from backend.settlement import refunds as settlement_refunds
 from backend.settlement import services as settlement
 from backend.webhooks import services as webhooks
 
@@ -192,6 +193,11 @@ def intent_page(merchant_id: str, form: Form, checkout_host: str) -> tuple[list[
 def intent_refunds(intent_id: str) -> list[dict[str, Any]]:
     """The refunds of an (already scoped) intent, oldest first, as the API shows them."""
     return [intent_refund_records.refund_to_dict(refund) for refund in intent_refund_records.refunds_of(intent_id)]
+
+
+def refundable_usdc(merchant_id: str, intent_id: str) -> Decimal:
+    """What is left to refund on the merchant's paid intent (its refunds that moved money or still may, deducted)."""
+    return from_atomic(settlement_refunds.refundable_atomic(intent_refund_records.merchant_intent(merchant_id, intent_id)))
 
 
 def duplicate_payments(intent_id: str) -> list[dict[str, Any]]:

@@ -38,7 +38,7 @@ from backend.errors import DomainError, database_unavailable
 from backend.events.services import EVENT_TYPES
 from backend.extensions import db
 from backend.intents import export
-from backend.intents.models import STATUSES
+from backend.intents.models import PAID, STATUSES
 from backend.merchants import services as merchants
 from backend.merchants.models import Merchant
 from backend.webhooks import services as webhooks
@@ -53,6 +53,10 @@ _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _CSP = (
     "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
 )
+# The refund page's signer (static/dashboard/refund.js) runs our one script and calls our own JSON routes.
+_SCRIPTED_CSP = _CSP + "; script-src 'self'; connect-src 'self'"
+# Dashboard pages whose scripts run: the refund's page (backend/dashboard/refunds.py says why).
+SCRIPTED_ENDPOINTS = frozenset({"dashboard.refund_detail"})
 _ERRORS = {
     400: ("Something in that request was not right", "Go back, check the form and try again."),
     403: ("Not allowed", "You cannot do that."),
@@ -154,7 +158,9 @@ def _before() -> Response | None:
     if request.method not in _SAFE_METHODS:
         if any("\x00" in text for pair in request.form.items(multi=True) for text in pair):
             return error_page(400, "Forms must not contain NUL characters.")
-        if not security.csrf_valid(request.form.get(security.CSRF_FIELD)):
+        # A form's field, or (the refund page's scripts) the X-CSRF-Token header: no other site can send either.
+        submitted = request.form.get(security.CSRF_FIELD) or request.headers.get(security.CSRF_HEADER)
+        if not security.csrf_valid(submitted):
             return error_page(400, _CSRF_MESSAGE, "This form could not be accepted")
     _load_merchant()
     return None
@@ -164,7 +170,7 @@ def _before() -> Response | None:
 def _headers(response: Response) -> Response:
     if request.endpoint != "dashboard.static":
         response.headers["Cache-Control"] = "no-store"
-    response.headers["Content-Security-Policy"] = _CSP
+    response.headers["Content-Security-Policy"] = _SCRIPTED_CSP if request.endpoint in SCRIPTED_ENDPOINTS else _CSP
     response.headers["X-Frame-Options"] = "DENY"
     response.headers["X-Content-Type-Options"] = "nosniff"
     response.headers["Referrer-Policy"] = "same-origin"
@@ -564,5 +570,6 @@ def intent_detail(intent_id: str) -> Any:
     intent, requirements, explorer = services.intent_detail(_merchant_id(), intent_id, _registry(), _checkout_host())
     duplicates = services.duplicate_payments(str(intent["intent_id"]))
     refunds = services.intent_refunds(str(intent["intent_id"]))
+    refundable = services.refundable_usdc(_merchant_id(), str(intent["intent_id"])) if intent["status"] == PAID else None
     return render("intent.html", intent=intent, requirements=requirements, explorer_url=explorer,
-                  duplicates=duplicates, refunds=refunds)  # fmt: skip
+                  duplicates=duplicates, refunds=refunds, refundable=refundable)  # fmt: skip

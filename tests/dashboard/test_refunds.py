@@ -3,6 +3,8 @@ dashboard's intent page once its settlement confirmed it (the on-chain paths: te
 
 from __future__ import annotations
 
+import json
+import re
 from decimal import Decimal
 
 from sqlalchemy import select, update
@@ -12,7 +14,7 @@ from backend.events.models import Event
 from backend.extensions import db
 from backend.intents import refunds
 from backend.intents.models import Intent
-from tests.dashboard.helpers import text
+from tests.dashboard.helpers import form_token, text
 from tests.intents.helpers import create
 
 BUYER = "0x3C44CdDdB6a900fa2b585dd299e03d12FA4293BC"
@@ -28,6 +30,11 @@ def _paid(client, merchant, amount: str) -> str:
     )
     db.session.commit()
     return str(intent["intent_id"])
+
+
+def requirement_pay_to(client, merchant, intent_id: str) -> str:
+    intent = client.get(f"/api/v1/x402/intents/{intent_id}", headers=merchant.headers).get_json()["data"]
+    return next(r["payTo"] for r in intent["payment_requirements"] if r["network"] == NETWORK)
 
 
 def _refund(client, merchant, intent_id: str, **body):
@@ -82,3 +89,42 @@ def test_a_succeeded_refund_shows_in_the_api_and_on_the_dashboard(client, mercha
     }
     export = text(client.get("/api/v1/x402/intents/export.csv", headers=merchant.headers))
     assert export.splitlines()[1].endswith(",1.25")
+
+
+def test_the_dashboard_creates_a_refund_and_its_page_carries_the_signer(client, merchant, dashboard):
+    intent_id = _paid(client, merchant, "3")
+    page = text(dashboard.get(f"/dashboard/intents/{intent_id}"))
+    assert "Left to refund: 3 USDC" in page or "Left to refund: 3.00 USDC" in page, page
+    csrf = form_token(page)
+    bad = dashboard.post(f"/dashboard/intents/{intent_id}/refunds", data={"csrf_token": csrf, "amount_usdc": "1e3"})
+    assert bad.status_code == 302 and "/dashboard/intents/" in bad.headers["Location"]
+    over = dashboard.post(f"/dashboard/intents/{intent_id}/refunds", data={"csrf_token": csrf, "amount_usdc": "3.5"})
+    assert over.status_code == 302 and "exceeds what is left" in text(dashboard.get(over.headers["Location"]))
+    made = dashboard.post(f"/dashboard/intents/{intent_id}/refunds",
+                          data={"csrf_token": csrf, "amount_usdc": "1.5", "reason": "broken"})  # fmt: skip
+    assert made.status_code == 302 and "/dashboard/refunds/re_" in made.headers["Location"], made.data
+    shown = dashboard.get(made.headers["Location"])
+    assert shown.status_code == 200
+    csp = shown.headers["Content-Security-Policy"]
+    assert "script-src 'self'" in csp and "connect-src 'self'" in csp and "unsafe" not in csp
+    body = text(shown)
+    assert 'src="/dashboard/static/refund.js"' in body and "Sign with your payout wallet" in body
+    signer = json.loads(re.search(r'id="refund-signer-data">(.*?)</script>', body, re.S).group(1))
+    assert signer["requirement"]["payTo"] == BUYER and signer["requirement"]["maxAmountRequired"] == "1500000"
+    assert signer["network"]["chain_id"] == 84532 and signer["pay_from"] == requirement_pay_to(
+        client, merchant, intent_id
+    )
+    # Other dashboard pages run no script at all.
+    assert "script-src" not in dashboard.get(f"/dashboard/intents/{intent_id}").headers["Content-Security-Policy"]
+    # The JSON routes: the CSRF token in a header, or nothing is done.
+    refund_id = signer["refund_id"]
+    no_token = dashboard.post(f"/dashboard/refunds/{refund_id}/pay", json={"payment_signature": {}})
+    assert no_token.status_code == 400 and "refund" not in no_token.headers.get("Content-Type", "json")
+    headers = {"X-CSRF-Token": signer["csrf_token"]}
+    empty = dashboard.post(f"/dashboard/refunds/{refund_id}/pay", json={"nope": 1}, headers=headers)
+    assert empty.status_code == 400 and empty.get_json()["error"]["code"] == "INVALID_PAYLOAD"
+    status = dashboard.get(f"/dashboard/refunds/{refund_id}/status").get_json()["data"]
+    assert status["status"] == "requires_signature" and status["reason"] == "broken"
+    # Another merchant's refund is no page and no route.
+    client.post("/dashboard/logout", data={"csrf_token": signer["csrf_token"]})
+    assert client.get(f"/dashboard/refunds/{refund_id}").status_code == 302  # logged out: to the log-in page

@@ -1,0 +1,133 @@
+"""The dashboard's refunds: a Refund form on a paid intent's page, and the refund's page, where the merchant connects
+the payout wallet in the browser (EIP-6963 / EIP-1193 on EVM, the Wallet Standard on Solana; static/dashboard/
+refund.js), signs, and watches the relay settle it. The records and the payment are the API's
+(``intents.refunds``, ``settlement.refunds``): the page's scripts call JSON routes here, with the session and the
+CSRF token in a header.
+
+Registered on the dashboard's blueprint (imported by ``backend.dashboard.init_app``)."""
+
+from __future__ import annotations
+
+import time
+from decimal import Decimal
+from typing import Any
+
+from flask import flash, jsonify, redirect, request, url_for
+from werkzeug.wrappers import Response
+
+from backend import appstate
+from backend.dashboard import forms, security
+from backend.dashboard.views import _checkout_host, _merchant_id, _registry, bp, login_required, render
+from backend.errors import CATALOG, DomainError
+from backend.intents import refunds as records
+from backend.intents.models import REQUIRES_SIGNATURE
+from backend.queueing import app_redis
+from backend.settlement import refunds
+
+
+@bp.post("/intents/<intent_id>/refunds")
+@login_required
+def create_refund(intent_id: str) -> Any:
+    """The intent page's Refund form: a refund waiting for the payout wallet's signature, then its page."""
+    amount: Decimal | None = None
+    text = (request.form.get("amount_usdc") or "").strip()
+    reason = (request.form.get("reason") or "").strip()[:500] or None
+    if text:
+        amount = forms.usdc_text(text)
+        if amount is None or amount <= 0:
+            flash("Enter the refund's amount in USDC, such as 12.50 (above 0, at most 6 decimals).", "error")
+            return redirect(url_for(".intent_detail", intent_id=intent_id))
+    try:
+        refund = refunds.create_refund(_merchant_id(), intent_id, amount, reason, _checkout_host())
+    except DomainError as err:
+        if err.http_status == 404:
+            raise
+        flash(err.message, "error")
+        return redirect(url_for(".intent_detail", intent_id=intent_id))
+    flash("Refund created: connect your payout wallet below to sign it.", "success")
+    return redirect(url_for(".refund_detail", refund_id=refund.id))
+
+
+@bp.get("/refunds/<refund_id>")
+@login_required
+def refund_detail(refund_id: str) -> Any:
+    refund = records.get_refund(_merchant_id(), refund_id)
+    shown = records.refund_to_dict(refund)
+    network = _registry().get(refund.network)
+    explorer = None
+    if network is not None and network.explorer_tx_url and refund.tx_hash:
+        explorer = network.explorer_tx_url.replace("{tx}", refund.tx_hash)
+    signer = None
+    if refund.status == REQUIRES_SIGNATURE and network is not None:
+        signer = {
+            "refund_id": refund.id,
+            "requirement": refund.requirement,
+            "pay_from": refund.pay_from,
+            "network": network.for_wallets(),
+            "now": int(time.time()),
+            "pay_url": url_for(".pay_refund", refund_id=refund.id),
+            "transaction_url": url_for(".refund_transaction", refund_id=refund.id),
+            "status_url": url_for(".refund_status", refund_id=refund.id),
+            "csrf_token": security.csrf_token(),
+        }
+    return render("refund.html", refund=shown, network=network, explorer_url=explorer, signer=signer)
+
+
+def _json_error(err: DomainError) -> Response:
+    body: dict[str, Any] = {"code": err.code, "message": err.message}
+    if "reason" in err.extra:
+        body["reason"] = err.extra["reason"]
+    response = jsonify({"success": False, "error": body})
+    response.status_code = err.http_status
+    return response
+
+
+@bp.get("/refunds/<refund_id>/status")
+@login_required
+def refund_status(refund_id: str) -> Any:
+    """The refund as the API shows it (the page polls it while the refund settles)."""
+    try:
+        return jsonify({"success": True, "data": records.refund_to_dict(records.get_refund(_merchant_id(), refund_id))})
+    except DomainError as err:
+        return _json_error(err)
+
+
+@bp.post("/refunds/<refund_id>/solana-transaction")
+@login_required
+def refund_transaction(refund_id: str) -> Any:
+    """Solana: the transaction the payout wallet signs (``POST /api/v1/refunds/{id}/solana-transaction``)."""
+    try:
+        built = refunds.prepare_refund_transaction(_merchant_id(), refund_id, appstate.settings())
+    except DomainError as err:
+        return _json_error(err)
+    return jsonify({"success": True, "data": built})
+
+
+@bp.post("/refunds/<refund_id>/pay")
+@login_required
+def pay_refund(refund_id: str) -> Any:
+    """The wallet's signature, as ``POST /api/v1/refunds/{id}/pay`` takes it: 200 succeeded, 202 still settling."""
+    body = request.get_json(silent=True)
+    signature = body.get("payment_signature") if isinstance(body, dict) else None
+    if not isinstance(signature, dict):
+        return _json_error(DomainError("INVALID_PAYLOAD", "payment_signature must be an object"))
+    redis = app_redis()
+    if redis is None:
+        return _json_error(DomainError("SETTLEMENT_UNAVAILABLE", CATALOG["SETTLEMENT_UNAVAILABLE"].description))
+    settings = appstate.settings()
+    try:
+        refund, finished = refunds.submit_refund(
+            _merchant_id(),
+            refund_id,
+            signature,
+            _registry(),
+            redis,
+            wait_seconds=settings.pay_wait_seconds,
+            queue_name=settings.relayer_queue,
+            settings=settings,
+        )
+    except DomainError as err:
+        return _json_error(err)
+    response = jsonify({"success": True, "data": records.refund_to_dict(refund)})
+    response.status_code = 200 if finished else 202
+    return response
