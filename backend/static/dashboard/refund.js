@@ -206,6 +206,7 @@
     list.replaceChildren(...wallets.map((wallet) => {
       const button = document.createElement("button");
       button.type = "button";
+      button.className = "primary";
       button.textContent = `Sign with ${wallet.name}`;
       button.addEventListener("click", async () => {
         if (busy) return;
