@@ -197,7 +197,8 @@ def intent_refunds(intent_id: str) -> list[dict[str, Any]]:
 
 def refundable_usdc(merchant_id: str, intent_id: str) -> Decimal:
     """What is left to refund on the merchant's paid intent (its refunds that moved money or still may, deducted)."""
-    return from_atomic(settlement_refunds.refundable_atomic(intent_refund_records.merchant_intent(merchant_id, intent_id)))
+    intent = intent_refund_records.merchant_intent(merchant_id, intent_id)
+    return from_atomic(settlement_refunds.refundable_atomic(intent))
 
 
 def duplicate_payments(intent_id: str) -> list[dict[str, Any]]:

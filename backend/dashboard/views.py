@@ -570,6 +570,7 @@ def intent_detail(intent_id: str) -> Any:
     intent, requirements, explorer = services.intent_detail(_merchant_id(), intent_id, _registry(), _checkout_host())
     duplicates = services.duplicate_payments(str(intent["intent_id"]))
     refunds = services.intent_refunds(str(intent["intent_id"]))
-    refundable = services.refundable_usdc(_merchant_id(), str(intent["intent_id"])) if intent["status"] == PAID else None
+    paid = intent["status"] == PAID
+    refundable = services.refundable_usdc(_merchant_id(), str(intent["intent_id"])) if paid else None
     return render("intent.html", intent=intent, requirements=requirements, explorer_url=explorer,
                   duplicates=duplicates, refunds=refunds, refundable=refundable)  # fmt: skip
