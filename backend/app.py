@@ -25,6 +25,7 @@ from backend.intents.models import REFUND_ID_PATTERN
 from backend.intents.views import IntentIdConverter
 from backend.intents.views import blp as intents_blp
 from backend.jsonio import ExactJSONProvider, dumps, stored_loads
+from backend.merchants.views import blp as wallets_blp
 from backend.observability.hooks import init_app as init_observability
 from backend.paymentlinks.pages import bp as payment_link_page_bp
 from backend.paymentlinks.services import LINK_ID_PATTERN
@@ -176,6 +177,7 @@ def create_app(
     api.register_blueprint(webhooks_blp)
     api.register_blueprint(payment_links_blp)
     api.register_blueprint(refunds_blp)
+    api.register_blueprint(wallets_blp)
     api.register_blueprint(checkout_blp)
     register_error_handlers(app)
 

@@ -113,6 +113,8 @@ CATALOG: dict[str, ErrorKind] = {
              "EMAIL_TAKEN", "UNKNOWN_NETWORK", "INVALID_ADDRESS", "ADDRESS_NOT_ALLOWED", where="admin"),
     **_kinds(404, "No such merchant, key or wallet", "MERCHANT_NOT_FOUND", "KEY_NOT_FOUND", "WALLET_NOT_FOUND",
              where="admin"),
+    **_kinds(400, "The wallet's signature of the service's message is missing, expired or not the wallet's",
+             "WALLET_NOT_PROVEN", where="admin"),
 }
 # fmt: on
 

@@ -85,6 +85,11 @@ def go(page: Page, section: str) -> None:
     )
 
 
+def confirm_paste(scope: Page | Locator, network_name: str) -> None:
+    """Tick the pasted address's confirmation: a pasted address is unverified, the form asks for the merchant's word."""
+    scope.get_by_label(re.compile(rf"I checked this address.* on {re.escape(network_name)}:")).check()
+
+
 def reload_until(page: Page, locator: Locator, timeout: float = 15.0) -> None:
     """Reload the page until ``locator`` is visible (the worker acts in the background)."""
     deadline = time.monotonic() + timeout
@@ -155,6 +160,7 @@ def test_create_an_api_key_use_it_and_revoke_it(page: Page, stack: Stack, shot: 
     go(page, "Wallets")  # an intent needs a payout wallet
     evm = _networks(stack)[0]
     page.get_by_label(f"Wallet address on {evm['name']}").fill(Account.create().address)
+    confirm_paste(page, evm["name"])
     page.get_by_role("button", name="Save wallet").first.click()
     expect(_flash(page)).to_contain_text("Saved.")
 
@@ -200,6 +206,7 @@ def test_a_registered_wallet_is_paid_by_the_next_intent(page: Page, stack: Stack
     go(page, "Wallets")
     evm_card = page.get_by_role("listitem").filter(has=page.get_by_role("heading", name=evm["name"], exact=True))
     evm_card.get_by_label(f"Wallet address on {evm['name']}").fill("0x1234")
+    confirm_paste(evm_card, evm["name"])
     evm_card.get_by_role("button", name="Save wallet").click()
     expect(page.get_by_role("alert")).to_contain_text("The wallet was not saved")
     expect(evm_card.get_by_label(re.compile("Wallet address"))).to_have_attribute("aria-invalid", "true")
@@ -207,6 +214,7 @@ def test_a_registered_wallet_is_paid_by_the_next_intent(page: Page, stack: Stack
 
     address = Account.create().address
     evm_card.get_by_label(f"Wallet address on {evm['name']}").fill(address.lower())  # any case; stored checksummed
+    confirm_paste(evm_card, evm["name"])
     evm_card.get_by_role("button", name="Save wallet").click()
     expect(_flash(page)).to_contain_text(f"New intents pay {address} on {evm['name']}")
     expect(evm_card).to_contain_text(address)
@@ -214,6 +222,7 @@ def test_a_registered_wallet_is_paid_by_the_next_intent(page: Page, stack: Stack
     sol_address = str(Keypair().pubkey())
     sol_card = page.get_by_role("listitem").filter(has=page.get_by_role("heading", name=solana["name"], exact=True))
     sol_card.get_by_label(f"Wallet address on {solana['name']}").fill(sol_address)
+    confirm_paste(sol_card, solana["name"])
     sol_card.get_by_role("button", name="Save wallet").click()
     expect(sol_card).to_contain_text(sol_address)
 
@@ -223,6 +232,7 @@ def test_a_registered_wallet_is_paid_by_the_next_intent(page: Page, stack: Stack
 
     replacement = Account.create().address
     evm_card.get_by_label(f"Replace with address on {evm['name']}").fill(replacement)
+    confirm_paste(evm_card, evm["name"])
     evm_card.get_by_role("button", name="Save wallet").click()
     expect(evm_card).to_contain_text(replacement)
     sol_card.get_by_role("button", name=f"Remove wallet on {solana['name']}").click()
@@ -346,6 +356,7 @@ def test_intents_list_filters_and_detail(page: Page, stack: Stack, shot: Shot) -
     evm = _networks(stack)[0]
     address = Account.create().address
     page.get_by_label(f"Wallet address on {evm['name']}").fill(address)
+    confirm_paste(page, evm["name"])
     page.get_by_role("button", name="Save wallet").first.click()
     expect(_flash(page)).to_contain_text("Saved.")
 

@@ -18,6 +18,7 @@ from e2e.conftest import Shot, Stack
 from e2e.test_dashboard import (
     _networks,
     add_endpoint,
+    confirm_paste,
     delivery_card,
     fail_until_released,
     go,
@@ -118,6 +119,7 @@ def test_every_page_on_a_desktop_and_a_phone(page: Page, stack: Stack, receiver:
     go(page, "Wallets")
     evm = _networks(stack)[0]
     page.get_by_label(f"Wallet address on {evm['name']}").fill(Account.create().address)
+    confirm_paste(page, evm["name"])
     page.get_by_role("button", name="Save wallet").first.click()
     fail_until_released(receiver)  # a failed attempt in the log, with its response body
     add_endpoint(page, receiver.url("/hooks/a/rather/long/path/for/a/receiver?token=0123456789abcdef0123456789"))

@@ -11,7 +11,7 @@ from eth_account import Account
 from playwright.sync_api import Page, expect
 
 from e2e.conftest import Shot, Stack
-from e2e.test_dashboard import _flash, _networks, go, sign_up
+from e2e.test_dashboard import _flash, _networks, confirm_paste, go, sign_up
 
 
 def test_a_payment_link_is_created_opened_twice_and_deactivated(page: Page, stack: Stack, shot: Shot) -> None:
@@ -20,6 +20,7 @@ def test_a_payment_link_is_created_opened_twice_and_deactivated(page: Page, stac
     go(page, "Wallets")
     card = page.get_by_role("listitem").filter(has=page.get_by_role("heading", name=evm["name"], exact=True))
     card.get_by_label(f"Wallet address on {evm['name']}").fill(Account.create().address)
+    confirm_paste(card, evm["name"])
     card.get_by_role("button", name="Save wallet").click()
     expect(_flash(page)).to_contain_text("New intents pay")
 

@@ -14,7 +14,7 @@ from solders.keypair import Keypair
 from e2e.a11y import violations
 from e2e.conftest import Shot, Stack
 from e2e.test_checkout import spl_balance, usdc_balance
-from e2e.test_dashboard import _flash, _networks, go, sign_up
+from e2e.test_dashboard import _flash, _networks, confirm_paste, go, sign_up
 from e2e.wallets import EvmWallet, SolanaWallet
 from payintent.client import PayIntentClient
 
@@ -23,6 +23,7 @@ def _set_wallet(page: Page, network: dict, address: str) -> None:
     go(page, "Wallets")
     card = page.get_by_role("listitem").filter(has=page.get_by_role("heading", name=network["name"], exact=True))
     card.get_by_label(f"Wallet address on {network['name']}").fill(address)
+    confirm_paste(card, network["name"])
     card.get_by_role("button", name="Save wallet").click()
     expect(_flash(page)).to_contain_text("New intents pay")
 

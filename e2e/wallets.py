@@ -15,6 +15,7 @@ from typing import Any
 
 import requests
 from eth_account import Account
+from eth_account.messages import encode_defunct
 from playwright.sync_api import Page
 from solders.keypair import Keypair
 
@@ -50,7 +51,7 @@ SOLANA_WALLET_JS = """
   const fromB64 = (text) => Uint8Array.from(atob(text), (c) => c.charCodeAt(0));
   const toB64 = (bytes) => btoa(String.fromCharCode(...bytes));
   const account = Object.freeze({ address: "%ADDRESS%", publicKey: fromB64("%PUBKEY%"),
-    chains: ["solana:localnet", "solana:devnet"], features: ["solana:signTransaction"] });
+    chains: ["solana:localnet", "solana:devnet"], features: ["solana:signTransaction", "solana:signMessage"] });
   const wallet = {
     version: "1.0.0", name: "E2E Solana", icon: "%ICON%", chains: ["solana:localnet", "solana:devnet"], accounts: [],
     features: {
@@ -61,6 +62,12 @@ SOLANA_WALLET_JS = """
         return { accounts: wallet.accounts };
       } },
       "standard:events": { version: "1.0.0", on: () => () => {} },
+      "solana:signMessage": { version: "1.0.0",
+        signMessage: async (...inputs) => Promise.all(inputs.map(async (input) => {
+          const out = JSON.parse(await window.__e2eSolana("signMessage", toB64(input.message)));
+          if (out.error) throw new Error(out.error.message);
+          return { signedMessage: input.message, signature: fromB64(out.result) };
+        })) },
       "solana:signTransaction": { version: "1.0.0", supportedTransactionVersions: ["legacy", 0],
         signTransaction: async (...inputs) => Promise.all(inputs.map(async (input) => {
           const out = JSON.parse(await window.__e2eSolana("signTransaction", toB64(input.transaction)));
@@ -93,6 +100,7 @@ class EvmWallet:
     stuck_once: bool = False  # answer the next switch request without switching (as some wallets do)
     requests: list[tuple[str, Any]] = field(default_factory=list)
     typed_data: list[dict[str, Any]] = field(default_factory=list)
+    messages: list[str] = field(default_factory=list)  # what personal_sign signed
     added_chains: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -132,6 +140,13 @@ class EvmWallet:
             self.added_chains.append(params[0])
             self.known_chains.add(int(params[0]["chainId"], 16))
             return None
+        if method == "personal_sign":  # EIP-191: (hex of the message's bytes, account)
+            data, signer = params
+            if signer.lower() != self.address.lower():
+                raise WalletError(4100, "Unknown account")
+            text = bytes.fromhex(data[2:]).decode()
+            self.messages.append(text)
+            return Account.sign_message(encode_defunct(text=text), self.private_key).signature.to_0x_hex()
         if method == "eth_signTypedData_v4":
             signer, data = params
             if signer.lower() != self.address.lower():
@@ -164,6 +179,7 @@ class SolanaWallet:
     secret_key: str
     reject_next: set[str] = field(default_factory=set)  # "connect" / "signTransaction", refused once
     signed: list[str] = field(default_factory=list)
+    messages: list[str] = field(default_factory=list)  # what signMessage signed
 
     @property
     def keypair(self) -> Keypair:
@@ -183,6 +199,12 @@ class SolanaWallet:
             return _error(USER_REJECTED, "User rejected the request.")
         if method == "connect":
             return json.dumps({"result": None})
+        if method == "signMessage":
+            import base64
+
+            message = base64.b64decode(argument)
+            self.messages.append(message.decode())
+            return json.dumps({"result": base64.b64encode(bytes(self.keypair.sign_message(message))).decode()})
         tx = stx.sign_as(stx.decode(argument), self.keypair)
         self.signed.append(argument)
         return json.dumps({"result": stx.encode(tx)})

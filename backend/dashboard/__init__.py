@@ -15,6 +15,7 @@ def init_app(app: Flask) -> None:
     from backend.dashboard import (
         links,  # noqa: F401 - registers the payment links pages on bp
         refunds,  # noqa: F401 - registers the refund pages on bp
+        wallets,  # noqa: F401 - registers the wallet proof routes on bp
     )
     from backend.dashboard.security import SESSION_MAX_AGE, DashboardSessionInterface
     from backend.dashboard.views import bp

@@ -89,9 +89,14 @@ def login_form(data: Mapping[str, str]) -> Form:
 
 
 def wallet_form(data: Mapping[str, str]) -> Form:
-    form = Form({"network": _text(data, "network"), "address": _text(data, "address")})
+    """A pasted payout address: unverified (no wallet signed for it), so it needs the merchant's explicit word that
+    it was checked (``confirm``)."""
+    form = Form({"network": _text(data, "network"), "address": _text(data, "address"),
+                 "confirm": _text(data, "confirm")})  # fmt: skip
     if not form.values["address"]:
         form.error("address", "Enter the wallet address that should receive payments.")
+    elif form.values["confirm"] != "yes":
+        form.error("address", "Confirm that you checked the pasted address: payments sent to a wrong one are lost.")
     return form
 
 

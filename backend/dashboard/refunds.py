@@ -13,11 +13,10 @@ from decimal import Decimal
 from typing import Any
 
 from flask import flash, jsonify, redirect, request, url_for
-from werkzeug.wrappers import Response
 
 from backend import appstate
 from backend.dashboard import forms, security
-from backend.dashboard.views import _checkout_host, _merchant_id, _registry, bp, login_required, render
+from backend.dashboard.views import _checkout_host, _merchant_id, _registry, bp, json_error, login_required, render
 from backend.errors import CATALOG, DomainError
 from backend.intents import refunds as records
 from backend.intents.models import REQUIRES_SIGNATURE
@@ -73,15 +72,6 @@ def refund_detail(refund_id: str) -> Any:
     return render("refund.html", refund=shown, network=network, explorer_url=explorer, signer=signer)
 
 
-def _json_error(err: DomainError) -> Response:
-    body: dict[str, Any] = {"code": err.code, "message": err.message}
-    if "reason" in err.extra:
-        body["reason"] = err.extra["reason"]
-    response = jsonify({"success": False, "error": body})
-    response.status_code = err.http_status
-    return response
-
-
 @bp.get("/refunds/<refund_id>/status")
 @login_required
 def refund_status(refund_id: str) -> Any:
@@ -89,7 +79,7 @@ def refund_status(refund_id: str) -> Any:
     try:
         return jsonify({"success": True, "data": records.refund_to_dict(records.get_refund(_merchant_id(), refund_id))})
     except DomainError as err:
-        return _json_error(err)
+        return json_error(err)
 
 
 @bp.post("/refunds/<refund_id>/solana-transaction")
@@ -99,7 +89,7 @@ def refund_transaction(refund_id: str) -> Any:
     try:
         built = refunds.prepare_refund_transaction(_merchant_id(), refund_id, appstate.settings())
     except DomainError as err:
-        return _json_error(err)
+        return json_error(err)
     return jsonify({"success": True, "data": built})
 
 
@@ -110,10 +100,10 @@ def pay_refund(refund_id: str) -> Any:
     body = request.get_json(silent=True)
     signature = body.get("payment_signature") if isinstance(body, dict) else None
     if not isinstance(signature, dict):
-        return _json_error(DomainError("INVALID_PAYLOAD", "payment_signature must be an object"))
+        return json_error(DomainError("INVALID_PAYLOAD", "payment_signature must be an object"))
     redis = app_redis()
     if redis is None:
-        return _json_error(DomainError("SETTLEMENT_UNAVAILABLE", CATALOG["SETTLEMENT_UNAVAILABLE"].description))
+        return json_error(DomainError("SETTLEMENT_UNAVAILABLE", CATALOG["SETTLEMENT_UNAVAILABLE"].description))
     settings = appstate.settings()
     try:
         refund, finished = refunds.submit_refund(
@@ -127,7 +117,7 @@ def pay_refund(refund_id: str) -> Any:
             settings=settings,
         )
     except DomainError as err:
-        return _json_error(err)
+        return json_error(err)
     response = jsonify({"success": True, "data": records.refund_to_dict(refund)})
     response.status_code = 200 if finished else 202
     return response

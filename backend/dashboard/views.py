@@ -20,6 +20,7 @@ from flask import (
     Response,
     flash,
     g,
+    jsonify,
     make_response,
     redirect,
     render_template,
@@ -53,10 +54,10 @@ _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _CSP = (
     "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
 )
-# The refund page's signer (static/dashboard/refund.js) runs our one script and calls our own JSON routes.
+# The refund and wallets pages run our own scripts (static/dashboard/*.js), which call our own JSON routes.
 _SCRIPTED_CSP = _CSP + "; script-src 'self'; connect-src 'self'"
-# Dashboard pages whose scripts run: the refund's page (backend/dashboard/refunds.py says why).
-SCRIPTED_ENDPOINTS = frozenset({"dashboard.refund_detail"})
+# Dashboard pages whose scripts run: the refund's page and the wallets page (their wallet code, wallets.js).
+SCRIPTED_ENDPOINTS = frozenset({"dashboard.refund_detail", "dashboard.wallets", "dashboard.save_wallet"})
 _ERRORS = {
     400: ("Something in that request was not right", "Go back, check the form and try again."),
     403: ("Not allowed", "You cannot do that."),
@@ -121,6 +122,16 @@ def render(template: str, http_status: int = 200, /, **context: Any) -> Response
 def error_page(status: int, message: str | None = None, title: str | None = None) -> Response:
     default_title, default_message = _ERRORS.get(status, _ERRORS[500 if status >= 500 else 400])
     return render("error.html", status, status=status, title=title or default_title, message=message or default_message)
+
+
+def json_error(err: DomainError) -> Response:
+    """A failure of a route the dashboard's scripts call: the API's error envelope, the catalog's status."""
+    body: dict[str, Any] = {"code": err.code, "message": err.message}
+    if "reason" in err.extra:
+        body["reason"] = err.extra["reason"]
+    response = jsonify({"success": False, "error": body})
+    response.status_code = err.http_status
+    return response
 
 
 def _reveal(merchant_id: str, kind: str, secret: str, subject: str) -> None:
@@ -389,7 +400,14 @@ def revoke_key(key_id: str) -> Any:
 @bp.get("/wallets")
 @login_required
 def wallets() -> Any:
-    return render("wallets.html", rows=services.wallet_rows(_merchant_id(), _registry()), form=None)
+    return _wallets_page(None)
+
+
+def _wallets_page(form: Form | None, status: int = 200) -> Response:
+    proof = {"challenge_url": url_for(".wallet_challenge"), "prove_url": url_for(".wallet_prove"),
+             "csrf_token": security.csrf_token()}  # fmt: skip
+    rows = services.wallet_rows(_merchant_id(), _registry())
+    return render("wallets.html", status, rows=rows, form=form, proof=proof)
 
 
 @bp.post("/wallets")
@@ -398,9 +416,10 @@ def save_wallet() -> Any:
     form = forms.wallet_form(request.form)
     wallet = services.save_wallet(_merchant_id(), form, _registry()) if form.ok else None
     if wallet is None:
-        return render("wallets.html", 400, rows=services.wallet_rows(_merchant_id(), _registry()), form=form)
+        return _wallets_page(form, 400)
     network = _registry().get(wallet.network)
-    flash(f"Saved. New intents pay {wallet.address} on {network.name if network else wallet.network}.", "success")
+    flash(f"Saved, unverified. New intents pay {wallet.address} on {network.name if network else wallet.network}.",
+          "success")  # fmt: skip
     return redirect(url_for(".wallets"))
 
 

@@ -46,3 +46,6 @@ class Wallet(Model):
     address: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=clock.now)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=clock.now, onupdate=clock.now)
+    # When the wallet proved it is the merchant's (it signed the service's message naming the merchant and the
+    # network: backend.merchants.proofs); None: pasted, unverified. A new address starts unverified.
+    verified_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -184,11 +184,14 @@ def authenticate(secret: str) -> str | None:
     return accept_key(row, digest, touch)
 
 
-def set_wallet(merchant_id: str, network_id: str, address: str, registry: ChainRegistry) -> Wallet:
+def set_wallet(
+    merchant_id: str, network_id: str, address: str, registry: ChainRegistry, *, verified: bool = False
+) -> Wallet:
     """Register or replace the merchant's wallet on a network. Commits.
 
     Intents created afterwards pay the new address; existing intents keep the requirements
-    they were created with.
+    they were created with. ``verified``: the wallet just signed the service's message (``merchants.proofs``);
+    otherwise a new address is unverified, and the same address keeps whatever proof it had.
     """
     get_merchant(merchant_id)
     network = registry.get(network_id)
@@ -207,8 +210,11 @@ def set_wallet(merchant_id: str, network_id: str, address: str, registry: ChainR
     if wallet is None:
         wallet = Wallet(merchant_id=merchant_id, network=network_id, address=normalized)
         db.session.add(wallet)
-    else:
+    elif wallet.address != normalized:
         wallet.address = normalized
+        wallet.verified_at = None
+    if verified:
+        wallet.verified_at = clock.now()
     db.session.commit()
     return wallet
 

@@ -289,6 +289,11 @@ class Rail(Protocol):
     def same_address(self, a: str, b: str) -> bool:
         """Whether two addresses of this kind name the same account (EVM: hex letters in any case; Solana: exact)."""
 
+    def signed_message_by(self, address: str, message: str, signature: str) -> bool:
+        """Whether ``signature`` is ``address``'s signature of the text ``message``, as its wallets sign messages
+        (EVM: EIP-191 ``personal_sign``, 65 bytes 0x-hex; Solana: ed25519 over the UTF-8 bytes, 64 bytes base64).
+        A malformed signature is False, never an error."""
+
     def reserved_addresses(self) -> dict[str, str]:
         """Addresses of this kind that are never a merchant's wallet on any network (programs), with what each is."""
 

@@ -53,7 +53,8 @@ def test_wallet_change_appears_in_the_next_intent(dashboard, client, merchant):
     base = next(r for r in before["payment_requirements"] if r["network"] == "eip155:84532")
     assert base["payTo"] == EVM_WALLET
 
-    response = post(dashboard, "/dashboard/wallets", {"network": "eip155:84532", "address": NEW_EVM_WALLET.lower()})
+    form = {"network": "eip155:84532", "address": NEW_EVM_WALLET.lower(), "confirm": "yes"}
+    response = post(dashboard, "/dashboard/wallets", form)
     assert response.status_code == 302
     page = text(dashboard.get("/dashboard/wallets"))
     assert NEW_EVM_WALLET in page  # stored checksummed
@@ -82,8 +83,11 @@ def test_invalid_wallet_is_refused_with_the_services_message(dashboard, client, 
         ({"network": "eip155:1", "address": NEW_EVM_WALLET}, "Choose one of the configured networks."),
         ({"network": "eip155:84532", "address": "   "}, "Enter the wallet address"),
     ]
+    # A pasted address is saved only with the merchant's word that it was checked (it is unverified).
+    unconfirmed = post(dashboard, "/dashboard/wallets", {"network": "eip155:84532", "address": NEW_EVM_WALLET})
+    assert unconfirmed.status_code == 400 and "Confirm that you checked the pasted address" in text(unconfirmed)
     for form, message in cases:
-        response = post(dashboard, "/dashboard/wallets", form)
+        response = post(dashboard, "/dashboard/wallets", {**form, "confirm": "yes"})
         assert response.status_code == 400, form
         body = text(response)
         assert message in body, (form, body[:2000])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -223,6 +224,18 @@ class EvmRail:
 
     def same_address(self, a: str, b: str) -> bool:
         return a.lower() == b.lower()  # EIP-55 case is a checksum, not part of the address
+
+    def signed_message_by(self, address: str, message: str, signature: str) -> bool:
+        from eth_account import Account
+        from eth_account.messages import encode_defunct
+
+        if not isinstance(signature, str) or not re.fullmatch(r"0x[0-9a-fA-F]{130}", signature):
+            return False
+        try:
+            signer = Account.recover_message(encode_defunct(text=message), signature=signature)
+        except Exception:  # an invalid v, an off-curve r: no one's signature
+            return False
+        return self.same_address(signer, address)
 
     def reserved_addresses(self) -> dict[str, str]:
         return {}

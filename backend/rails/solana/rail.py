@@ -141,6 +141,18 @@ class SolanaRail:
     def same_address(self, a: str, b: str) -> bool:
         return a == b  # base58 is case-sensitive
 
+    def signed_message_by(self, address: str, message: str, signature: str) -> bool:
+        import base64
+        import binascii
+
+        from solders.signature import Signature
+
+        try:
+            raw = base64.b64decode(signature, validate=True) if isinstance(signature, str) else b""
+            return len(raw) == 64 and Signature.from_bytes(raw).verify(Pubkey.from_string(address), message.encode())
+        except (binascii.Error, ValueError):
+            return False
+
     def reserved_addresses(self) -> dict[str, str]:
         return dict(PROGRAMS)
 

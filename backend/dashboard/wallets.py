@@ -1,0 +1,54 @@
+"""The wallets page's proof of a payout wallet (``backend.merchants.proofs``): its script (static/dashboard/
+wallet-proof.js) asks for the message to sign, has the connected wallet sign it, and sends the signature back. JSON
+routes, with the session and the CSRF token in a header; the message waits in the session (once, 10 minutes).
+
+Registered on the dashboard's blueprint (imported by ``backend.dashboard.init_app``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import flash, jsonify, request, session
+
+from backend.dashboard.views import _merchant_id, _registry, bp, json_error, login_required
+from backend.errors import DomainError
+from backend.merchants import proofs
+
+_PROOF = "wallet_proof"  # the session's issued challenge
+
+
+def _field(body: Any, name: str) -> str:
+    value = body.get(name) if isinstance(body, dict) else None
+    if not isinstance(value, str) or not value or len(value) > 200:
+        raise DomainError("VALIDATION_ERROR", f"{name} is required", fields={name: ["is required"]})
+    return value
+
+
+@bp.post("/wallets/challenge")
+@login_required
+def wallet_challenge() -> Any:
+    """The message the wallet signs (it names the merchant, the network and the address)."""
+    body = request.get_json(silent=True)
+    try:
+        issued = proofs.challenge(_merchant_id(), _field(body, "network"), _field(body, "address"), _registry())
+    except DomainError as err:
+        return json_error(err)
+    session[_PROOF] = issued.to_session()
+    return jsonify({"success": True, "data": {"message": issued.message, "address": issued.address}})
+
+
+@bp.post("/wallets/prove")
+@login_required
+def wallet_prove() -> Any:
+    """The wallet's signature of the issued message: the wallet becomes the network's payout wallet, verified."""
+    body = request.get_json(silent=True)
+    issued = proofs.Challenge.from_session(session.pop(_PROOF, None))  # used once, whatever the outcome
+    try:
+        wallet = proofs.prove(_merchant_id(), issued, _field(body, "network"), _field(body, "address"),
+                              _field(body, "signature"), _registry())  # fmt: skip
+    except DomainError as err:
+        return json_error(err)
+    network = _registry().get(wallet.network)
+    flash(f"Verified: new intents pay {wallet.address} on {network.name if network else wallet.network}, "
+          "a wallet that proved it is yours.", "success")  # fmt: skip
+    return jsonify({"success": True, "data": {"network": wallet.network, "address": wallet.address, "verified": True}})
