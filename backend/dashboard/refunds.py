@@ -16,7 +16,16 @@ from flask import flash, jsonify, redirect, request, url_for
 
 from backend import appstate
 from backend.dashboard import forms, security
-from backend.dashboard.views import _checkout_host, _merchant_id, _registry, bp, json_error, login_required, render
+from backend.dashboard.views import (
+    _checkout_host,
+    _merchant_id,
+    _registry,
+    bp,
+    json_error,
+    limit_script_calls,
+    login_required,
+    render,
+)
 from backend.errors import CATALOG, DomainError
 from backend.intents import refunds as records
 from backend.intents.models import REQUIRES_SIGNATURE
@@ -47,7 +56,7 @@ def create_refund(intent_id: str) -> Any:
     return redirect(url_for(".refund_detail", refund_id=refund.id))
 
 
-@bp.get("/refunds/<refund_id>")
+@bp.get("/refunds/<refund_id:refund_id>")
 @login_required
 def refund_detail(refund_id: str) -> Any:
     refund = records.get_refund(_merchant_id(), refund_id)
@@ -62,6 +71,8 @@ def refund_detail(refund_id: str) -> Any:
             "refund_id": refund.id,
             "requirement": refund.requirement,
             "pay_from": refund.pay_from,
+            "pay_to": refund.pay_to,  # shown on the page: the script checks the requirement names them
+            "amount_atomic": str(refund.amount_atomic),
             "network": network.for_wallets(),
             "now": int(time.time()),
             "pay_url": url_for(".pay_refund", refund_id=refund.id),
@@ -72,7 +83,7 @@ def refund_detail(refund_id: str) -> Any:
     return render("refund.html", refund=shown, network=network, explorer_url=explorer, signer=signer)
 
 
-@bp.get("/refunds/<refund_id>/status")
+@bp.get("/refunds/<refund_id:refund_id>/status")
 @login_required
 def refund_status(refund_id: str) -> Any:
     """The refund as the API shows it (the page polls it while the refund settles)."""
@@ -82,21 +93,26 @@ def refund_status(refund_id: str) -> Any:
         return json_error(err)
 
 
-@bp.post("/refunds/<refund_id>/solana-transaction")
+@bp.post("/refunds/<refund_id:refund_id>/solana-transaction")
 @login_required
 def refund_transaction(refund_id: str) -> Any:
     """Solana: the transaction the payout wallet signs (``POST /api/v1/refunds/{id}/solana-transaction``)."""
     try:
+        limit_script_calls(_merchant_id())
         built = refunds.prepare_refund_transaction(_merchant_id(), refund_id, appstate.settings())
     except DomainError as err:
         return json_error(err)
     return jsonify({"success": True, "data": built})
 
 
-@bp.post("/refunds/<refund_id>/pay")
+@bp.post("/refunds/<refund_id:refund_id>/pay")
 @login_required
 def pay_refund(refund_id: str) -> Any:
     """The wallet's signature, as ``POST /api/v1/refunds/{id}/pay`` takes it: 200 succeeded, 202 still settling."""
+    try:
+        limit_script_calls(_merchant_id())
+    except DomainError as err:
+        return json_error(err)
     body = request.get_json(silent=True)
     signature = body.get("payment_signature") if isinstance(body, dict) else None
     if not isinstance(signature, dict):

@@ -131,7 +131,17 @@ def json_error(err: DomainError) -> Response:
         body["reason"] = err.extra["reason"]
     response = jsonify({"success": False, "error": body})
     response.status_code = err.http_status
+    response.headers.update(err.headers)  # Retry-After of a 429 or 503
     return response
+
+
+# What the dashboard's scripts may ask a minute per merchant (each runs chain reads, as the API's calls do).
+SCRIPT_CALLS_PER_MINUTE = 30
+
+
+def limit_script_calls(merchant_id: str) -> None:
+    """429 RATE_LIMITED (raised) past SCRIPT_CALLS_PER_MINUTE calls of the scripts' JSON routes by the merchant."""
+    ratelimit.enforce(f"dashboard-script:{merchant_id}", SCRIPT_CALLS_PER_MINUTE)
 
 
 def _reveal(merchant_id: str, kind: str, secret: str, subject: str) -> None:
@@ -169,8 +179,12 @@ def _before() -> Response | None:
     if request.method not in _SAFE_METHODS:
         if any("\x00" in text for pair in request.form.items(multi=True) for text in pair):
             return error_page(400, "Forms must not contain NUL characters.")
-        # A form's field, or (the refund page's scripts) the X-CSRF-Token header: no other site can send either.
-        submitted = request.form.get(security.CSRF_FIELD) or request.headers.get(security.CSRF_HEADER)
+        # A form's field; a JSON body (the refund and wallets pages' scripts) in the X-CSRF-Token header only. No
+        # other site can send either (no CORS is ever allowed; the session cookie is SameSite=Lax).
+        if request.is_json:
+            submitted = request.headers.get(security.CSRF_HEADER)
+        else:
+            submitted = request.form.get(security.CSRF_FIELD)
         if not security.csrf_valid(submitted):
             return error_page(400, _CSRF_MESSAGE, "This form could not be accepted")
     _load_merchant()

@@ -10,7 +10,7 @@ from typing import Any
 
 from flask import flash, jsonify, request, session
 
-from backend.dashboard.views import _merchant_id, _registry, bp, json_error, login_required
+from backend.dashboard.views import _merchant_id, _registry, bp, json_error, limit_script_calls, login_required
 from backend.errors import DomainError
 from backend.merchants import proofs
 
@@ -30,6 +30,7 @@ def wallet_challenge() -> Any:
     """The message the wallet signs (it names the merchant, the network and the address)."""
     body = request.get_json(silent=True)
     try:
+        limit_script_calls(_merchant_id())
         issued = proofs.challenge(_merchant_id(), _field(body, "network"), _field(body, "address"), _registry())
     except DomainError as err:
         return json_error(err)
@@ -44,6 +45,7 @@ def wallet_prove() -> Any:
     body = request.get_json(silent=True)
     issued = proofs.Challenge.from_session(session.pop(_PROOF, None))  # used once, whatever the outcome
     try:
+        limit_script_calls(_merchant_id())
         wallet = proofs.prove(_merchant_id(), issued, _field(body, "network"), _field(body, "address"),
                               _field(body, "signature"), _registry())  # fmt: skip
     except DomainError as err:

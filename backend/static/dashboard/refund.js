@@ -6,7 +6,8 @@
   "use strict";
   const W = window.payintentWallets;
   const dataNode = document.getElementById("refund-signer-data");
-  if (!W || !dataNode) return;
+  // Only on a refund's own page: nowhere else does this script ask a wallet for anything.
+  if (!W || !dataNode || !/^\/dashboard\/refunds\/re_[0-9a-f]{32}$/.test(window.location.pathname)) return;
   const data = JSON.parse(dataNode.textContent);
   const list = document.getElementById("refund-wallets");
   const progress = document.getElementById("refund-progress");
@@ -44,7 +45,19 @@
   async function send(payload) {
     say("Sending the signed refund\u2026");
     const signature = { x402Version: 1, scheme: "exact", network: data.requirement.network, payload };
-    const answer = await post(data.pay_url, { payment_signature: signature });
+    let answer;
+    try {
+      answer = await post(data.pay_url, { payment_signature: signature });
+    } catch (error) {
+      // Whatever went wrong, this signature was sent: never offer to sign again on this page (a refund is paid
+      // once); the refund's status says what happened.
+      done = true;
+      list.replaceChildren();
+      const now = await fetch(data.status_url, { credentials: "same-origin" }).then((r) => r.json()).catch(() => null);
+      if (now && now.success && now.data.status !== "requires_signature") show(now.data);
+      say(`${String(error.message || error)} Reload the page to see the refund.`);
+      return;
+    }
     if (!show(answer.data)) await watch();
   }
 
@@ -61,6 +74,9 @@
     }
     await W.ensureChain(provider, data.network);
     const requirement = data.requirement;
+    if (requirement.payTo.toLowerCase() !== data.pay_to.toLowerCase() || requirement.maxAmountRequired !== data.amount_atomic) {
+      throw new Error("The refund's terms on this page do not match: reload the page.");
+    }
     const extra = requirement.extra || {};
     const elapsed = Math.floor((Date.now() - loadedAt) / 1000);
     const message = { from: account, to: requirement.payTo, value: requirement.maxAmountRequired, validAfter: "0",
@@ -94,7 +110,10 @@
     }
     say("Preparing the transaction\u2026");
     const built = await post(data.transaction_url, {});
-    say("Approve the refund in your wallet\u2026");
+    if (built.data.payer !== data.pay_from) throw new Error("The prepared transaction is not from the payout wallet.");
+    const rent = built.data.creates_payee_account ? Number(built.data.payer_pays_lamports) / 1e9 : 0;
+    say(rent ? `Approve the refund in your wallet: it also opens the buyer's USDC account, your wallet paying its rent `
+               + `of ${rent} SOL\u2026` : "Approve the refund in your wallet\u2026");
     const chain = data.network.wallet_chain && account.chains.includes(data.network.wallet_chain)
       ? { chain: data.network.wallet_chain } : {};
     const [output] = await wallet.features["solana:signTransaction"].signTransaction(

@@ -5,7 +5,8 @@
   "use strict";
   const W = window.payintentWallets;
   const config = document.getElementById("wallet-proof-data");
-  if (!W || !config) return;
+  // Only on the wallets page (or its form's answer): nowhere else does this script ask a wallet for anything.
+  if (!W || !config || window.location.pathname !== "/dashboard/wallets") return;
   const { challenge_url: challengeUrl, prove_url: proveUrl, csrf_token: csrfToken } = JSON.parse(config.textContent);
 
   for (const block of document.querySelectorAll(".wallet-connect")) {

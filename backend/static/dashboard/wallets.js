@@ -87,6 +87,7 @@
       headers: { "Content-Type": "application/json", "X-CSRF-Token": csrfToken },
       body: JSON.stringify(body ?? {}),
     });
+    if (response.redirected) throw new Error("Your session has ended: reload the page and log in again.");
     let answer = null;
     try { answer = await response.json(); } catch (_) { /* not JSON: below */ }
     if (!answer || answer.success !== true) {
