@@ -245,7 +245,10 @@ def wallet_list(merchant_id: str) -> None:
         _emit(
             {
                 "merchant_id": merchant_id,
-                "wallets": [{"network": w.network, "address": w.address} for w in services.list_wallets(merchant_id)],
+                "wallets": [
+                    {"network": w.network, "address": w.address, "verified": w.verified_at is not None}
+                    for w in services.list_wallets(merchant_id)
+                ],
             }
         )
 

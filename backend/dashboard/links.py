@@ -11,15 +11,15 @@ from werkzeug.wrappers import Response
 
 from backend.dashboard import forms
 from backend.dashboard.forms import Form
-from backend.dashboard.views import _checkout_host, _merchant_id, bp, login_required, render
+from backend.dashboard.views import app_checkout_host, bp, login_required, render, session_merchant_id
 from backend.paymentlinks import services as links
 
 LINKS_SHOWN = 100  # newest first; the API lists them all
 
 
 def _links_page(form: Form, status: int = 200) -> Response:
-    rows, total = links.list_links(_merchant_id(), limit=LINKS_SHOWN, offset=0)
-    shown = [links.link_to_dict(row, _checkout_host()) for row in rows]
+    rows, total = links.list_links(session_merchant_id(), limit=LINKS_SHOWN, offset=0)
+    shown = [links.link_to_dict(row, app_checkout_host()) for row in rows]
     return render("links.html", status, links=shown, total=total, form=form)
 
 
@@ -37,15 +37,15 @@ def create_link() -> Any:
         return _links_page(form, 400)
     values = form.values
     link = links.create_link(
-        _merchant_id(), links.NewLink(values["amount_usdc"], values["description"], values["redirect_url"])
+        session_merchant_id(), links.NewLink(values["amount_usdc"], values["description"], values["redirect_url"])
     )
-    flash(f"Payment link created: {links.link_url(_checkout_host(), link.id)}", "success")
+    flash(f"Payment link created: {links.link_url(app_checkout_host(), link.id)}", "success")
     return redirect(url_for(".link_list"))
 
 
 @bp.post("/links/<link_id>/deactivate")
 @login_required
 def deactivate_link(link_id: str) -> Any:
-    link = links.deactivate_link(_merchant_id(), link_id)
-    flash(f"Link deactivated: {links.link_url(_checkout_host(), link.id)} makes no more intents.", "success")
+    link = links.deactivate_link(session_merchant_id(), link_id)
+    flash(f"Link deactivated: {links.link_url(app_checkout_host(), link.id)} makes no more intents.", "success")
     return redirect(url_for(".link_list"))

@@ -17,14 +17,14 @@ from flask import flash, jsonify, redirect, request, url_for
 from backend import appstate
 from backend.dashboard import forms, security
 from backend.dashboard.views import (
-    _checkout_host,
-    _merchant_id,
-    _registry,
+    app_checkout_host,
+    app_registry,
     bp,
     json_error,
     limit_script_calls,
     login_required,
     render,
+    session_merchant_id,
 )
 from backend.errors import CATALOG, DomainError
 from backend.intents import refunds as records
@@ -46,7 +46,7 @@ def create_refund(intent_id: str) -> Any:
             flash("Enter the refund's amount in USDC, such as 12.50 (above 0, at most 6 decimals).", "error")
             return redirect(url_for(".intent_detail", intent_id=intent_id))
     try:
-        refund = refunds.create_refund(_merchant_id(), intent_id, amount, reason, _checkout_host())
+        refund = refunds.create_refund(session_merchant_id(), intent_id, amount, reason, app_checkout_host())
     except DomainError as err:
         if err.http_status == 404:
             raise
@@ -59,9 +59,9 @@ def create_refund(intent_id: str) -> Any:
 @bp.get("/refunds/<refund_id:refund_id>")
 @login_required
 def refund_detail(refund_id: str) -> Any:
-    refund = records.get_refund(_merchant_id(), refund_id)
+    refund = records.get_refund(session_merchant_id(), refund_id)
     shown = records.refund_to_dict(refund)
-    network = _registry().get(refund.network)
+    network = app_registry().get(refund.network)
     explorer = None
     if network is not None and network.explorer_tx_url and refund.tx_hash:
         explorer = network.explorer_tx_url.replace("{tx}", refund.tx_hash)
@@ -88,7 +88,8 @@ def refund_detail(refund_id: str) -> Any:
 def refund_status(refund_id: str) -> Any:
     """The refund as the API shows it (the page polls it while the refund settles)."""
     try:
-        return jsonify({"success": True, "data": records.refund_to_dict(records.get_refund(_merchant_id(), refund_id))})
+        refund = records.get_refund(session_merchant_id(), refund_id)
+        return jsonify({"success": True, "data": records.refund_to_dict(refund)})
     except DomainError as err:
         return json_error(err)
 
@@ -98,8 +99,8 @@ def refund_status(refund_id: str) -> Any:
 def refund_transaction(refund_id: str) -> Any:
     """Solana: the transaction the payout wallet signs (``POST /api/v1/refunds/{id}/solana-transaction``)."""
     try:
-        limit_script_calls(_merchant_id())
-        built = refunds.prepare_refund_transaction(_merchant_id(), refund_id, appstate.settings())
+        limit_script_calls(session_merchant_id())
+        built = refunds.prepare_refund_transaction(session_merchant_id(), refund_id, appstate.settings())
     except DomainError as err:
         return json_error(err)
     return jsonify({"success": True, "data": built})
@@ -110,7 +111,7 @@ def refund_transaction(refund_id: str) -> Any:
 def pay_refund(refund_id: str) -> Any:
     """The wallet's signature, as ``POST /api/v1/refunds/{id}/pay`` takes it: 200 succeeded, 202 still settling."""
     try:
-        limit_script_calls(_merchant_id())
+        limit_script_calls(session_merchant_id())
     except DomainError as err:
         return json_error(err)
     body = request.get_json(silent=True)
@@ -123,10 +124,10 @@ def pay_refund(refund_id: str) -> Any:
     settings = appstate.settings()
     try:
         refund, finished = refunds.submit_refund(
-            _merchant_id(),
+            session_merchant_id(),
             refund_id,
             signature,
-            _registry(),
+            app_registry(),
             redis,
             wait_seconds=settings.pay_wait_seconds,
             queue_name=settings.relayer_queue,

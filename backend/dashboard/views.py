@@ -80,15 +80,15 @@ bp = Blueprint("dashboard", __name__, url_prefix="/dashboard", static_folder=STA
 # --- plumbing ------------------------------------------------------------------------------------
 
 
-def _registry() -> ChainRegistry:
+def app_registry() -> ChainRegistry:
     return appstate.chains()
 
 
-def _checkout_host() -> str:
+def app_checkout_host() -> str:
     return appstate.settings().checkout_host
 
 
-def _merchant_id() -> str:
+def session_merchant_id() -> str:
     merchant: Merchant = g.merchant  # set by login_required
     return merchant.id
 
@@ -366,7 +366,7 @@ def logout() -> Any:
 @bp.get("/")
 @login_required
 def overview() -> Any:
-    summary = services.overview(_merchant_id(), _registry(), _checkout_host())
+    summary = services.overview(session_merchant_id(), app_registry(), app_checkout_host())
     return render("overview.html", summary=summary, statuses=STATUSES)
 
 
@@ -376,14 +376,14 @@ def overview() -> Any:
 @bp.get("/keys")
 @login_required
 def keys() -> Any:
-    return render("keys.html", keys=services.api_keys(_merchant_id()))
+    return render("keys.html", keys=services.api_keys(session_merchant_id()))
 
 
 @bp.post("/keys")
 @login_required
 def create_key() -> Any:
-    issued = merchants.create_api_key(_merchant_id())
-    _reveal(_merchant_id(), "api_key", issued.secret, f"API key {issued.key.display_prefix}\u2026")
+    issued = merchants.create_api_key(session_merchant_id())
+    _reveal(session_merchant_id(), "api_key", issued.secret, f"API key {issued.key.display_prefix}\u2026")
     flash("API key created.", "success")
     return redirect(url_for(".keys"))
 
@@ -392,7 +392,7 @@ def create_key() -> Any:
 @login_required
 def revoke_key(key_id: str) -> Any:
     if request.method == "GET":
-        key = next((k for k in services.api_keys(_merchant_id()) if k.id == key_id), None)
+        key = next((k for k in services.api_keys(session_merchant_id()) if k.id == key_id), None)
         if key is None:
             raise NotFound()
         return render(
@@ -403,7 +403,7 @@ def revoke_key(key_id: str) -> Any:
             button="Revoke key",
             back=url_for(".keys"),
         )
-    key = merchants.revoke_api_key(_merchant_id(), key_id)
+    key = merchants.revoke_api_key(session_merchant_id(), key_id)
     flash(f"API key {key.display_prefix}\u2026 is revoked; the API refuses it from now on.", "success")
     return redirect(url_for(".keys"))
 
@@ -420,7 +420,7 @@ def wallets() -> Any:
 def _wallets_page(form: Form | None, status: int = 200) -> Response:
     proof = {"challenge_url": url_for(".wallet_challenge"), "prove_url": url_for(".wallet_prove"),
              "csrf_token": security.csrf_token()}  # fmt: skip
-    rows = services.wallet_rows(_merchant_id(), _registry())
+    rows = services.wallet_rows(session_merchant_id(), app_registry())
     return render("wallets.html", status, rows=rows, form=form, proof=proof)
 
 
@@ -428,10 +428,10 @@ def _wallets_page(form: Form | None, status: int = 200) -> Response:
 @login_required
 def save_wallet() -> Any:
     form = forms.wallet_form(request.form)
-    wallet = services.save_wallet(_merchant_id(), form, _registry()) if form.ok else None
+    wallet = services.save_wallet(session_merchant_id(), form, app_registry()) if form.ok else None
     if wallet is None:
         return _wallets_page(form, 400)
-    network = _registry().get(wallet.network)
+    network = app_registry().get(wallet.network)
     flash(f"Saved, unverified. New intents pay {wallet.address} on {network.name if network else wallet.network}.",
           "success")  # fmt: skip
     return redirect(url_for(".wallets"))
@@ -441,7 +441,7 @@ def save_wallet() -> Any:
 @login_required
 def remove_wallet() -> Any:
     network = (request.form.get("network") or "").strip()
-    merchants.remove_wallet(_merchant_id(), network)
+    merchants.remove_wallet(session_merchant_id(), network)
     flash(f"Wallet removed. New intents are not payable on {network}.", "success")
     return redirect(url_for(".wallets"))
 
@@ -450,7 +450,7 @@ def remove_wallet() -> Any:
 
 
 def _webhooks_page(form: Form, status: int = 200) -> Response:
-    endpoints, _ = webhooks.list_endpoints(_merchant_id(), limit=webhooks.MAX_ENDPOINTS_PER_MERCHANT, offset=0)
+    endpoints, _ = webhooks.list_endpoints(session_merchant_id(), limit=webhooks.MAX_ENDPOINTS_PER_MERCHANT, offset=0)
     return render(
         "webhooks.html", status, endpoints=endpoints, form=form, event_types=EVENT_TYPES,
         limit=webhooks.MAX_ENDPOINTS_PER_MERCHANT,
@@ -475,23 +475,24 @@ def create_webhook() -> Any:
     if not form.ok:
         return _webhooks_page(form, 400)
     try:
-        endpoint, secret = webhooks.create_endpoint(_merchant_id(), form.values["url"], form.values["events"])
+        endpoint, secret = webhooks.create_endpoint(session_merchant_id(), form.values["url"], form.values["events"])
     except DomainError as err:
         if err.http_status != 409:
             raise
         form.error("url", err.message + ".")
         return _webhooks_page(form, 409)
-    _reveal(_merchant_id(), "webhook_secret", secret, f"the signing secret of {endpoint.url}")
+    _reveal(session_merchant_id(), "webhook_secret", secret, f"the signing secret of {endpoint.url}")
     flash("Webhook endpoint added.", "success")
     return redirect(url_for(".webhook_detail", webhook_id=endpoint.id))
 
 
 def _webhook_page(webhook_id: str, form: Form, status: int = 200) -> Response:
-    endpoint = webhooks.get_endpoint(_merchant_id(), webhook_id)
+    endpoint = webhooks.get_endpoint(session_merchant_id(), webhook_id)
     page = forms.page_number(request.args)
     if page is None:
         return error_page(400, "The page number must be a whole number of 1 or more.")
-    deliveries, total = services.delivery_page(_merchant_id(), webhook_id, page=page, page_size=DELIVERY_PAGE_SIZE)
+    merchant_id = session_merchant_id()
+    deliveries, total = services.delivery_page(merchant_id, webhook_id, page=page, page_size=DELIVERY_PAGE_SIZE)
     return render(
         "webhook.html", status, endpoint=endpoint, deliveries=deliveries, form=form, event_types=EVENT_TYPES,
         pager=display.Pager(page, DELIVERY_PAGE_SIZE, total),
@@ -510,7 +511,7 @@ def send_test_event(webhook_id: str) -> Any:
     form = forms.event_form(request.form)
     if not form.ok:
         return _webhook_page(webhook_id, form, 400)
-    delivery_id, event_id = webhooks.send_test_event(_merchant_id(), webhook_id, form.values["event"])
+    delivery_id, event_id = webhooks.send_test_event(session_merchant_id(), webhook_id, form.values["event"])
     flash(f"Test {form.values['event']} event {event_id} queued as delivery {delivery_id}.", "success")
     return redirect(url_for(".webhook_detail", webhook_id=webhook_id))
 
@@ -519,7 +520,7 @@ def send_test_event(webhook_id: str) -> Any:
 @login_required
 def rotate_webhook_secret(webhook_id: str) -> Any:
     if request.method == "GET":
-        endpoint = webhooks.get_endpoint(_merchant_id(), webhook_id)
+        endpoint = webhooks.get_endpoint(session_merchant_id(), webhook_id)
         return render(
             "confirm.html",
             heading="Rotate this endpoint's signing secret?",
@@ -529,8 +530,8 @@ def rotate_webhook_secret(webhook_id: str) -> Any:
             button="Rotate secret",
             back=url_for(".webhook_detail", webhook_id=webhook_id),
         )
-    endpoint, secret = webhooks.rotate_secret(_merchant_id(), webhook_id)
-    _reveal(_merchant_id(), "webhook_secret", secret, f"the new signing secret of {endpoint.url}")
+    endpoint, secret = webhooks.rotate_secret(session_merchant_id(), webhook_id)
+    _reveal(session_merchant_id(), "webhook_secret", secret, f"the new signing secret of {endpoint.url}")
     flash("Signing secret rotated.", "success")
     return redirect(url_for(".webhook_detail", webhook_id=webhook_id))
 
@@ -538,7 +539,7 @@ def rotate_webhook_secret(webhook_id: str) -> Any:
 @bp.route("/webhooks/<webhook_id>/delete", methods=["GET", "POST"])
 @login_required
 def delete_webhook(webhook_id: str) -> Any:
-    endpoint = webhooks.get_endpoint(_merchant_id(), webhook_id)
+    endpoint = webhooks.get_endpoint(session_merchant_id(), webhook_id)
     if request.method == "GET":
         return render(
             "confirm.html",
@@ -548,7 +549,7 @@ def delete_webhook(webhook_id: str) -> Any:
             button="Delete endpoint",
             back=url_for(".webhook_detail", webhook_id=webhook_id),
         )
-    webhooks.delete_endpoint(_merchant_id(), webhook_id)
+    webhooks.delete_endpoint(session_merchant_id(), webhook_id)
     flash(f"Webhook endpoint {endpoint.url} deleted.", "success")
     return redirect(url_for(".webhook_list"))
 
@@ -556,17 +557,17 @@ def delete_webhook(webhook_id: str) -> Any:
 @bp.get("/webhooks/<webhook_id>/deliveries/<delivery_id>")
 @login_required
 def delivery_detail(webhook_id: str, delivery_id: str) -> Any:
-    endpoint = webhooks.get_endpoint(_merchant_id(), webhook_id)
-    delivery = services.endpoint_delivery(_merchant_id(), webhook_id, delivery_id)
+    endpoint = webhooks.get_endpoint(session_merchant_id(), webhook_id)
+    delivery = services.endpoint_delivery(session_merchant_id(), webhook_id, delivery_id)
     return render("delivery.html", endpoint=endpoint, delivery=delivery)
 
 
 @bp.post("/webhooks/<webhook_id>/deliveries/<delivery_id>/replay")
 @login_required
 def replay_delivery(webhook_id: str, delivery_id: str) -> Any:
-    webhooks.get_endpoint(_merchant_id(), webhook_id)
-    delivery = services.endpoint_delivery(_merchant_id(), webhook_id, delivery_id)
-    new_id = webhooks.replay_delivery(_merchant_id(), delivery_id)
+    webhooks.get_endpoint(session_merchant_id(), webhook_id)
+    delivery = services.endpoint_delivery(session_merchant_id(), webhook_id, delivery_id)
+    new_id = webhooks.replay_delivery(session_merchant_id(), delivery_id)
     flash(f"Event {delivery['event_id']} queued again as delivery {new_id}.", "success")
     return redirect(url_for(".webhook_detail", webhook_id=webhook_id))
 
@@ -580,7 +581,7 @@ def intent_list() -> Any:
     form = forms.intents_filter(request.args)
     if not form.ok:
         return render("intents.html", 400, form=form, intents=[], pager=None, statuses=STATUSES)
-    rows, total = services.intent_page(_merchant_id(), form, _checkout_host())
+    rows, total = services.intent_page(session_merchant_id(), form, app_checkout_host())
     pager = display.Pager(form.values["page"], forms.PAGE_SIZE, total)
     return render("intents.html", form=form, intents=rows, pager=pager, statuses=STATUSES)
 
@@ -594,16 +595,17 @@ def intent_export() -> Any:
         return render("intents.html", 400, form=form, intents=[], pager=None, statuses=STATUSES)
     filters = export.ExportFilters(status=form.values["status"] or None, order_id=form.values["order_id"] or None)
     now = clock.now()
-    return export.download(export.export_csv(_merchant_id(), filters, now), now)
+    return export.download(export.export_csv(session_merchant_id(), filters, now), now)
 
 
 @bp.get("/intents/<intent_id>")
 @login_required
 def intent_detail(intent_id: str) -> Any:
-    intent, requirements, explorer = services.intent_detail(_merchant_id(), intent_id, _registry(), _checkout_host())
+    merchant_id = session_merchant_id()
+    intent, requirements, explorer = services.intent_detail(merchant_id, intent_id, app_registry(), app_checkout_host())
     duplicates = services.duplicate_payments(str(intent["intent_id"]))
     refunds = services.intent_refunds(str(intent["intent_id"]))
     paid = intent["status"] == PAID
-    refundable = services.refundable_usdc(_merchant_id(), str(intent["intent_id"])) if paid else None
+    refundable = services.refundable_usdc(session_merchant_id(), str(intent["intent_id"])) if paid else None
     return render("intent.html", intent=intent, requirements=requirements, explorer_url=explorer,
                   duplicates=duplicates, refunds=refunds, refundable=refundable)  # fmt: skip

@@ -10,7 +10,14 @@ from typing import Any
 
 from flask import flash, jsonify, request, session
 
-from backend.dashboard.views import _merchant_id, _registry, bp, json_error, limit_script_calls, login_required
+from backend.dashboard.views import (
+    app_registry,
+    bp,
+    json_error,
+    limit_script_calls,
+    login_required,
+    session_merchant_id,
+)
 from backend.errors import DomainError
 from backend.merchants import proofs
 
@@ -30,8 +37,9 @@ def wallet_challenge() -> Any:
     """The message the wallet signs (it names the merchant, the network and the address)."""
     body = request.get_json(silent=True)
     try:
-        limit_script_calls(_merchant_id())
-        issued = proofs.challenge(_merchant_id(), _field(body, "network"), _field(body, "address"), _registry())
+        limit_script_calls(session_merchant_id())
+        network, address = _field(body, "network"), _field(body, "address")
+        issued = proofs.challenge(session_merchant_id(), network, address, app_registry())
     except DomainError as err:
         return json_error(err)
     session[_PROOF] = issued.to_session()
@@ -45,12 +53,12 @@ def wallet_prove() -> Any:
     body = request.get_json(silent=True)
     issued = proofs.Challenge.from_session(session.pop(_PROOF, None))  # used once, whatever the outcome
     try:
-        limit_script_calls(_merchant_id())
-        wallet = proofs.prove(_merchant_id(), issued, _field(body, "network"), _field(body, "address"),
-                              _field(body, "signature"), _registry())  # fmt: skip
+        limit_script_calls(session_merchant_id())
+        wallet = proofs.prove(session_merchant_id(), issued, _field(body, "network"), _field(body, "address"),
+                              _field(body, "signature"), app_registry())  # fmt: skip
     except DomainError as err:
         return json_error(err)
-    network = _registry().get(wallet.network)
+    network = app_registry().get(wallet.network)
     flash(f"Verified: new intents pay {wallet.address} on {network.name if network else wallet.network}, "
           "a wallet that proved it is yours.", "success")  # fmt: skip
     return jsonify({"success": True, "data": {"network": wallet.network, "address": wallet.address, "verified": True}})
