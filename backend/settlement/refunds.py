@@ -34,7 +34,6 @@ from backend.intents import refunds
 from backend.intents.models import FAILED, REQUIRES_SIGNATURE, SUCCEEDED, Intent, Refund
 from backend.rails.base import Terms
 from backend.rails.registry import rail_for
-from backend.settlement import models as st
 from backend.settlement import services, solana
 from backend.settlement.flow import enqueue_settlement, relay_admission, wait_settled
 from backend.settlement.models import Settlement
@@ -114,19 +113,9 @@ def claim_refund(
             raise refunds.exceeds(amount, max(intent.amount_atomic - others, 0))
         open_settlements = services.count_open(merchant_id, network.network) if admit is not None else 0
         open_of_payer = services.count_open_of_payer(terms.payer) if max_open_per_payer else 0
-        row = {
-            "id": settlement_id,
-            "intent_id": intent_id,
-            "merchant_id": merchant_id,
-            "network": network.network,
-            "asset": network.usdc_address,
-            **rail_for(network).columns_of(terms),
-            "status": st.PENDING,
-            "start_block": start_block,
-            "created_at": now,
-            "updated_at": now,
-            "refund_id": refund_id,
-        }
+        row = services.settlement_row(
+            settlement_id, intent_id, merchant_id, network, terms, start_block, now, refund_id
+        )
         try:
             db.session.execute(_SETTLEMENTS.insert(), row)
         except IntegrityError:

@@ -265,6 +265,32 @@ def count_open(merchant_id: str, network_id: str) -> int:
     return int(db.session.scalar(_OPEN_OF_MERCHANT, {"merchant_id": merchant_id, "network": network_id}) or 0)
 
 
+def settlement_row(
+    settlement_id: str,
+    intent_id: str,
+    merchant_id: str,
+    network: Network,
+    terms: Terms,
+    start_block: int | None,
+    now: datetime,
+    refund_id: str | None = None,
+) -> dict[str, Any]:
+    """A new pending settlement's row (a payment's, or a refund's with ``refund_id``), as its claim inserts it."""
+    return {
+        "id": settlement_id,
+        "intent_id": intent_id,
+        "merchant_id": merchant_id,
+        "network": network.network,
+        "asset": network.usdc_address,
+        **rail_for(network).columns_of(terms),  # payer, pay_to, amount_atomic, nonce and the rail's own
+        "status": st.PENDING,
+        "start_block": start_block,
+        "created_at": now,
+        "updated_at": now,
+        "refund_id": refund_id,
+    }
+
+
 def claim(
     intent_id: str,
     merchant_id: str,
@@ -311,18 +337,7 @@ def claim(
     elif max_open_per_payer:
         open_of_payer = count_open_of_payer(terms.payer)
     settlement_id = prefixed_id("stl")
-    row = {
-        "id": settlement_id,
-        "intent_id": intent_id,
-        "merchant_id": merchant_id,
-        "network": network.network,
-        "asset": network.usdc_address,
-        **rail_for(network).columns_of(terms),  # payer, pay_to, amount_atomic, nonce and the rail's own
-        "status": st.PENDING,
-        "start_block": start_block,
-        "created_at": now,
-        "updated_at": now,
-    }
+    row = settlement_row(settlement_id, intent_id, merchant_id, network, terms, start_block, now)
     try:
         db.session.execute(_INSERT_SETTLEMENT, row)
     except IntegrityError:

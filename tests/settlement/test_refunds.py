@@ -53,6 +53,18 @@ def pay_refund(client: Any, shop: Any, refund: dict[str, Any], payload: dict[str
     return client.post(f"{REFUNDS}/{refund['refund_id']}/pay", json=body, headers=shop.headers)
 
 
+def pay_at_once(app: Any, shop: Any, signed: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[tuple[int, str]]:
+    """Each (refund, signed payload) sent at the same time, each on its own client: (status, error code or OK)."""
+
+    def attempt(item: tuple[dict[str, Any], dict[str, Any]]) -> tuple[int, str]:
+        with app.test_client() as c:
+            answer = pay_refund(c, shop, *item)
+            return answer.status_code, (answer.get_json().get("error") or {}).get("code", "OK")
+
+    with ThreadPoolExecutor(max_workers=len(signed)) as pool:
+        return list(pool.map(attempt, signed))
+
+
 def refund_events() -> list[dict[str, Any]]:
     db.session.expire_all()
     return [
@@ -153,13 +165,7 @@ def test_concurrent_refunds_never_exceed_what_was_paid(pay_app, wallet_shop, dev
     signed = [(r, sign_authorization(wallet_shop.wallet.key, r["payment_requirements"][0])) for r in refunds]
     buyer_before = devnet.balance(network, buyer.address)
 
-    def attempt(item: tuple[dict[str, Any], dict[str, Any]]) -> tuple[int, str]:
-        with pay_app.test_client() as c:
-            answer = pay_refund(c, wallet_shop, *item)
-            return answer.status_code, (answer.get_json().get("error") or {}).get("code", "OK")
-
-    with ThreadPoolExecutor(max_workers=6) as pool:
-        results = list(pool.map(attempt, signed))
+    results = pay_at_once(pay_app, wallet_shop, signed)
     assert sum(status == 200 for status, _ in results) == 1, results
     assert {code for status, code in results if status != 200} == {"REFUND_EXCEEDS_PAYMENT"}, results
     assert devnet.balance(network, buyer.address) - buyer_before == 600_000
@@ -176,13 +182,7 @@ def test_one_refund_paid_twice_at_once_executes_once(pay_app, wallet_shop, devne
     signed = [(refund, sign_authorization(wallet_shop.wallet.key, refund["payment_requirements"][0])) for _ in "ab"]
     buyer_before = devnet.balance(network, buyer.address)
 
-    def attempt(item: tuple[dict[str, Any], dict[str, Any]]) -> tuple[int, str]:
-        with pay_app.test_client() as c:
-            answer = pay_refund(c, wallet_shop, *item)
-            return answer.status_code, (answer.get_json().get("error") or {}).get("code", "OK")
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = sorted(pool.map(attempt, signed))
+    results = sorted(pay_at_once(pay_app, wallet_shop, signed))
     assert results == [(200, "OK"), (409, "REFUND_NOT_PAYABLE")], results
     assert devnet.balance(network, buyer.address) - buyer_before == 1_000_000
     assert len(refund_events()) == 1
