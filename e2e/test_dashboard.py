@@ -162,7 +162,7 @@ def test_create_an_api_key_use_it_and_revoke_it(page: Page, stack: Stack, shot: 
     page.get_by_label(f"Wallet address on {evm['name']}").fill(Account.create().address)
     confirm_paste(page, evm["name"])
     page.get_by_role("button", name="Save wallet").first.click()
-    expect(_flash(page)).to_contain_text("Saved.")
+    expect(_flash(page)).to_contain_text("Saved, unverified.")
 
     go(page, "API keys")
     page.get_by_role("button", name="Create an API key").click()
@@ -358,7 +358,7 @@ def test_intents_list_filters_and_detail(page: Page, stack: Stack, shot: Shot) -
     page.get_by_label(f"Wallet address on {evm['name']}").fill(address)
     confirm_paste(page, evm["name"])
     page.get_by_role("button", name="Save wallet").first.click()
-    expect(_flash(page)).to_contain_text("Saved.")
+    expect(_flash(page)).to_contain_text("Saved, unverified.")
 
     tag = uuid.uuid4().hex[:8]
     kept = stack.create_intent(12.5, key=merchant.first_key, order_id=f"order-{tag}-1", description="Two mugs")

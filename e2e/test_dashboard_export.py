@@ -25,7 +25,7 @@ def test_export_csv_downloads_the_filtered_intents(page: Page, stack: Stack, sho
     evm = _networks(stack)[0]
     page.get_by_label(f"Wallet address on {evm['name']}").fill(Account.create().address)
     page.get_by_role("button", name="Save wallet").first.click()
-    expect(_flash(page)).to_contain_text("Saved.")
+    expect(_flash(page)).to_contain_text("Saved, unverified.")
 
     tag = uuid.uuid4().hex[:8]
     key = merchant.first_key
