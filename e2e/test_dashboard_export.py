@@ -11,7 +11,7 @@ from eth_account import Account
 from playwright.sync_api import Page, expect
 
 from e2e.conftest import Shot, Stack
-from e2e.test_dashboard import _flash, _networks, go, sign_up
+from e2e.test_dashboard import _flash, _networks, confirm_paste, go, sign_up
 
 HEADER = [
     "intent_id", "status", "amount_usdc", "chain", "tx_hash", "buyer_address", "created_at", "paid_at",
@@ -24,6 +24,7 @@ def test_export_csv_downloads_the_filtered_intents(page: Page, stack: Stack, sho
     go(page, "Wallets")
     evm = _networks(stack)[0]
     page.get_by_label(f"Wallet address on {evm['name']}").fill(Account.create().address)
+    confirm_paste(page, evm["name"])
     page.get_by_role("button", name="Save wallet").first.click()
     expect(_flash(page)).to_contain_text("Saved, unverified.")
 
