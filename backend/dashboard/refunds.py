@@ -20,16 +20,16 @@ from backend.dashboard.views import (
     app_checkout_host,
     app_registry,
     bp,
-    json_error,
     limit_script_calls,
     login_required,
     render,
     session_merchant_id,
 )
-from backend.errors import CATALOG, DomainError
+from backend.errors import DomainError
+from backend.http_errors import error_response
 from backend.intents import refunds as records
 from backend.intents.models import REQUIRES_SIGNATURE
-from backend.queueing import app_redis
+from backend.settlement import api as settlement_api
 from backend.settlement import refunds
 
 
@@ -91,7 +91,7 @@ def refund_status(refund_id: str) -> Any:
         refund = records.get_refund(session_merchant_id(), refund_id)
         return jsonify({"success": True, "data": records.refund_to_dict(refund)})
     except DomainError as err:
-        return json_error(err)
+        return error_response(err)
 
 
 @bp.post("/refunds/<refund_id:refund_id>/solana-transaction")
@@ -102,7 +102,7 @@ def refund_transaction(refund_id: str) -> Any:
         limit_script_calls(session_merchant_id())
         built = refunds.prepare_refund_transaction(session_merchant_id(), refund_id, appstate.settings())
     except DomainError as err:
-        return json_error(err)
+        return error_response(err)
     return jsonify({"success": True, "data": built})
 
 
@@ -113,28 +113,15 @@ def pay_refund(refund_id: str) -> Any:
     try:
         limit_script_calls(session_merchant_id())
     except DomainError as err:
-        return json_error(err)
+        return error_response(err)
     body = request.get_json(silent=True)
     signature = body.get("payment_signature") if isinstance(body, dict) else None
     if not isinstance(signature, dict):
-        return json_error(DomainError("INVALID_PAYLOAD", "payment_signature must be an object"))
-    redis = app_redis()
-    if redis is None:
-        return json_error(DomainError("SETTLEMENT_UNAVAILABLE", CATALOG["SETTLEMENT_UNAVAILABLE"].description))
-    settings = appstate.settings()
+        return error_response(DomainError("INVALID_PAYLOAD", "payment_signature must be an object"))
     try:
-        refund, finished = refunds.submit_refund(
-            session_merchant_id(),
-            refund_id,
-            signature,
-            app_registry(),
-            redis,
-            wait_seconds=settings.pay_wait_seconds,
-            queue_name=settings.relayer_queue,
-            settings=settings,
-        )
+        refund, finished = settlement_api.pay_refund(session_merchant_id(), refund_id, signature)
     except DomainError as err:
-        return json_error(err)
+        return error_response(err)
     response = jsonify({"success": True, "data": records.refund_to_dict(refund)})
     response.status_code = 200 if finished else 202
     return response

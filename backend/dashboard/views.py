@@ -20,7 +20,6 @@ from flask import (
     Response,
     flash,
     g,
-    jsonify,
     make_response,
     redirect,
     render_template,
@@ -122,17 +121,6 @@ def render(template: str, http_status: int = 200, /, **context: Any) -> Response
 def error_page(status: int, message: str | None = None, title: str | None = None) -> Response:
     default_title, default_message = _ERRORS.get(status, _ERRORS[500 if status >= 500 else 400])
     return render("error.html", status, status=status, title=title or default_title, message=message or default_message)
-
-
-def json_error(err: DomainError) -> Response:
-    """A failure of a route the dashboard's scripts call: the API's error envelope, the catalog's status."""
-    body: dict[str, Any] = {"code": err.code, "message": err.message}
-    if "reason" in err.extra:
-        body["reason"] = err.extra["reason"]
-    response = jsonify({"success": False, "error": body})
-    response.status_code = err.http_status
-    response.headers.update(err.headers)  # Retry-After of a 429 or 503
-    return response
 
 
 # What the dashboard's scripts may ask a minute per merchant (each runs chain reads, as the API's calls do).

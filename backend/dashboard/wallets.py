@@ -13,12 +13,12 @@ from flask import flash, jsonify, request, session
 from backend.dashboard.views import (
     app_registry,
     bp,
-    json_error,
     limit_script_calls,
     login_required,
     session_merchant_id,
 )
 from backend.errors import DomainError
+from backend.http_errors import error_response
 from backend.merchants import proofs
 
 _PROOF = "wallet_proof"  # the session's issued challenge
@@ -41,7 +41,7 @@ def wallet_challenge() -> Any:
         network, address = _field(body, "network"), _field(body, "address")
         issued = proofs.challenge(session_merchant_id(), network, address, app_registry())
     except DomainError as err:
-        return json_error(err)
+        return error_response(err)
     session[_PROOF] = issued.to_session()
     return jsonify({"success": True, "data": {"message": issued.message, "address": issued.address}})
 
@@ -57,7 +57,7 @@ def wallet_prove() -> Any:
         wallet = proofs.prove(session_merchant_id(), issued, _field(body, "network"), _field(body, "address"),
                               _field(body, "signature"), app_registry())  # fmt: skip
     except DomainError as err:
-        return json_error(err)
+        return error_response(err)
     network = app_registry().get(wallet.network)
     flash(f"Verified: new intents pay {wallet.address} on {network.name if network else wallet.network}, "
           "a wallet that proved it is yours.", "success")  # fmt: skip

@@ -20,7 +20,6 @@ transaction, with ``intents.refunded_atomic`` and the ``refund.issued`` event.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
@@ -33,6 +32,7 @@ from backend.events.services import record_event
 from backend.extensions import db, rowcount
 from backend.ids import prefixed_id
 from backend.intents.models import FAILED, PAID, PROCESSING, REQUIRES_SIGNATURE, SUCCEEDED, Intent, Refund
+from backend.intents.services import looks_like_uuid
 from backend.money import from_atomic, to_atomic
 
 _refunds = Refund.__table__
@@ -127,14 +127,10 @@ def create_refund(
 
 def merchant_intent(merchant_id: str, intent_id: str) -> Intent:
     """The merchant's intent; another merchant's or an unknown id is 404."""
-    intent = db.session.get(Intent, intent_id, populate_existing=True) if _is_uuid(intent_id) else None
+    intent = db.session.get(Intent, intent_id, populate_existing=True) if looks_like_uuid(intent_id) else None
     if intent is None or intent.merchant_id != merchant_id:
         raise not_found("Intent")
     return intent
-
-
-def _is_uuid(value: str) -> bool:
-    return isinstance(value, str) and len(value) == 36 and value.count("-") == 4
 
 
 def get_refund(merchant_id: str | None, refund_id: str) -> Refund:
@@ -244,17 +240,6 @@ def mark_failed(refund_id: str, code: str, reason: str, now: datetime) -> None:
         .where(_refunds.c.id == refund_id, _refunds.c.status == PROCESSING)
         .values(status=FAILED, failure_code=code, failure_reason=reason[:500], updated_at=now)
     )
-
-
-def refunds_by_intent(intent_ids: list[str]) -> Mapping[str, list[Refund]]:
-    """The refunds of each of these intents, oldest first."""
-    found: dict[str, list[Refund]] = {}
-    if intent_ids:
-        for refund in db.session.scalars(
-            select(Refund).where(Refund.intent_id.in_(intent_ids)).order_by(Refund.created_at)
-        ):
-            found.setdefault(refund.intent_id, []).append(refund)
-    return found
 
 
 __all__ = ["Refund", "create_refund", "get_refund", "list_refunds", "refund_to_dict"]

@@ -137,7 +137,7 @@ def key_and_intent(secret: str, intent_id: str) -> tuple[str | None, dict[str, A
     """An API key's check (``merchants.auth.authenticated``'s lookup) and its merchant's intent ``intent_id``
     (None: no such intent, or another merchant's), read in one statement outside any transaction."""
     # An id that cannot be one matches nothing (NULL), without comparing it.
-    params = {"intent_id": intent_id if _looks_like_uuid(intent_id) else None}
+    params = {"intent_id": intent_id if looks_like_uuid(intent_id) else None}
     merchant_id, rows = _read_with_key(secret, _KEY_AND_INTENT, params)
     if merchant_id is None or rows[0]["id"] is None:  # an accepted key has its row
         return merchant_id, None
@@ -288,7 +288,7 @@ def expire_overdue() -> int:
             return total
 
 
-def _looks_like_uuid(value: str) -> bool:
+def looks_like_uuid(value: str) -> bool:
     if len(value) != 36 or value.count("-") != 4:
         return False
     try:
@@ -302,7 +302,7 @@ def get_intent(merchant_id: str, intent_id: str) -> RowMapping:
     """The merchant's intent as a row mapping; another merchant's or an unknown id is 404."""
     row = (
         db.session.execute(_GET, {"intent_id": intent_id, "merchant_id": merchant_id}).first()
-        if _looks_like_uuid(intent_id)
+        if looks_like_uuid(intent_id)
         else None
     )
     if row is None:

@@ -7,9 +7,11 @@ from typing import Any
 
 from backend import appstate
 from backend.errors import DomainError
+from backend.intents.models import Refund
 from backend.queueing import app_redis
 from backend.settlement import solana
 from backend.settlement.flow import submit_payment
+from backend.settlement.refunds import submit_refund
 
 
 def api_redis() -> Any:
@@ -28,6 +30,21 @@ def pay_intent(merchant_id: str | None, intent_id: str, signature: dict[str, Any
     return submit_payment(
         merchant_id,
         intent_id,
+        signature,
+        appstate.chains(),
+        api_redis(),
+        wait_seconds=settings.pay_wait_seconds,
+        queue_name=settings.relayer_queue,
+        settings=settings,
+    )
+
+
+def pay_refund(merchant_id: str, refund_id: str, signature: dict[str, Any]) -> tuple[Refund, bool]:
+    """A parsed payment_signature of a refund through settlement (the keyed API and the dashboard share it)."""
+    settings = appstate.settings()
+    return submit_refund(
+        merchant_id,
+        refund_id,
         signature,
         appstate.chains(),
         api_redis(),

@@ -107,11 +107,7 @@ def submit_payment(
             # The payTo the buyer is asked to sign must still be the merchant's wallet (checked again in the claim).
             services.check_pay_to_current(intent.merchant_id, network.network, requirement["payTo"])
         with step("check_asset_current"):
-            if requirement["asset"].lower() != network.usdc_address.lower():
-                raise DomainError(
-                    "REQUIREMENT_OUTDATED",
-                    f"The USDC contract configured for {network.network} changed since this intent was created",
-                )
+            services.check_asset_current(requirement, network, "intent")
         # The rail: the payment's terms checked offline, then the chain's state before the claim.
         rail = rail_for(network)
         with step("parse_payment"):

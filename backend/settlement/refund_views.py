@@ -15,7 +15,7 @@ from backend.intents.models import REFUND_ID_PATTERN
 from backend.intents.schemas import CreateRefundSchema, ListRefundsQuerySchema, RefundEnvelope, RefundPageEnvelope
 from backend.merchants.auth import api_key_required, current_merchant_id
 from backend.settlement import refunds
-from backend.settlement.api import api_redis
+from backend.settlement.api import pay_refund
 from backend.settlement.schemas import RefundPaySchema, SolanaTransactionEnvelope
 
 
@@ -111,17 +111,7 @@ class RefundPay(MethodView):
         REFUND_EXCEEDS_PAYMENT (409: other refunds took what was left first) and SETTLEMENT_FAILED (402: it could
         not execute, nothing moved; create another refund).
         """
-        settings = appstate.settings()
-        refund, finished = refunds.submit_refund(
-            current_merchant_id(),
-            refund_id,
-            args["payment_signature"],
-            appstate.chains(),
-            api_redis(),
-            wait_seconds=settings.pay_wait_seconds,
-            queue_name=settings.relayer_queue,
-            settings=settings,
-        )
+        refund, finished = pay_refund(current_merchant_id(), refund_id, args["payment_signature"])
         return ok(records.refund_to_dict(refund), 200 if finished else 202)
 
 

@@ -157,11 +157,7 @@ def submit_refund(
     submission = PaymentSubmission.of(refund.id, payment)
     requirement = services.match_requirement([refund.requirement], submission, registry, "refund")
     network = services.network_of(registry, submission.network)
-    if requirement["asset"].lower() != network.usdc_address.lower():
-        raise DomainError(
-            "REQUIREMENT_OUTDATED",
-            f"The USDC contract configured for {network.network} changed since this refund was created",
-        )
+    services.check_asset_current(requirement, network, "refund")
     rail = rail_for(network)
     terms = rail.parse_payment(network, requirement, submission.payload, refund.id, now)
     if not rail.same_address(terms.payer, refund.pay_from):

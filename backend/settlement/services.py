@@ -147,6 +147,16 @@ def check_pay_to_current(merchant_id: str, network_id: str, pay_to: str, *, lock
         )
 
 
+def check_asset_current(requirement: dict[str, Any], network: Network, what: str) -> None:
+    """Refuse a requirement (of an intent, or a refund: ``what``) whose asset is no longer the network's USDC (409
+    REQUIREMENT_OUTDATED): the operator moved the network to another contract or mint since it was made."""
+    if requirement["asset"].lower() != network.usdc_address.lower():
+        raise DomainError(
+            "REQUIREMENT_OUTDATED",
+            f"The USDC contract configured for {network.network} changed since this {what} was created",
+        )
+
+
 def check_payable(intent: Intent, now: datetime) -> None:
     """Refuse a payment for an intent that is not pending (or is held by a settlement in flight)."""
     if intent.status == PAID:
